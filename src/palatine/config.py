@@ -1,0 +1,187 @@
+"""Runtime configuration: one frozen struct, defaults <- ``PALATINE_*`` env <- explicit args.
+
+`get()` returns the current `Config` (cached; hot paths read attributes of it).
+`override(**keys)` scopes changes for tests. A key's variable is ``PALATINE_`` plus the
+upper-cased key without its ``_s``/``_bytes`` suffix (``message_delivery_timeout_s`` ->
+``PALATINE_MESSAGE_DELIVERY_TIMEOUT``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import msgspec
+
+from palatine.errors import ConfigError
+
+__all__ = ["Config", "get", "override", "reload", "env_var", "parse_seconds", "parse_size"]
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    """Every runtime and system tunable (10-runtime.md §2.11, 20-system.md §5)."""
+
+    # channels
+    message_delivery_timeout_s: float = 30.0
+    message_ack_interval_s: float = 0.5
+    message_ack_every_n: int = 1000
+    max_frame_bytes: int = 10 * 1024**3
+    connect_timeout_s: float = 5.0
+    auth_timeout_s: float = 5.0
+    reconnect_backoff_initial_s: float = 0.05
+    reconnect_backoff_max_s: float = 1.0
+    inbound_queue_frames: int = 1024
+    # request/reply
+    rpc_timeout_s: float = 30.0
+    call_timeout_s: float = 3600.0
+    stop_actor_timeout_s: float = 10.0
+    # addresses, loop, logging
+    host_ip: str | None = None
+    event_loop: str = "uvloop"
+    log_level: str = "INFO"
+    # system layer
+    supervision_update_timeout_s: float = 20.0
+    supervision_update_interval_s: float = 2.0
+    world_eviction_timeout_s: float = 10.0
+    join_timeout_s: float = 30.0
+    liveness_probe_timeout_s: float = 1.0
+    exit_report_grace_s: float = 0.5
+    system_loss_timeout_s: float = 10.0
+    proc_stop_timeout_s: float = 5.0
+    child_term_grace_s: float = 5.0
+    stack_dump_timeout_s: float = 10.0
+    spawn_procs_timeout_s: float = 60.0
+    cast_fanout: int = 8
+    log_dir: str | None = None
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*(KiB|MiB|GiB|B)?\s*$")
+_SIZE_UNITS = {None: 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+
+
+def parse_seconds(text: str, *, name: str = "value") -> float:
+    """Parse a positive duration in seconds (``inf`` allowed)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected seconds > 0, got {text!r}") from None
+    if not value > 0 or math.isnan(value):
+        raise ConfigError(f"{name}: expected seconds > 0, got {text!r}")
+    return value
+
+
+def parse_size(text: str, *, name: str = "value") -> int:
+    """Parse a byte count: an integer with an optional ``KiB``/``MiB``/``GiB`` suffix."""
+    m = _SIZE_RE.match(str(text))
+    if not m or int(m.group(1)) <= 0:
+        raise ConfigError(f"{name}: expected a size in bytes (e.g. 1048576 or 1MiB), got {text!r}")
+    return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
+
+
+def _parse_int(text: str, *, name: str) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected an integer > 0, got {text!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{name}: expected an integer > 0, got {text!r}")
+    return value
+
+
+def _parse_loop(text: str, *, name: str) -> str:
+    if text not in ("uvloop", "asyncio"):
+        raise ConfigError(f"{name}: expected 'uvloop' or 'asyncio', got {text!r}")
+    return text
+
+
+def _parse_str(text: str, *, name: str) -> str:
+    return text
+
+
+def env_var(key: str) -> str:
+    """The ``PALATINE_*`` variable of a config key."""
+    for suffix in ("_s", "_bytes"):
+        if key.endswith(suffix) and key != "max_frame_bytes":
+            key = key[: -len(suffix)]
+            break
+    return "PALATINE_" + key.upper()
+
+
+def _parser_for(key: str, default: Any) -> Callable[..., Any]:
+    if key.endswith("_bytes"):
+        return parse_size
+    if key.endswith("_s"):
+        return parse_seconds
+    if key == "event_loop":
+        return _parse_loop
+    if isinstance(default, int) and not isinstance(default, bool):
+        return _parse_int
+    return _parse_str
+
+
+_FIELDS: dict[str, Any] = {
+    name: default
+    for name, default in zip(Config.__struct_fields__, Config.__struct_defaults__, strict=True)
+}
+
+
+def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Config:
+    """Build a Config: defaults, then ``PALATINE_*`` variables, then explicit keys."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for key, default in _FIELDS.items():
+        var = env_var(key)
+        text = environ.get(var)
+        if text is not None and text != "":
+            values[key] = _parser_for(key, default)(text, name=var)
+    for key, value in explicit.items():
+        if key not in _FIELDS:
+            raise ConfigError(f"unknown config key {key!r}")
+        if isinstance(value, str) and not isinstance(_FIELDS[key], str | None):
+            value = _parser_for(key, _FIELDS[key])(value, name=key)
+        values[key] = value
+    return Config(**values)
+
+
+_current: Config | None = None
+
+
+def get() -> Config:
+    """The current configuration (built from the environment on first use)."""
+    global _current
+    if _current is None:
+        _current = from_env()
+    return _current
+
+
+def reload() -> Config:
+    """Re-read the environment (used by role processes after parsing their flags)."""
+    global _current
+    _current = from_env()
+    return _current
+
+
+def set_current(cfg: Config) -> None:
+    """Install ``cfg`` as the process-wide configuration (role processes, after flags)."""
+    global _current
+    _current = cfg
+
+
+@contextlib.contextmanager
+def override(**keys: Any) -> Iterator[Config]:
+    """Scoped change of config keys (tests): ``with config.override(rpc_timeout_s=0.5): ...``."""
+    global _current
+    before = _current
+    base = get()
+    for key in keys:
+        if key not in _FIELDS:
+            raise ConfigError(f"unknown config key {key!r}")
+    _current = msgspec.structs.replace(base, **keys)
+    try:
+        yield _current
+    finally:
+        _current = before

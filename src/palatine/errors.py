@@ -1,0 +1,197 @@
+"""The whole palatine exception hierarchy; every error derives from `PalatineError`.
+
+Each class says who raises it and when. Errors name things humans know (world, rank,
+host, pid, exit code or signal, the op that was running), never a bare internal id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "PalatineError",
+    "ConfigError",
+    "IdParseError",
+    "AddrParseError",
+    "ChannelError",
+    "ChannelClosed",
+    "SendError",
+    "DeliveryError",
+    "CallTimeout",
+    "ActorStopping",
+    "ActorStopped",
+    "PortClosed",
+    "SpawnError",
+    "RemoteException",
+    "DeviceException",
+    "PeerGoneError",
+    "StuckWorkersException",
+    "SystemRequestError",
+]
+
+
+class PalatineError(Exception):
+    """Root of every palatine error."""
+
+
+class ConfigError(PalatineError, ValueError):
+    """A configuration value (argument or ``PALATINE_*`` variable) cannot be used.
+
+    Raised by `palatine.config` when a value does not parse; the message names the
+    variable and the offending text. Role processes print it and exit 2.
+    """
+
+
+class IdParseError(PalatineError, ValueError):
+    """Raised by `palatine.ids` parsers for text that is not a valid reference."""
+
+
+class AddrParseError(PalatineError, ValueError):
+    """Raised by `palatine.channel.addr.parse` for text that is not a channel address."""
+
+
+class ChannelError(PalatineError):
+    """Base of channel-level failures."""
+
+
+class ChannelClosed(ChannelError):
+    """We (or the owner) closed the channel, or nothing is served at a local port.
+
+    ``envelope`` carries the message that could not be posted, when there was one.
+    """
+
+    def __init__(self, message: str = "channel closed", envelope: Any = None) -> None:
+        super().__init__(message)
+        self.envelope = envelope
+
+
+class SendError(ChannelError):
+    """Raised by ``Tx.send`` when the message was returned instead of acknowledged."""
+
+    def __init__(self, reason: str, envelope: Any = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.envelope = envelope
+
+
+class DeliveryError(PalatineError):
+    """A request was returned undeliverable; raised at the caller of ``ask``/``call``.
+
+    ``reason`` is the delivery error text (``broken link: …``, ``mailbox error: …``);
+    ``envelope`` is the returned envelope when known.
+    """
+
+    def __init__(self, reason: str, envelope: Any = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.envelope = envelope
+
+
+class CallTimeout(PalatineError, TimeoutError):
+    """A request/reply deadline passed; names the destination, message type and deadline."""
+
+
+class ActorStopping(PalatineError):
+    """The calling actor stopped while a reply was pending; raised at the caller."""
+
+
+class ActorStopped(PalatineError):
+    """A message was sent through a local handle to an actor that has stopped."""
+
+
+class PortClosed(PalatineError):
+    """A receive on a port that was closed (by its owner or by the actor stopping)."""
+
+
+class SpawnError(PalatineError):
+    """Spawning an actor failed (bad name, unknown type, constructor or ``init`` error)."""
+
+
+class RemoteException(PalatineError):
+    """A handler or remote function raised; carries the remote type, message and traceback.
+
+    Raised at the caller of ``call``/``call_one``/``ask`` (and, for the client, on
+    ``fetch``). ``actor_id`` names where it ran.
+    """
+
+    def __init__(
+        self,
+        type_name: str,
+        message: str,
+        traceback: str = "",
+        actor_id: str = "",
+        client_traceback: str = "",
+    ) -> None:
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+        self.actor_id = actor_id
+        self.client_traceback = client_traceback
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = f" in {self.actor_id}" if self.actor_id else ""
+        text = f"{self.type_name}: {self.message}{where}"
+        if self.traceback:
+            text += "\n\nRemote traceback:\n" + self.traceback.rstrip()
+        if self.client_traceback:
+            text += "\n\nIssued at:\n" + self.client_traceback.rstrip()
+        return text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.type_name, self.message, self.traceback, self.actor_id, self.client_traceback),
+        )
+
+
+class DeviceException(PalatineError):
+    """A worker/proc died or became unreachable; names world, rank, host, pid and cause.
+
+    ``kind`` is one of ``proc_failed``, ``actor_failed``, ``world_gone``,
+    ``system_lost``, ``controller_lost``, ``stuck``.
+    """
+
+    def __init__(self, message: str, kind: str = "proc_failed", **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.kind = kind
+        self.details = details
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_device_exception, (type(self), self.message, self.kind, self.details))
+
+
+def _rebuild_device_exception(
+    cls: type[DeviceException], message: str, kind: str, details: dict[str, Any]
+) -> DeviceException:
+    return cls(message, kind, **details)
+
+
+class PeerGoneError(DeviceException):
+    """A pending call's destination proc was declared dead by the system (``PeerGone``)."""
+
+    def __init__(self, message: str, kind: str = "proc_failed", **details: Any) -> None:
+        super().__init__(message, kind, **details)
+
+
+class StuckWorkersException(DeviceException):
+    """Workers made no progress past the operation timeout (``fail_on_worker_timeout``).
+
+    The message names the stuck ranks, the op each is running and their Python stacks.
+    """
+
+    def __init__(self, message: str, kind: str = "stuck", **details: Any) -> None:
+        super().__init__(message, kind, **details)
+
+
+class SystemRequestError(PalatineError):
+    """The system (or a proc agent) answered a request with ``Rejected{code, message}``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.code, self.message))

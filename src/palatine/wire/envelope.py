@@ -1,0 +1,83 @@
+"""The envelope: what a channel carries from a proc to a port (10-runtime.md §3.1).
+
+Wire invariants:
+
+* An envelope is an array-like msgspec struct; ``data`` is the already-encoded payload
+  (msgpack for runtime structs, pickle protocol 5 for user values), so a channel never
+  re-encodes it and a receiver never sees a sender's later mutations.
+* ``buffers`` are out-of-band pickle buffers. They are **not** part of the encoded
+  header: the net framing writes them raw after the header (vectored, no copy) and the
+  receiver re-attaches them as memoryviews of the frame body. Local channels pass the
+  envelope object itself.
+* ``errors`` grows by one delivery-error text each time the envelope is returned; each
+  text starts with its kind (``address not routable: …``, ``broken link: …``,
+  ``mailbox error: …``, ``multicast error: …``, ``peer gone: …``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from palatine.ids import ActorId, PortId
+
+__all__ = [
+    "Envelope",
+    "ENC_MSGPACK",
+    "ENC_PICKLE",
+    "UNKNOWN_SENDER",
+    "display",
+]
+
+ENC_MSGPACK = 0
+ENC_PICKLE = 1
+
+
+class Envelope(msgspec.Struct, array_like=True, gc=False):
+    """One message in flight. ``type_id`` selects the handler port's payload type."""
+
+    sender: ActorId
+    dest: PortId
+    type_id: int
+    encoding: int
+    data: bytes
+    reply_to: PortId | None = None
+    headers: dict[str, str | int] | None = None
+    errors: list[str] | None = None
+    # Out-of-band buffers; the net framing moves them outside the msgpack header.
+    buffers: list[Any] = []
+
+    def returned(self, error: str) -> Envelope:
+        """Record a delivery error on this envelope (in place) and return it."""
+        if self.errors is None:
+            self.errors = [error]
+        else:
+            self.errors.append(error)
+        return self
+
+
+UNKNOWN_SENDER = ActorId.parse("unknown[0].unknown[0]")
+
+_json = msgspec.json.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+
+
+def display(env: Envelope, type_name: str | None = None) -> str:
+    """``<sender> > <dest>: <TypeName><payload>`` plus ``: delivery error: e1; e2``."""
+    name = type_name if type_name is not None else f"type{env.type_id:#x}"
+    if env.encoding == ENC_MSGPACK:
+        try:
+            obj = _decoder.decode(env.data)
+            if isinstance(obj, list | tuple):
+                body = _json.encode(list(obj)).decode()
+            else:
+                body = _json.encode(obj).decode()
+        except (msgspec.DecodeError, TypeError):
+            body = f"<undecodable {len(env.data)} bytes>"
+    else:
+        body = f"<pickled {len(env.data)} bytes>"
+    text = f"{env.sender} > {env.dest}: {name}{body}"
+    if env.errors:
+        text += ": delivery error: " + "; ".join(env.errors)
+    return text
