@@ -27,7 +27,6 @@ __all__ = [
     "ENC_MSGPACK",
     "ENC_PICKLE",
     "UNKNOWN_SENDER",
-    "display",
 ]
 
 ENC_MSGPACK = 0
@@ -58,26 +57,3 @@ class Envelope(msgspec.Struct, array_like=True, gc=False):
 
 
 UNKNOWN_SENDER = ActorId.parse("unknown[0].unknown[0]")
-
-_json = msgspec.json.Encoder()
-_decoder = msgspec.msgpack.Decoder()
-
-
-def display(env: Envelope, type_name: str | None = None) -> str:
-    """``<sender> > <dest>: <TypeName><payload>`` plus ``: delivery error: e1; e2``."""
-    name = type_name if type_name is not None else f"type{env.type_id:#x}"
-    if env.encoding == ENC_MSGPACK:
-        try:
-            obj = _decoder.decode(env.data)
-            if isinstance(obj, list | tuple):
-                body = _json.encode(list(obj)).decode()
-            else:
-                body = _json.encode(obj).decode()
-        except (msgspec.DecodeError, TypeError):
-            body = f"<undecodable {len(env.data)} bytes>"
-    else:
-        body = f"<pickled {len(env.data)} bytes>"
-    text = f"{env.sender} > {env.dest}: {name}{body}"
-    if env.errors:
-        text += ": delivery error: " + "; ".join(env.errors)
-    return text

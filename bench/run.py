@@ -1,0 +1,634 @@
+"""Run every benchmark program, side by side with the peers, and record the results.
+
+``make bench`` runs this file. Each benchmark program is run as a subprocess with a
+timeout and prints one JSON line per metric (format in ``bench/_common.py``). palatine's
+programs run with this interpreter; the peers' programs (``bench/peers/``) with
+``bench/.peers-venv/bin/python`` when that virtualenv exists.
+
+The results go to ``bench/results/<YYYY-MM-DD>.json`` (merged into the file of the day, so a
+partial run with ``--only`` updates only what it measured) and ``BENCHMARKS.md`` at the
+repository root is regenerated from it.
+
+    python bench/run.py                       # everything
+    python bench/run.py --only cast_gather_4  # one metric (repeatable)
+    python bench/run.py --skip-peers          # palatine only; peer numbers from the last results
+    python bench/run.py --setup-peers         # create bench/.peers-venv first, then run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+RESULTS = BENCH / "results"
+PEERS_VENV = BENCH / ".peers-venv"
+PEERS_PY = PEERS_VENV / "bin" / "python"
+REQUIREMENTS_PEERS = BENCH / "requirements-peers.txt"
+BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+TORCH_PIN = "torch==2.13.0"
+
+OURS = "palatine"
+PEERS = ("torchmonarch", "ray", "distributed")  # column order; a peer shows once measured
+PEER_METRICS = {"1_1_actor_calls_sync", "1_1_actor_calls_async", "cast_gather_4",
+                "spawn_4_to_first_call_s", "detect_sigkill_s"}
+
+
+@dataclass(frozen=True)
+class Program:
+    path: str            # relative to the repository root
+    peer: str | None     # None: palatine's own program, run with this interpreter
+    metrics: frozenset[str] | None = None  # known metrics, to skip it under --only
+
+
+PROGRAMS = (
+    Program("bench/actor_calls.py", None),
+    Program("bench/system_bench.py", None),
+    Program("bench/controller_bench.py", None),
+    Program("bench/peers/monarch_actors.py", "torchmonarch", frozenset(PEER_METRICS)),
+    Program("bench/peers/ray_actors.py", "ray", frozenset(PEER_METRICS)),
+    Program("bench/peers/dask_actors.py", "distributed", frozenset(PEER_METRICS)),
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    text: str                       # as written in the goals
+    limit: float | None = None      # absolute bound in the metric's unit
+    peer_factor: float | None = None  # ours must also be this many times better than the best peer
+
+
+# Metric -> (unit, higher is better, target). The targets are those of the project's goals
+# (performance table); a metric a program prints that is not listed here is still recorded.
+METRICS: dict[str, tuple[str, bool, Target]] = {
+    "1_1_actor_calls_sync": ("calls/s", True,
+                             Target("≥ 10× the better peer (≥ 10,000/s)", 10_000, 10)),
+    "1_1_actor_calls_async": ("calls/s", True,
+                              Target("≥ 10× the better peer (≥ 30,000/s)", 30_000, 10)),
+    "cast_gather_4": ("ms", False, Target("≤ 0.3 ms", 0.3)),
+    "spawn_4_to_first_call_s": ("s", False, Target("≤ 0.5 s", 0.5)),
+    "controller_invocations_per_s": ("calls/s", True, Target("≥ 20,000/s", 20_000)),
+    "fetch_roundtrip_ms": ("ms", False, Target("≤ 1 ms", 1.0)),
+    "detect_sigkill_s": ("s", False, Target("≤ 0.5 s", 0.5)),
+    "detect_sigstop_s": ("s", False, Target("≤ heartbeat timeout + 1 interval")),
+    "detect_hang_s": ("s", False, Target("≤ operation_timeout + check interval, with the stack")),
+    "system_1k_procs_cpu": ("% of one core", False, Target("≤ 10 % of one core", 10.0)),
+    "snapshot_1k_procs_ms": ("ms", False, Target("≤ 20 ms", 20.0)),
+    "tensor_transfer_GBps": ("GB/s", True, Target("≥ 1 GB/s", 1.0)),
+}
+
+
+# --------------------------------------------------------------------------------------
+# running programs
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class RunOutcome:
+    program: str
+    impl: str
+    records: list[dict[str, Any]]
+    rc: int | None
+    seconds: float
+    note: str | None
+    stderr_tail: str
+
+
+def _run_once(cmd: list[str], timeout_s: float) -> tuple[int | None, list[dict[str, Any]], str,
+                                                        bool]:
+    """Run ``cmd``; return (rc, JSON records, stderr tail, timed out)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, stdin=subprocess.DEVNULL)
+    records: list[dict[str, Any]] = []
+    err_lines: list[str] = []
+
+    def read_out() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and "metric" in rec and "impl" in rec:
+                records.append(rec)
+                v = rec.get("value")
+                shown = f"{v:.6g} {rec.get('unit', '')}" if isinstance(v, (int, float)) \
+                    else f"error: {rec.get('error', '?')}"
+                log(f"  {rec['impl']:>12}  {rec['metric']:<28} {shown}")
+
+    def read_err() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            err_lines.append(line.rstrip("\n"))
+            if len(err_lines) > 400:
+                del err_lines[:200]
+
+    readers = [threading.Thread(target=read_out, daemon=True),
+               threading.Thread(target=read_err, daemon=True)]
+    for t in readers:
+        t.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout_s)
+    except KeyboardInterrupt:
+        # The program runs in a session of its own, so ^C reaches only this harness.
+        _kill_group(proc, signal.SIGKILL)
+        raise
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc, signal.SIGKILL)
+            proc.wait()
+    # The program may leave helpers of its own behind (Ray's node, Monarch's procs) in its
+    # session; they share its process group, which this harness created for it.
+    _kill_group(proc, signal.SIGTERM)
+    for t in readers:
+        t.join(timeout=5)
+    return (None if timed_out else proc.returncode), records, "\n".join(err_lines[-40:]), \
+        timed_out
+
+
+def _kill_group(proc: subprocess.Popen[str], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_program(prog: Program, args: argparse.Namespace) -> RunOutcome | None:
+    impl = prog.peer or OURS
+    path = ROOT / prog.path
+    if prog.peer is not None and args.only and prog.metrics is not None \
+            and not (set(args.only) & prog.metrics):
+        return None
+    if not path.exists():
+        return RunOutcome(prog.path, impl, [], None, 0.0, "program not written yet; skipped", "")
+    if prog.peer is None:
+        python = sys.executable
+    else:
+        if not PEERS_PY.exists():
+            return RunOutcome(prog.path, impl, [], None, 0.0,
+                              "peer not installed (no bench/.peers-venv; see --setup-peers)", "")
+        python = str(PEERS_PY)
+    extra: list[str] = []
+    for m in args.only:
+        extra += ["--only", m]
+    if args.reps is not None:
+        extra += ["--reps", str(args.reps)]
+    cmd = [python, prog.path, *extra]
+    log(f"running {prog.path} ({impl}), timeout {args.timeout:.0f} s")
+    t0 = time.monotonic()
+    rc, records, err, timed_out = _run_once(cmd, args.timeout)
+    note = None
+    if rc == 2 and extra and "unrecognized arguments" in err:
+        # A program without --only/--reps: run it plainly and keep what was asked for.
+        log(f"  {prog.path} takes no --only/--reps; running it without them")
+        rc, records, err, timed_out = _run_once([python, prog.path], args.timeout)
+        note = "program takes no --only/--reps"
+    seconds = time.monotonic() - t0
+    if args.only:
+        records = [r for r in records if r["metric"] in args.only]
+    if timed_out:
+        note = f"timed out after {args.timeout:.0f} s; kept {len(records)} metric(s) printed before"
+    elif rc != 0:
+        if prog.peer is not None and "ModuleNotFoundError" in err and not records:
+            note = f"peer not installed ({err.strip().splitlines()[-1]})"
+        else:
+            note = f"exit status {rc}"
+        log(f"  {prog.path}: {note}\n{err}")
+    for r in records:
+        r.setdefault("program", prog.path)
+        r["measured_at"] = dt.datetime.now().isoformat(timespec="seconds")
+    return RunOutcome(prog.path, impl, records, rc, round(seconds, 2), note, err[-2000:])
+
+
+# --------------------------------------------------------------------------------------
+# machine
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _mem_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _peer_versions() -> dict[str, Any]:
+    if not PEERS_PY.exists():
+        return {}
+    code = ("import importlib.metadata as m, json, platform\n"
+            "def v(d):\n"
+            "    try: return m.version(d)\n"
+            "    except m.PackageNotFoundError: return None\n"
+            f"print(json.dumps({{'python': platform.python_version(), **{{d: v(d) for d in "
+            f"{list(PEERS) + ['torch']!r}}}}}))")
+    try:
+        out = subprocess.run([str(PEERS_PY), "-c", code], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+        return {}
+
+
+def machine_info() -> dict[str, Any]:
+    loop = "asyncio"
+    uv = _version("uvloop")
+    if uv:
+        loop = f"uvloop {uv}"
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gib": _mem_gib(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "event_loop": loop,
+        "palatine": _version("palatine"),
+        "peers": _peer_versions(),
+        "loadavg_at_start": load,
+    }
+
+
+# --------------------------------------------------------------------------------------
+# results
+
+
+def _today() -> str:
+    return dt.date.today().isoformat()
+
+
+def _latest_results(exclude: Path | None = None) -> Path | None:
+    files = sorted(p for p in RESULTS.glob("????-??-??.json") if p != exclude)
+    return files[-1] if files else None
+
+
+def _load(path: Path | None) -> dict[str, Any]:
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _ratio(ours: float, peer: float, higher_is_better: bool) -> float | None:
+    if ours <= 0 or peer <= 0:
+        return None
+    return ours / peer if higher_is_better else peer / ours
+
+
+def _value(rec: dict[str, Any] | None) -> float | None:
+    v = rec.get("value") if rec else None
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def summarize(metric: str, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One metric's entry: ours, each peer, the ratios (>1: palatine better), the target."""
+    any_rec = next(iter(records.values()), {})
+    unit, hib, target = METRICS.get(
+        metric, (any_rec.get("unit", ""), bool(any_rec.get("higher_is_better", True)),
+                 Target("—")))
+    ours = records.get(OURS)
+    peers = {k: v for k, v in records.items() if k != OURS}
+    ours_v = _value(ours)
+    ratios: dict[str, float | None] = {}
+    for name, rec in peers.items():
+        pv = _value(rec)
+        ratios[name] = None if ours_v is None or pv is None else _ratio(ours_v, pv, hib)
+    peer_vals = {k: _value(v) for k, v in peers.items() if _value(v) is not None}
+    best_peer = None
+    if peer_vals:
+        best_peer = (max if hib else min)(peer_vals, key=lambda k: peer_vals[k])
+    vs_best = ratios.get(best_peer) if best_peer else None
+
+    met: bool | None = None
+    checks: list[str] = []
+    if ours_v is not None:
+        oks: list[bool] = []
+        if target.limit is not None:
+            ok = ours_v >= target.limit if hib else ours_v <= target.limit
+            oks.append(ok)
+            checks.append(f"{'≥' if hib else '≤'} {target.limit:g}: {'yes' if ok else 'no'}")
+        if target.peer_factor is not None and vs_best is not None:
+            ok = vs_best >= target.peer_factor
+            oks.append(ok)
+            checks.append(f"≥ {target.peer_factor:g}× {best_peer}: {'yes' if ok else 'no'}")
+        own_target = ours.get("target_value") if ours else None  # for run-dependent targets
+        if isinstance(own_target, (int, float)):
+            ok = ours_v >= own_target if hib else ours_v <= own_target
+            oks.append(ok)
+            checks.append(f"{'≥' if hib else '≤'} {own_target:g} (from the run): "
+                          f"{'yes' if ok else 'no'}")
+        if oks:
+            met = all(oks)
+    return {
+        "unit": unit,
+        "higher_is_better": hib,
+        "target": target.text,
+        "palatine": ours,
+        "peers": peers,
+        "ratios": ratios,
+        "best_peer": best_peer,
+        "ratio_vs_best_peer": vs_best,
+        "met": met,
+        "checks": checks,
+    }
+
+
+def build_results(previous: dict[str, Any], fallback_peers: dict[str, Any] | None,
+                  outcomes: list[RunOutcome], machine: dict[str, Any],
+                  argv: list[str]) -> dict[str, Any]:
+    # (metric -> impl -> record), starting from what the day's file already holds.
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for metric, entry in previous.get("metrics", {}).items():
+        recs: dict[str, dict[str, Any]] = {}
+        if entry.get("palatine"):
+            recs[OURS] = entry["palatine"]
+        recs.update(entry.get("peers") or {})
+        table[metric] = recs
+    if fallback_peers:
+        src = fallback_peers["_source"]
+        for metric, entry in fallback_peers.get("metrics", {}).items():
+            for name, rec in (entry.get("peers") or {}).items():
+                if name not in table.setdefault(metric, {}):
+                    table[metric][name] = {**rec, "carried_from": rec.get("carried_from", src)}
+    for out in outcomes:
+        for rec in out.records:
+            table.setdefault(rec["metric"], {})[rec["impl"]] = rec
+
+    # Every metric of the goals gets a row, measured or not, then any others printed.
+    order = list(METRICS) + sorted(m for m in table if m not in METRICS)
+    metrics = {m: summarize(m, table.get(m, {})) for m in order}
+    runs = [{"program": o.program, "impl": o.impl, "rc": o.rc, "seconds": o.seconds,
+             "note": o.note, "metrics": [r["metric"] for r in o.records]} for o in outcomes]
+    return {
+        "date": _today(),
+        "generated_at": dt.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(["bench/run.py", *argv]),
+        "machine": machine,
+        "metrics": metrics,
+        "runs": runs,
+        # what earlier runs of the same day did (their records were merged above)
+        "earlier_runs": (previous.get("runs", []) + previous.get("earlier_runs", []))[:50],
+    }
+
+
+# --------------------------------------------------------------------------------------
+# BENCHMARKS.md
+
+
+def _fmt(v: float | None, unit: str) -> str:
+    if v is None:
+        return "—"
+    if abs(v) >= 1000:
+        s = f"{v:,.0f}"
+    elif abs(v) >= 100:
+        s = f"{v:.0f}"
+    elif abs(v) >= 10:
+        s = f"{v:.1f}"
+    elif abs(v) >= 0.1:
+        s = f"{v:.2f}"
+    else:
+        s = f"{v:.3g}"
+    return f"{s} {unit}"
+
+
+def _cell(rec: dict[str, Any] | None, unit: str) -> str:
+    if not rec:
+        return "—"
+    v = _value(rec)
+    if v is None:
+        return "error"
+    s = _fmt(v, unit)
+    if rec.get("capped_reps"):
+        s = f"≥ {s} (cap)"
+    if rec.get("carried_from"):
+        s += " †"
+    return s
+
+
+def _machine_line(m: dict[str, Any]) -> str:
+    peers = m.get("peers") or {}
+    pv = ", ".join(f"{k} {peers[k]}" for k in (*PEERS, "torch") if peers.get(k))
+    parts = [
+        f"{m.get('cpu_model')}, {m.get('cores')} cores, {m.get('memory_gib')} GiB",
+        str(m.get("os")),
+        f"Python {m.get('python')} ({m.get('event_loop')})",
+        f"palatine {m.get('palatine') or '—'}",
+    ]
+    if pv:
+        parts.append(f"peers: {pv} (Python {peers.get('python', '?')})")
+    if m.get("loadavg_at_start") is not None:
+        parts.append(f"load average at start {m['loadavg_at_start'][0]}")
+    return "; ".join(parts)
+
+
+def render_markdown(res: dict[str, Any]) -> str:
+    metrics: dict[str, Any] = res["metrics"]
+    shown_peers = [p for p in PEERS if any(p in e["peers"] for e in metrics.values())]
+    shown_peers += sorted({p for e in metrics.values() for p in e["peers"]} - set(shown_peers))
+    head = ["metric", "palatine", *shown_peers, "ratio (palatine vs best peer)", "target", "met?"]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `make bench` (`bench/run.py`); do not edit by hand. Latest run: "
+        f"{res['generated_at']}, recorded in `bench/results/{res['date']}.json`.",
+        "",
+        f"**Machine:** {_machine_line(res['machine'])}.",
+        "",
+        "Every number is the median of ≥ 5 repetitions, measured side by side in one run on the "
+        "same machine. The ratio is oriented so that **> 1 means palatine is better** (ours/peer "
+        "for rates, peer/ours for times). A target written as \"N× the better peer (≥ X)\" is "
+        "met only when both hold.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---" for _ in head) + "|",
+    ]
+    notes: list[str] = []
+    for metric, e in metrics.items():
+        unit = e["unit"]
+        ratio = e["ratio_vs_best_peer"]
+        ratio_s = f"{ratio:.2f}× vs {e['best_peer']}" if ratio is not None else "—"
+        met = {True: "yes", False: "no", None: "—"}[e["met"]]
+        row = [f"`{metric}`", _cell(e["palatine"], unit),
+               *(_cell(e["peers"].get(p), unit) for p in shown_peers), ratio_s, e["target"], met]
+        lines.append("| " + " | ".join(row) + " |")
+        for impl, rec in [(OURS, e["palatine"]), *e["peers"].items()]:
+            if not rec:
+                continue
+            if rec.get("error"):
+                notes.append(f"`{metric}` / {impl}: error: {rec['error'].splitlines()[0]}")
+            extra = {k: v for k, v in rec.items() if k not in _STD_KEYS}
+            if extra:
+                notes.append(f"`{metric}` / {impl}: " + ", ".join(
+                    f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in extra.items()))
+    if any(rec.get("carried_from") for e in metrics.values() for rec in e["peers"].values()):
+        notes.append("† carried over from an earlier results file (run with `--skip-peers`).")
+    run_notes = [f"`{r['program']}` ({r['impl']}): {r['note']}"
+                 for r in res.get("runs", []) if r.get("note")]
+    lines += [""]
+    if notes or run_notes:
+        lines += ["Notes:", ""] + [f"* {n}" for n in notes + run_notes] + [""]
+    lines += [
+        "## How to run",
+        "",
+        "```",
+        "make bench                                           # everything",
+        ".venv/bin/python bench/run.py --only cast_gather_4   # one metric (repeatable)",
+        ".venv/bin/python bench/run.py --skip-peers           # peers from the last results",
+        ".venv/bin/python bench/run.py --setup-peers          # make bench/.peers-venv first",
+        ".venv/bin/python bench/run.py --reps 7 --timeout 600 # reps; seconds per program",
+        "```",
+        "",
+        "The peers live in their own virtualenv, `bench/.peers-venv` (git-ignored), made from "
+        "`bench/requirements-peers.txt`: `torch==2.13.0` is installed first, then the rest. "
+        "Each program can also be run alone and prints one JSON line per metric, e.g. "
+        "`bench/.peers-venv/bin/python bench/peers/ray_actors.py --only cast_gather_4 --reps 5`.",
+        "",
+        "## What is measured",
+        "",
+        "The same program shape for every implementation (an actor with plain `def` endpoints "
+        "taking and returning a small int):",
+        "",
+        "* `1_1_actor_calls_sync`: one caller, one actor in another process; call → reply, one at "
+        "a time (calls/s).",
+        "* `1_1_actor_calls_async`: the same actor, 1,000 calls issued before any reply is "
+        "awaited, then all gathered (calls/s).",
+        "* `cast_gather_4`: call every actor of a 4-process mesh and gather the 4 replies, one "
+        "operation at a time (ms per operation).",
+        "* `spawn_4_to_first_call_s`: start 4 processes with an actor each until a first call to "
+        "all of them has returned; the caller's own runtime (Ray's local node) is already up.",
+        "* `detect_sigkill_s`: a call pending on one actor of a 4-process mesh, that actor's "
+        "process SIGKILLed; time until the pending call raises in the caller (capped at 30 s).",
+        "",
+        "Loops run about 0.5 s per repetition after a warm-up; the value is the median of the "
+        "repetitions (all of them are in the results file). The other metrics and their "
+        "targets are those of the project's goals; their programs are `bench/system_bench.py` "
+        "and `bench/controller_bench.py`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+_STD_KEYS = {"metric", "impl", "value", "unit", "higher_is_better", "reps", "version", "error",
+             "program", "measured_at", "carried_from", "procs", "in_flight", "cap_s"}
+
+
+# --------------------------------------------------------------------------------------
+# peers' virtualenv
+
+
+def setup_peers() -> None:
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    if not PEERS_PY.exists():
+        log(f"creating {PEERS_VENV.relative_to(ROOT)}")
+        subprocess.run([base, "-m", "venv", str(PEERS_VENV)], check=True)
+    pip = [str(PEERS_PY), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    # torch first and pinned: a bare torch would pull a large build.
+    log(f"installing {TORCH_PIN}")
+    subprocess.run([*pip, TORCH_PIN], check=True)
+    log(f"installing {REQUIREMENTS_PEERS.relative_to(ROOT)}")
+    subprocess.run([*pip, "-r", str(REQUIREMENTS_PEERS)], check=True)
+
+
+# --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", action="append", default=[], metavar="METRIC",
+                   help="run only this metric (repeatable, or comma separated)")
+    p.add_argument("--skip-peers", action="store_true",
+                   help="run palatine's programs only; peer numbers come from the latest results")
+    p.add_argument("--setup-peers", action="store_true",
+                   help="create bench/.peers-venv and install the peers before running")
+    p.add_argument("--reps", type=int, default=None, help="repetitions, passed to each program")
+    p.add_argument("--timeout", type=float, default=420.0,
+                   help="seconds allowed to each program (default 420)")
+    p.add_argument("--no-write", action="store_true",
+                   help="print the results instead of writing the results file and BENCHMARKS.md")
+    args = p.parse_args(argv)
+    args.only = sorted({m.strip() for item in args.only for m in item.split(",") if m.strip()})
+
+    if args.setup_peers:
+        setup_peers()
+
+    machine = machine_info()
+    outcomes: list[RunOutcome] = []
+    for prog in PROGRAMS:
+        if prog.peer is not None and args.skip_peers:
+            continue
+        out = run_program(prog, args)
+        if out is None:
+            continue
+        if out.note and not out.records:
+            log(f"{prog.path}: {out.note}")
+        outcomes.append(out)
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{_today()}.json"
+    previous = _load(path)
+    fallback = None
+    if args.skip_peers:
+        src = _latest_results(exclude=path)
+        if src is not None:
+            fallback = {**_load(src), "_source": src.name}
+    res = build_results(previous, fallback, outcomes, machine, argv)
+    if args.no_write:
+        print(json.dumps(res, indent=2, ensure_ascii=False))
+        return 0
+    path.write_text(json.dumps(res, indent=2, ensure_ascii=False) + "\n")
+    BENCHMARKS_MD.write_text(render_markdown(res))
+    log(f"wrote {path.relative_to(ROOT)} and {BENCHMARKS_MD.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,449 @@
+"""Mailboxes and ports: handler, once and streaming ports; pending requests (10-runtime.md §3.3–3.4).
+
+A `Mailbox` is an actor's (or client instance's) port table. Handler ports sit at the
+message type's ``type_id``; ephemeral ports count up from 1024 and are never reused.
+Every request that expects a reply is a *pending* port: it fails on the first of a
+returned request, the destination proc declared dead, the deadline, or the owner
+stopping — nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from palatine.errors import (
+    ActorStopping,
+    CallTimeout,
+    DeliveryError,
+    PeerGoneError,
+    PortClosed,
+    RemoteException,
+)
+from palatine.ids import ActorId, PortId, ProcId
+from palatine.wire.codec import Message, decode_payload, type_name_of
+from palatine.wire.envelope import Envelope
+
+if TYPE_CHECKING:
+    from palatine.proc import Proc
+
+__all__ = [
+    "Mailbox",
+    "Port",
+    "OncePort",
+    "StreamPort",
+    "Pending",
+    "Gather",
+    "ErrorReply",
+    "Undeliverable",
+    "FIRST_EPHEMERAL_PORT",
+]
+
+FIRST_EPHEMERAL_PORT = 1024
+
+
+class ErrorReply(Message, kw_only=True):
+    """A handler raised: the caller raises `RemoteException` with these fields."""
+
+    type_name: str
+    message: str
+    traceback: str = ""
+    actor_id: str = ""
+
+    def to_exception(self) -> RemoteException:
+        return RemoteException(self.type_name, self.message, self.traceback, self.actor_id)
+
+
+class Undeliverable(Message, array_like=True):
+    """A returned envelope, routed back to its sender's undeliverable port (§3.6)."""
+
+    envelope: Envelope
+
+
+class Port:
+    """A bound port: `deliver` returns None, or an error text for the return path."""
+
+    __slots__ = ("mailbox", "index")
+
+    def __init__(self, mailbox: Mailbox, index: int) -> None:
+        self.mailbox = mailbox
+        self.index = index
+
+    @property
+    def id(self) -> PortId:
+        return PortId(self.mailbox.actor_id, self.index)
+
+    def deliver(self, env: Envelope) -> str | None:
+        raise NotImplementedError
+
+    def returned(self, env: Envelope) -> None:
+        """A request that named this port as ``reply_to`` came back undeliverable."""
+
+    def unbind(self) -> None:
+        self.mailbox.ports.pop(self.index, None)
+
+
+class HandlerPort(Port):
+    """A typed handler port: decodes and hands the payload to ``sink(payload, env)``."""
+
+    __slots__ = ("sink", "type_name")
+
+    def __init__(
+        self, mailbox: Mailbox, index: int, sink: Callable[[Any, Envelope], None], type_name: str
+    ) -> None:
+        super().__init__(mailbox, index)
+        self.sink = sink
+        self.type_name = type_name
+
+    def deliver(self, env: Envelope) -> str | None:
+        try:
+            payload = decode_payload(env)
+        except Exception as e:  # noqa: BLE001 - any decode failure is the sender's fault
+            return f"mailbox error: cannot decode {self.type_name} for {self.id}: {e}"
+        self.sink(payload, env)
+        return None
+
+
+class StreamPort(Port):
+    """A streaming port: any number of messages, FIFO; ``recv``/``try_recv``/``drain``."""
+
+    __slots__ = ("_queue", "_waiter", "closed")
+
+    def __init__(self, mailbox: Mailbox, index: int) -> None:
+        super().__init__(mailbox, index)
+        self._queue: collections.deque[Any] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self.closed = False
+
+    def deliver(self, env: Envelope) -> str | None:
+        if self.closed:
+            return f"mailbox error: port {self.id} not bound"
+        try:
+            value = decode_payload(env)
+        except Exception as e:  # noqa: BLE001
+            return f"mailbox error: cannot decode value for {self.id}: {e}"
+        self._queue.append(value)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+        return None
+
+    def try_recv(self) -> Any:
+        """The next queued value, or None when empty."""
+        return self._queue.popleft() if self._queue else None
+
+    def drain(self) -> list[Any]:
+        """Everything queued now."""
+        items = list(self._queue)
+        self._queue.clear()
+        return items
+
+    async def recv(self, timeout: float | None = None) -> Any:
+        """The next value; `TimeoutError` after ``timeout``; `PortClosed` once closed."""
+        while not self._queue:
+            if self.closed:
+                raise PortClosed(f"port {self.id} is closed")
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._waiter
+            finally:
+                self._waiter = None
+        return self._queue.popleft()
+
+    def __aiter__(self) -> StreamPort:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.recv()
+        except PortClosed:
+            raise StopAsyncIteration from None
+
+    def close(self) -> None:
+        """Unbind: later deliveries are returned; a blocked ``recv`` raises `PortClosed`."""
+        self.closed = True
+        self.unbind()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+class OncePort(StreamPort):
+    """A once port: the first delivery unbinds it (a second is returned)."""
+
+    __slots__ = ()
+
+    def deliver(self, env: Envelope) -> str | None:
+        if self.closed:
+            return f"mailbox error: port {self.id} not bound"
+        err = super().deliver(env)
+        if err is None:
+            self.closed = True
+            self.unbind()
+        return err
+
+    async def recv(self, timeout: float | None = None) -> Any:
+        if self._queue:
+            return self._queue.popleft()
+        if self.closed:
+            raise PortClosed(f"port {self.id} is closed")
+        self.closed = False
+        return await super().recv(timeout)
+
+
+class Pending(Port):
+    """A request awaiting one reply; fails on return, peer death, deadline or stop."""
+
+    __slots__ = ("future", "dest", "what", "timeout_s", "timer")
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        index: int,
+        dest: ActorId,
+        what: str,
+        timeout_s: float,
+    ) -> None:
+        super().__init__(mailbox, index)
+        loop = mailbox.proc.loop
+        self.future: asyncio.Future[Any] = loop.create_future()
+        self.dest = dest
+        self.what = what
+        self.timeout_s = timeout_s
+        self.timer: asyncio.TimerHandle | None = (
+            loop.call_later(timeout_s, self._expire) if math.isfinite(timeout_s) else None
+        )
+
+    def _finish(self) -> bool:
+        if self.future.done():
+            return False
+        self.unbind()
+        if self.timer is not None:
+            self.timer.cancel()
+        return True
+
+    def deliver(self, env: Envelope) -> str | None:
+        if self.future.done():
+            return f"mailbox error: port {self.id} not bound"
+        try:
+            value = decode_payload(env)
+        except Exception as e:  # noqa: BLE001
+            self.fail(DeliveryError(f"mailbox error: cannot decode reply for {self.id}: {e}"))
+            return None
+        if self._finish():
+            if type(value) is ErrorReply:
+                self.future.set_exception(value.to_exception())
+            else:
+                self.future.set_result(value)
+        return None
+
+    def fail(self, exc: BaseException) -> None:
+        if self._finish():
+            self.future.set_exception(exc)
+
+    def returned(self, env: Envelope) -> None:
+        reason = "; ".join(env.errors or ()) or "returned"
+        self.fail(DeliveryError(reason, env))
+
+    def _expire(self) -> None:
+        self.timer = None
+        self.fail(
+            CallTimeout(
+                f"{self.what} to {self.dest} timed out: no reply within {self.timeout_s:g} s"
+            )
+        )
+
+    def dest_procs(self) -> tuple[ProcId, ...]:
+        return (self.dest.proc,)
+
+    def peer_gone(self, proc: ProcId, exc: PeerGoneError) -> None:
+        self.fail(exc)
+
+
+class Gather(Pending):
+    """A request cast to several ranks: one reply per selected rank (``call``/``stream``).
+
+    Replies carry the ``cast_rank`` header. In gather mode the future completes with a
+    dict rank -> value once all arrived (any failed rank fails it, naming the ranks);
+    in stream mode each (rank, value-or-exception) is pushed to ``on_item`` as it comes.
+    """
+
+    __slots__ = ("expected", "results", "errors", "procs", "on_item")
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        index: int,
+        dest: ActorId,
+        what: str,
+        timeout_s: float,
+        procs: dict[int, ProcId],
+        on_item: Callable[[int, Any, BaseException | None], None] | None = None,
+    ) -> None:
+        super().__init__(mailbox, index, dest, what, timeout_s)
+        self.procs = procs  # rank -> proc
+        self.expected = len(procs)
+        self.results: dict[int, Any] = {}
+        self.errors: dict[int, BaseException] = {}
+        self.on_item = on_item
+
+    def _item(self, rank: int, value: Any, exc: BaseException | None) -> None:
+        if rank in self.results or rank in self.errors or rank not in self.procs:
+            return
+        if exc is None:
+            self.results[rank] = value
+        else:
+            self.errors[rank] = exc
+        if self.on_item is not None:
+            self.on_item(rank, value, exc)
+        if len(self.results) + len(self.errors) >= self.expected:
+            self._complete()
+
+    def _complete(self) -> None:
+        if not self._finish():
+            return
+        if self.errors and self.on_item is None:
+            first = self.errors[min(self.errors)]
+            if len(self.errors) > 1:
+                ranks = ", ".join(str(r) for r in sorted(self.errors))
+                first.add_note(f"{self.what} failed on ranks {ranks}")
+            self.future.set_exception(first)
+        else:
+            self.future.set_result(self.results)
+
+    def deliver(self, env: Envelope) -> str | None:
+        if self.future.done():
+            return f"mailbox error: port {self.id} not bound"
+        rank = int((env.headers or {}).get("cast_rank", -1))
+        try:
+            value = decode_payload(env)
+        except Exception as e:  # noqa: BLE001
+            self._item(rank, None, DeliveryError(f"cannot decode reply: {e}"))
+            return None
+        if type(value) is ErrorReply:
+            self._item(rank, None, value.to_exception())
+        else:
+            self._item(rank, value, None)
+        return None
+
+    def returned(self, env: Envelope) -> None:
+        reason = "; ".join(env.errors or ()) or "returned"
+        rank = (env.headers or {}).get("cast_rank")
+        if rank is None:
+            for r in list(self.procs):
+                self._item(r, None, DeliveryError(reason, env))
+        else:
+            self._item(int(rank), None, DeliveryError(reason, env))
+
+    def fail(self, exc: BaseException) -> None:
+        # Deadline / owner stop: every rank still missing fails with ``exc``.
+        for r in sorted(self.procs):
+            if r not in self.results and r not in self.errors:
+                self.errors[r] = exc
+                if self.on_item is not None:
+                    self.on_item(r, None, exc)
+        self._complete()
+
+    def dest_procs(self) -> tuple[ProcId, ...]:
+        return tuple(self.procs.values())
+
+    def peer_gone(self, proc: ProcId, exc: PeerGoneError) -> None:
+        for r, p in self.procs.items():
+            if p == proc:
+                self._item(r, None, exc)
+
+
+class Mailbox:
+    """The port table of one actor or client instance."""
+
+    __slots__ = ("actor_id", "proc", "ports", "_next_port", "state", "__weakref__")
+
+    def __init__(self, actor_id: ActorId, proc: Proc) -> None:
+        self.actor_id = actor_id
+        self.proc = proc
+        self.ports: dict[int, Port] = {}
+        self._next_port = FIRST_EPHEMERAL_PORT
+        # "open" | "stopping" | "stopped": governs what local delivery returns.
+        self.state = "open"
+
+    def _alloc(self) -> int:
+        idx = self._next_port
+        self._next_port = idx + 1
+        return idx
+
+    def bind_handler(
+        self, type_id: int, sink: Callable[[Any, Envelope], None], type_name: str | None = None
+    ) -> PortId:
+        port = HandlerPort(self, type_id, sink, type_name or type_name_of(type_id))
+        self.ports[type_id] = port
+        return port.id
+
+    def open_port(self) -> StreamPort:
+        """A streaming port (index ≥ 1024, never reused)."""
+        port = StreamPort(self, self._alloc())
+        self.ports[port.index] = port
+        return port
+
+    def open_once_port(self) -> OncePort:
+        """A once port: accepts exactly one message."""
+        port = OncePort(self, self._alloc())
+        self.ports[port.index] = port
+        return port
+
+    def pending(self, dest: ActorId, what: str, timeout_s: float) -> Pending:
+        """A pending single-reply request port (the caller posts with ``reply_to``)."""
+        p = Pending(self, self._alloc(), dest, what, timeout_s)
+        self.ports[p.index] = p
+        return p
+
+    def gather(
+        self,
+        dest: ActorId,
+        what: str,
+        timeout_s: float,
+        procs: dict[int, ProcId],
+        on_item: Callable[[int, Any, BaseException | None], None] | None = None,
+    ) -> Gather:
+        """A pending multi-reply port, one reply per rank in ``procs``."""
+        g = Gather(self, self._alloc(), dest, what, timeout_s, procs, on_item)
+        self.ports[g.index] = g
+        return g
+
+    def deliver(self, env: Envelope) -> str | None:
+        """Local delivery checks of §3.5 (actor stopping, port bound, decode)."""
+        if self.state != "open":
+            return f"mailbox error: actor {self.actor_id} is {self.state}"
+        port = self.ports.get(env.dest.port)
+        if port is None:
+            return f"mailbox error: port {env.dest} not bound"
+        return port.deliver(env)
+
+    def returned(self, env: Envelope) -> bool:
+        """A request we sent came back: fail the pending call it belonged to, if any."""
+        rt = env.reply_to
+        if rt is None or rt.actor != self.actor_id:
+            return False
+        port = self.ports.get(rt.port)
+        if port is None:
+            return False
+        port.returned(env)
+        return isinstance(port, Pending)
+
+    def peer_gone(self, proc: ProcId, exc: PeerGoneError) -> None:
+        for port in list(self.ports.values()):
+            if isinstance(port, Pending) and proc in port.dest_procs():
+                port.peer_gone(proc, exc)
+
+    def close(self, reason: str = "stopped") -> None:
+        """Unbind every port and fail pending calls with `ActorStopping`."""
+        self.state = "stopped"
+        for port in list(self.ports.values()):
+            if isinstance(port, Pending):
+                port.fail(ActorStopping(f"{self.actor_id} stopped while waiting: {reason}"))
+            elif isinstance(port, StreamPort):
+                port.close()
+        self.ports.clear()

@@ -1,0 +1,161 @@
+"""The process-wide runtime: the event loop (a ``palatine-loop`` thread for user code).
+
+Synchronous scripts need no asyncio: on first use palatine starts one daemon thread
+running the loop (uvloop when available). Blocking methods submit work to it and wait;
+role processes (``palatine system|host|worker|controller``) run the loop in their main
+thread instead and declare it with `adopt_current_loop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from palatine import config
+from palatine.future import Future, mark_loop_thread, on_loop_thread, unmark_loop_thread
+
+__all__ = ["new_event_loop", "get_loop", "adopt_current_loop", "submit", "call", "at_exit"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A new loop: uvloop when configured and importable, else asyncio's default."""
+    if config.get().event_loop == "uvloop":
+        try:
+            import uvloop
+
+            return uvloop.new_event_loop()
+        except ImportError:
+            pass
+    return asyncio.new_event_loop()
+
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_thread: threading.Thread | None = None
+_exit_hooks: list[Callable[[], Coroutine[Any, Any, Any]]] = []
+
+
+def adopt_current_loop() -> asyncio.AbstractEventLoop:
+    """Make the running loop (a role process's main thread) the palatine loop."""
+    global _loop
+    loop = asyncio.get_running_loop()
+    with _lock:
+        _loop = loop
+    mark_loop_thread()
+    return loop
+
+
+def release_current_loop() -> None:
+    """Undo `adopt_current_loop` (tests that run several loops in one thread)."""
+    global _loop
+    with _lock:
+        if _thread is None:
+            _loop = None
+    unmark_loop_thread()
+
+
+def get_loop() -> asyncio.AbstractEventLoop:
+    """The palatine loop, starting the ``palatine-loop`` thread on first use."""
+    global _loop, _thread
+    loop = _loop
+    if loop is not None:
+        return loop
+    with _lock:
+        if _loop is not None:
+            return _loop
+        loop = new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            mark_loop_thread()
+            loop.call_soon(ready.set)
+            loop.run_forever()
+
+        _thread = threading.Thread(target=run, name="palatine-loop", daemon=True)
+        _thread.start()
+        ready.wait()
+        _loop = loop
+        atexit.register(_shutdown)
+        return loop
+
+
+def submit(coro_fn: Callable[[], Coroutine[Any, Any, T]]) -> Future[T]:
+    """Run ``coro_fn()`` on the palatine loop; a `Future` of its result."""
+    loop = get_loop()
+    fut: Future[T] = Future(loop)
+
+    def start() -> None:
+        try:
+            task = loop.create_task(coro_fn())
+        except BaseException as e:  # noqa: BLE001
+            fut.set_exception(e)
+            return
+        fut.chain(task)
+
+    if on_loop_thread():
+        start()
+    else:
+        loop.call_soon_threadsafe(start)
+    return fut
+
+
+def call(fn: Callable[[], Future[T]]) -> Future[T]:
+    """Run ``fn`` (which returns a Future) on the loop thread; hand its Future back."""
+    if on_loop_thread():
+        return fn()
+    loop = get_loop()
+    out: Future[T] = Future(loop)
+
+    def run() -> None:
+        try:
+            inner = fn()
+        except BaseException as e:  # noqa: BLE001
+            out.set_exception(e)
+            return
+        inner.add_done_callback(lambda f: _copy(f, out))
+
+    loop.call_soon_threadsafe(run)
+    return out
+
+
+def _copy(src: Future[Any], dst: Future[Any]) -> None:
+    exc = src._cf.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src._cf.result())
+
+
+def at_exit(hook: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+    """Register a coroutine to run on the loop at interpreter exit (bounded to 2 s each)."""
+    _exit_hooks.append(hook)
+
+
+def _shutdown() -> None:
+    loop = _loop
+    if loop is None or _thread is None or not loop.is_running():
+        return
+
+    async def run_hooks() -> None:
+        for hook in reversed(_exit_hooks):
+            try:
+                async with asyncio.timeout(2.0):
+                    await hook()
+            except BaseException as e:  # noqa: BLE001 - best effort at exit
+                log.debug("exit hook failed: %s", e)
+
+    try:
+        asyncio.run_coroutine_threadsafe(run_hooks(), loop).result(timeout=5.0)
+    except BaseException as e:  # noqa: BLE001
+        log.debug("palatine shutdown: %s", e)
+    loop.call_soon_threadsafe(loop.stop)
+    _thread.join(timeout=2.0)

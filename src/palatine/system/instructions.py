@@ -1,0 +1,183 @@
+"""What the system's sans-IO core asks its actor shell to do (the shell's whole contract).
+
+`palatine.system.registry.SystemRegistry` never performs I/O. Each of its handlers
+returns ``(reply, instructions)``: the shell sends ``reply`` (if not ``None``) to the
+request's ``reply_to`` **first**, then executes the instructions **in order**:
+
+==================  ===========================================================
+instruction         what the shell does
+==================  ===========================================================
+`Send`              ``tell`` ``message`` to ``dest`` (an agent ``P.proc[0]`` or a
+                    subscriber's port); a return comes back through
+                    ``SystemRegistry.handle_returned``
+`Ask`               ``ask`` ``message`` of ``dest`` with deadline ``timeout_s``;
+                    feed the outcome to ``SystemRegistry.handle_reply(ask, reply,
+                    error)`` (reply, or ``None`` and an error text)
+`Probe`             connect to ``addr`` bounded by ``timeout_s``; feed
+                    ``SystemRegistry.handle_probe_result(probe, outcome)``
+`Timer`             after ``delay_s`` call ``SystemRegistry.handle_timer(token)``
+`Bind` / `Unbind`   update the system proc's router
+`Log`               log ``text`` at ``level`` on the system's logger
+`StopSystem`        the SystemActor stops (terminal); the system proc stops serving
+==================  ===========================================================
+
+A `Join` may instead be answered with `JoinProbeNeeded`: the shell probes the address of
+the proc already joined under that id and calls ``SystemRegistry.complete_join``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from palatine.ids import ActorId, PortId, ProcId, WorldId
+
+__all__ = [
+    "ProbeOutcome",
+    "PROBE_OUTCOMES",
+    "Send",
+    "Ask",
+    "Probe",
+    "Timer",
+    "Bind",
+    "Unbind",
+    "Log",
+    "StopSystem",
+    "Instruction",
+    "JoinProbeNeeded",
+    "ExitReportGrace",
+    "StopFallback",
+    "ManagingStopFallback",
+    "TimerToken",
+    "StopToken",
+    "SpawnToken",
+]
+
+ProbeOutcome = Literal["connected", "refused", "timeout"]
+"""Result of a liveness probe: the address accepted a connection, refused it (nothing
+listens: the process is gone), or neither within the probe timeout."""
+
+PROBE_OUTCOMES: tuple[str, ...] = ("connected", "refused", "timeout")
+
+
+class Send(msgspec.Struct, frozen=True):
+    """One-way message from the SystemActor to ``dest``."""
+
+    dest: ActorId | PortId
+    message: Any
+
+
+class Ask(msgspec.Struct, frozen=True):
+    """Request to a proc agent whose reply (or failure) must be fed back.
+
+    ``token`` is the registry's own bookkeeping; the shell passes the whole `Ask` back.
+    """
+
+    dest: ActorId
+    message: Any
+    timeout_s: float
+    token: Any = None
+
+
+class Probe(msgspec.Struct, frozen=True):
+    """Liveness probe: try to connect to ``addr`` of ``proc_id`` (that incarnation)."""
+
+    proc_id: ProcId
+    addr: str
+    incarnation: int | None
+    timeout_s: float
+
+
+class Timer(msgspec.Struct, frozen=True):
+    """Call ``SystemRegistry.handle_timer(token)`` after ``delay_s`` seconds."""
+
+    delay_s: float
+    token: Any
+
+
+class Bind(msgspec.Struct, frozen=True):
+    """Route ``proc_id`` to ``addr`` in the system proc's router."""
+
+    proc_id: ProcId
+    addr: str
+
+
+class Unbind(msgspec.Struct, frozen=True):
+    """Remove ``target`` (a world: every proc under it) from the system proc's router."""
+
+    target: WorldId | ProcId
+
+
+class Log(msgspec.Struct, frozen=True):
+    """Log ``text`` at ``level`` (a ``logging`` level number)."""
+
+    level: int
+    text: str
+
+
+class StopSystem(msgspec.Struct, frozen=True):
+    """The SystemActor is done (shutdown complete, or a ``ManagingSystem`` proc failed and
+    everything has stopped)."""
+
+    reason: str
+
+
+Instruction = Send | Ask | Probe | Timer | Bind | Unbind | Log | StopSystem
+
+
+class JoinProbeNeeded(msgspec.Struct, frozen=True):
+    """Not a reply: a live record already holds this proc id under another incarnation.
+
+    The shell runs ``probe`` and calls ``SystemRegistry.complete_join(join, probe,
+    outcome)``, which answers the join (or asks for another probe if the record changed
+    meanwhile).
+    """
+
+    probe: Probe
+
+
+# --------------------------------------------------------------------------- timer tokens
+
+
+class ExitReportGrace(msgspec.Struct, frozen=True):
+    """The exit-report grace of a proc whose connection closed has passed."""
+
+    proc_id: ProcId
+    incarnation: int | None
+
+
+class StopFallback(msgspec.Struct, frozen=True):
+    """The fallback deadline of a world's stop or eviction (``generation`` identifies it)."""
+
+    world: str
+    generation: int
+
+
+class ManagingStopFallback(msgspec.Struct, frozen=True):
+    """The fallback deadline for ``ManagingSystem`` procs told to stop at shutdown."""
+
+    generation: int
+
+
+TimerToken = ExitReportGrace | StopFallback | ManagingStopFallback
+
+
+# --------------------------------------------------------------------------- ask tokens
+
+
+class StopToken(msgspec.Struct, frozen=True):
+    """A `ProcStop` sent for the stop or eviction of ``world`` (``None``: a managing proc)."""
+
+    world: str | None
+    generation: int
+
+
+class SpawnToken(msgspec.Struct, frozen=True):
+    """A `SpawnProc` sent to a host for one world incarnation."""
+
+    world: str
+    world_incarnation: int
+    host: ProcId
+    host_incarnation: int | None
+    ranks: tuple[int, ...]

@@ -1,0 +1,162 @@
+"""Payload codec: typed runtime messages (msgpack) and user values (pickle 5).
+
+* Runtime messages subclass `Message`; each class gets a stable 64-bit ``type_id``
+  (blake2b of its name, bit 63 set, 10-runtime.md §3.3) and is registered so any
+  process can decode an envelope by its ``type_id``. A collision is an import-time error.
+* User values are pickled with protocol 5, out-of-band buffers collected separately.
+  The fast path is the stdlib pickler; values that reference ``__main__`` or cannot be
+  pickled by reference (lambdas, local classes) fall back to cloudpickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from typing import Any, ClassVar
+
+import msgspec
+
+from palatine.wire.envelope import ENC_MSGPACK, ENC_PICKLE, Envelope
+
+__all__ = [
+    "Message",
+    "type_id_for",
+    "type_name_of",
+    "message_type",
+    "register",
+    "encode_message",
+    "decode_payload",
+    "dumps",
+    "loads",
+    "PICKLED_VALUE_TID",
+    "display",
+]
+
+_TYPES: dict[int, type[Any]] = {}
+_DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {}
+_NAMES: dict[int, str] = {}
+_encoder = msgspec.msgpack.Encoder()
+
+
+def type_id_for(name: str) -> int:
+    """The handler-port index of a message type name: blake2b-64, bit 63 set."""
+    digest = hashlib.blake2b(name.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") | (1 << 63)
+
+
+def _name_of(cls: type[Any]) -> str:
+    explicit = cls.__dict__.get("__palatine_name__")
+    return explicit if explicit else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register(cls: type[Any], name: str | None = None) -> int:
+    """Register a message type (struct) under its stable name; returns its type id."""
+    name = name or _name_of(cls)
+    tid = type_id_for(name)
+    other = _TYPES.get(tid)
+    if other is not None and other is not cls and _NAMES.get(tid) == name:
+        # Re-definition of the same name (module reloaded): the newest class wins.
+        pass
+    elif other is not None and other is not cls:
+        raise TypeError(f"message type id collision: {name} and {_NAMES[tid]}")
+    _TYPES[tid] = cls
+    _NAMES[tid] = name
+    _DECODERS.pop(tid, None)  # built lazily: the struct is not complete yet here
+    cls.__palatine_type_id__ = tid
+    return tid
+
+
+class Message(msgspec.Struct):
+    """Base of typed runtime messages: registered by name with a stable ``type_id``."""
+
+    __palatine_type_id__: ClassVar[int]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        register(cls)
+
+
+def type_name_of(type_id: int) -> str:
+    """Short display name of a registered type id (``Join``), or a hex placeholder."""
+    name = _NAMES.get(type_id)
+    if name is None:
+        return f"type{type_id:#x}"
+    return name.rsplit(".", 1)[-1]
+
+
+def message_type(type_id: int) -> type[Any] | None:
+    """The registered class for ``type_id``, if any."""
+    return _TYPES.get(type_id)
+
+
+def encode_message(msg: Any) -> bytes:
+    """msgpack-encode a registered runtime message."""
+    return _encoder.encode(msg)
+
+
+class _PickledValue:
+    """Marker type: an envelope whose payload is a pickled user value."""
+
+    __palatine_name__ = "palatine.PickledValue"
+
+
+PICKLED_VALUE_TID = register(_PickledValue)
+
+
+def dumps(value: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """Pickle ``value`` (protocol 5), returning the bytes and out-of-band buffers."""
+    buffers: list[pickle.PickleBuffer] = []
+    try:
+        data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        data = b"__main__"  # force the cloudpickle path below
+    if b"__main__" in data or b"<lambda>" in data or b"<locals>" in data:
+        import cloudpickle
+
+        buffers = []
+        data = cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    return data, buffers
+
+
+def loads(data: bytes | memoryview, buffers: list[Any] | None = None) -> Any:
+    """Unpickle a value produced by `dumps` (only ever from authenticated peers)."""
+    return pickle.loads(data, buffers=buffers or ())
+
+
+def _decoder_for(type_id: int) -> msgspec.msgpack.Decoder[Any]:
+    cls = _TYPES.get(type_id)
+    if cls is None or not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+        raise TypeError(f"unknown message type id {type_id:#x}")
+    dec = _DECODERS[type_id] = msgspec.msgpack.Decoder(cls)
+    return dec
+
+
+def decode_payload(env: Envelope) -> Any:
+    """Decode an envelope's payload by its encoding and ``type_id``."""
+    if env.encoding == ENC_PICKLE:
+        return loads(env.data, env.buffers)
+    if env.encoding == ENC_MSGPACK:
+        dec = _DECODERS.get(env.type_id)
+        if dec is None:
+            dec = _decoder_for(env.type_id)
+        return dec.decode(env.data)
+    raise TypeError(f"unknown payload encoding {env.encoding}")
+
+
+_json = msgspec.json.Encoder()
+
+
+def display(env: Envelope) -> str:
+    """``<sender> > <dest>: <TypeName><payload>`` plus ``: delivery error: e1; e2`` (§3.1)."""
+    name = type_name_of(env.type_id)
+    if env.encoding == ENC_MSGPACK:
+        try:
+            body = _json.encode(decode_payload(env)).decode()
+        except (msgspec.DecodeError, TypeError, msgspec.ValidationError):
+            body = f"<undecodable {len(env.data)} bytes>"
+    else:
+        body = f"<pickled {len(env.data)} bytes>"
+    text = f"{env.sender} > {env.dest}: {name}{body}"
+    if env.errors:
+        text += ": delivery error: " + "; ".join(env.errors)
+    return text

@@ -1,0 +1,384 @@
+"""Channel frames: the structs, the encoder and an incremental parser (sans-IO).
+
+Wire layout of every frame (10-runtime.md §2.4)::
+
+    [8-byte BE length L][4-byte BE header length H][H bytes msgpack header][raw buffers]
+
+``L`` counts everything after itself (``4 + H + sum(buffer lengths)``). The header is
+one of the tagged, array-like structs below. Only `Message` carries raw buffers: its
+``buffer_lens`` lists them, in order, and they follow the header byte for byte. The
+envelope inside a `Message` header is encoded with ``buffers = []``; the receiver
+re-attaches the raw buffers as memoryviews of the received frame, so out-of-band pickle
+buffers (arrays, tensors) are never copied into or out of msgpack.
+
+Limits: a length prefix above the parser's ``limit`` (64 KiB before authentication,
+``max_frame_bytes`` after) is refused before any body byte is read or allocated, so a
+2**62 length costs nothing. Zero-length buffers are legal.
+
+Nothing here touches sockets or the event loop; `palatine.channel.net` (asyncio) and the
+heartbeat thread (blocking sockets) share it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+import msgspec
+
+from palatine.errors import PalatineError
+from palatine.wire.envelope import Envelope
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "PREAUTH_MAX_FRAME_BYTES",
+    "PREFIX_BYTES",
+    "Hello",
+    "Auth",
+    "AuthOk",
+    "Init",
+    "Message",
+    "Ack",
+    "Reject",
+    "Frame",
+    "FrameError",
+    "FrameParser",
+    "encode_frame",
+    "encode_message",
+    "message_frame_size",
+    "buffer_view",
+    "frames_bytes",
+    "join_message",
+]
+
+PROTOCOL_VERSION: Final = 1
+"""The handshake version this build speaks (``Hello.version`` / ``Auth.version``)."""
+
+PREAUTH_MAX_FRAME_BYTES: Final = 64 * 1024
+"""Largest frame accepted before authentication completes."""
+
+PREFIX_BYTES: Final = 12
+"""The 8-byte frame length plus the 4-byte header length."""
+
+# Frames below this size (length prefix included) are gathered into one small bytes
+# object when they straddle reads; larger ones get a dedicated, writable bytearray that
+# the body is copied into once, and whose memory backs the envelope's buffers.
+_BIG_FRAME_BYTES: Final = 256 * 1024
+
+
+class Hello(msgspec.Struct, tag=1, array_like=True, gc=False):
+    """Server → client on accept: ``nonce_s`` is 32 fresh random bytes (§2.5 step 1)."""
+
+    version: int
+    nonce: bytes
+
+
+class Auth(msgspec.Struct, tag=2, array_like=True, gc=False):
+    """Client → server: its nonce and ``HMAC(token, "palatine/1 client" + nonce_s + nonce_c)``."""
+
+    version: int
+    nonce: bytes
+    mac: bytes
+
+
+class AuthOk(msgspec.Struct, tag=3, array_like=True, gc=False):
+    """Server → client: ``HMAC(token, "palatine/1 server" + nonce_c + nonce_s)``."""
+
+    mac: bytes
+
+
+class Init(msgspec.Struct, tag=4, array_like=True, gc=False):
+    """Client → server once authenticated: which session, and its oldest unacked seq."""
+
+    session_id: int
+    next_seq: int
+
+
+class Message(msgspec.Struct, tag=5, array_like=True, gc=False):
+    """Client → server: one envelope with its session sequence number.
+
+    ``ack_now`` asks the server to acknowledge at once (``Tx.send``). ``buffer_lens``
+    are the byte lengths of the envelope's out-of-band buffers, which follow the header
+    raw; the envelope in the header always has ``buffers == []``.
+    """
+
+    seq: int
+    ack_now: bool
+    envelope: Envelope
+    buffer_lens: list[int] = []
+
+
+class Ack(msgspec.Struct, tag=6, array_like=True, gc=False):
+    """Server → client: every seq ``<= seq`` of the session is delivered (cumulative)."""
+
+    seq: int
+
+
+class Reject(msgspec.Struct, tag=7, array_like=True, gc=False):
+    """Either side, just before closing: why the connection is refused."""
+
+    reason: str
+
+
+Frame = Hello | Auth | AuthOk | Init | Message | Ack | Reject
+
+
+class FrameError(PalatineError, ValueError):
+    """The byte stream is not a valid frame sequence; raised by `FrameParser.feed`.
+
+    ``reason`` is the text for logs and ``Reject``. ``before_body`` is True when the
+    length prefix itself was refused (the connection is closed without a reply).
+    """
+
+    def __init__(self, reason: str, *, before_body: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.before_body = before_body
+
+
+_prefix = struct.Struct(">QI")
+_u64 = struct.Struct(">Q")
+_u32 = struct.Struct(">I")
+_encoder = msgspec.msgpack.Encoder()
+_NO_BUFFERS: list[Any] = []
+
+
+def buffer_view(buf: Any) -> memoryview:
+    """A flat unsigned-byte memoryview of ``buf`` (bytes, PickleBuffer, array, …).
+
+    Raises `BufferError` for a non-contiguous buffer (pickle never produces one).
+    """
+    raw = getattr(buf, "raw", None)
+    view = raw() if raw is not None else memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def encode_frame(frame: Frame) -> bytes:
+    """Encode a frame without buffers (everything except `Message`) into wire bytes."""
+    header = _encoder.encode(frame)
+    return _prefix.pack(len(header) + 4, len(header)) + header
+
+
+def encode_message(
+    seq: int, ack_now: bool, env: Envelope
+) -> tuple[bytes, list[memoryview], int]:
+    """Encode one `Message` frame: ``(head, buffers, frame_bytes)``.
+
+    ``head`` is the length prefix plus header; the frame on the wire is ``head``
+    followed by each of ``buffers`` (flat views of ``env.buffers``, not copies).
+    ``frame_bytes`` is the whole frame including the 8-byte prefix, to compare with
+    ``max_frame_bytes``. ``env`` is left unchanged.
+    """
+    bufs = env.buffers
+    if not bufs:
+        header = _encoder.encode(Message(seq, ack_now, env))
+        return _prefix.pack(len(header) + 4, len(header)) + header, _NO_BUFFERS, len(header) + 12
+    views = [buffer_view(b) for b in bufs]
+    lens = [v.nbytes for v in views]
+    # The header must not contain the buffers: encode the envelope with none attached.
+    env.buffers = _NO_BUFFERS
+    try:
+        header = _encoder.encode(Message(seq, ack_now, env, lens))
+    finally:
+        env.buffers = bufs
+    body = 4 + len(header) + sum(lens)
+    return _prefix.pack(body, len(header)) + header, views, body + 8
+
+
+def message_frame_size(env: Envelope) -> int:
+    """The wire size of ``env`` as a `Message` frame (prefix included), seq ``2**64-1``."""
+    return encode_message(2**64 - 1, True, env)[2]
+
+
+_decoder = msgspec.msgpack.Decoder(Frame)
+
+
+def _decode_body(buf: Any, view: memoryview, start: int, end: int) -> Frame:
+    """Decode the frame body ``buf[start:end]`` (``view`` is ``memoryview(buf)``)."""
+    if end - start < 4:
+        raise FrameError(f"frame of {end - start} bytes has no header length")
+    (hlen,) = _u32.unpack_from(buf, start)
+    hstart = start + 4
+    hend = hstart + hlen
+    if hend > end:
+        raise FrameError(f"header length {hlen} exceeds the frame ({end - start} bytes)")
+    try:
+        frame = _decoder.decode(view[hstart:hend])
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise FrameError(f"undecodable frame header: {exc}") from None
+    if type(frame) is Message:
+        lens = frame.buffer_lens
+        if lens:
+            pos = hend
+            bufs: list[Any] = []
+            for n in lens:
+                if n < 0 or pos + n > end:
+                    raise FrameError("message buffers exceed the frame")
+                bufs.append(view[pos : pos + n])
+                pos += n
+            if pos != end:
+                raise FrameError(f"{end - pos} stray bytes after the message buffers")
+            frame.envelope.buffers = bufs
+        elif hend != end:
+            raise FrameError(f"{end - hend} stray bytes after the frame header")
+        elif frame.envelope.buffers:
+            raise FrameError("message envelope carries inline buffers")
+    elif hend != end:
+        raise FrameError(f"{end - hend} stray bytes after the frame header")
+    return frame
+
+
+class FrameParser:
+    """Incremental frame decoder: `feed` bytes as they arrive, get complete frames back.
+
+    Complete frames inside one chunk are decoded in place (no copy of the chunk); only
+    the partial frame at a chunk's end is kept. Big frames are assembled into one
+    dedicated bytearray, so a large message costs one copy and its buffers are writable
+    memoryviews of that array. ``limit`` may be raised after authentication; a length
+    prefix above it raises `FrameError` (``before_body=True``) without allocating.
+    After a `FrameError` the stream is unusable: close the connection.
+    """
+
+    __slots__ = ("limit", "_part", "_big", "_big_view", "_big_pos", "_failed")
+
+    def __init__(self, limit: int = PREAUTH_MAX_FRAME_BYTES) -> None:
+        self.limit = limit
+        # Bytes of an incomplete small frame (or of an incomplete length prefix).
+        self._part = bytearray()
+        # An incomplete big frame: its body buffer and how much of it is filled.
+        self._big: bytearray | None = None
+        self._big_view: memoryview | None = None
+        self._big_pos = 0
+        self._failed = False
+
+    @property
+    def at_boundary(self) -> bool:
+        """True when no partial frame is buffered (EOF now would be a clean end)."""
+        return not self._part and self._big is None
+
+    @property
+    def buffered_bytes(self) -> int:
+        """How many bytes of an incomplete frame are held."""
+        return len(self._part) + self._big_pos
+
+    def _check(self, length: int) -> None:
+        if length > self.limit:
+            self._failed = True
+            raise FrameError(
+                f"frame length {length} exceeds the limit of {self.limit} bytes",
+                before_body=True,
+            )
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        """Consume ``data`` and return the frames it completes, in order.
+
+        Raises `FrameError` for a length over the limit, an undecodable header or
+        inconsistent buffer lengths; frames completed before the bad one are lost with
+        the connection, which must be closed.
+        """
+        if self._failed:
+            raise FrameError("frame stream already failed")
+        if type(data) is not bytes:
+            # Views of the caller's mutable buffer must not leak into envelopes.
+            data = bytes(data)
+        out: list[Frame] = []
+        n = len(data)
+        off = 0
+        try:
+            if self._big is not None:
+                off = self._fill_big(data, out)
+                if self._big is not None:
+                    return out
+            elif self._part:
+                off = self._fill_part(data, out)
+                if self._part or self._big is not None:
+                    return out
+            view = memoryview(data)
+            unpack = _u64.unpack_from
+            while n - off >= 8:
+                (length,) = unpack(data, off)
+                if length > self.limit:
+                    self._check(length)
+                end = off + 8 + length
+                if end > n:
+                    break
+                out.append(_decode_body(data, view, off + 8, end))
+                off = end
+            if off < n:
+                self._keep(data, off)
+            return out
+        except FrameError:
+            self._failed = True
+            raise
+
+    def _keep(self, data: bytes, off: int) -> None:
+        """Hold the incomplete frame starting at ``data[off:]``."""
+        if len(data) - off >= 8:
+            (length,) = _u64.unpack_from(data, off)
+            if length + 8 >= _BIG_FRAME_BYTES:
+                self._start_big(length)
+                self._fill_big(memoryview(data)[off + 8 :], [])
+                return
+        self._part += memoryview(data)[off:]
+
+    def _start_big(self, length: int) -> None:
+        self._big = bytearray(length)
+        self._big_view = memoryview(self._big)
+        self._big_pos = 0
+
+    def _fill_big(self, data: bytes | memoryview, out: list[Frame]) -> int:
+        """Copy into the big frame; returns bytes consumed, appends the frame when full."""
+        assert self._big is not None and self._big_view is not None
+        need = len(self._big) - self._big_pos
+        take = min(need, len(data))
+        self._big_view[self._big_pos : self._big_pos + take] = data[:take]
+        self._big_pos += take
+        if take == need:
+            big, view = self._big, self._big_view
+            self._big = self._big_view = None
+            self._big_pos = 0
+            out.append(_decode_body(big, view, 0, len(big)))
+        return take
+
+    def _fill_part(self, data: bytes, out: list[Frame]) -> int:
+        """Complete the held small frame (or prefix); returns bytes of ``data`` consumed."""
+        part = self._part
+        off = 0
+        if len(part) < 8:
+            off = min(8 - len(part), len(data))
+            part += data[:off]
+            if len(part) < 8:
+                return off
+        (length,) = _u64.unpack_from(part, 0)
+        self._check(length)
+        total = length + 8
+        if total >= _BIG_FRAME_BYTES:
+            # Only a prefix (and maybe a little body) was held: switch to a big frame.
+            held = bytes(part[8:])
+            part.clear()
+            self._start_big(length)
+            self._fill_big(held, out)
+            if self._big is None:
+                return off
+            return off + self._fill_big(memoryview(data)[off:], out)
+        take = min(total - len(part), len(data) - off)
+        part += memoryview(data)[off : off + take]
+        off += take
+        if len(part) == total:
+            body = bytes(part)  # a private copy: buffers may keep views of it
+            part.clear()
+            out.append(_decode_body(body, memoryview(body), 8, total))
+        return off
+
+
+def frames_bytes(frames: Iterable[Frame]) -> bytes:
+    """Concatenated encoding of buffer-free frames (tests and the blocking client)."""
+    return b"".join(encode_frame(f) for f in frames)
+
+
+def join_message(head: bytes, buffers: Sequence[memoryview]) -> bytes:
+    """One contiguous copy of an encoded message frame (tests, tiny blocking writers)."""
+    return head + b"".join(buffers) if buffers else head
