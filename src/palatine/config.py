@@ -50,7 +50,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     join_timeout_s: float = 30.0
     liveness_probe_timeout_s: float = 1.0
     exit_report_grace_s: float = 0.5
-    system_loss_timeout_s: float = 10.0
+    # None: 5 x supervision_update_interval_s (20-system.md §2.3)
+    system_loss_timeout_s: float | None = None
+    # None: min(10, supervision_update_interval_s)
+    heartbeat_ack_timeout_s: float | None = None
     proc_stop_timeout_s: float = 5.0
     child_term_grace_s: float = 5.0
     stack_dump_timeout_s: float = 10.0
@@ -148,6 +151,14 @@ def from_env(environ: Mapping[str, str] | None = None, **explicit: Any) -> Confi
 
 
 _current: Config | None = None
+
+
+def system_loss_timeout_s(cfg: Config | None = None, interval_s: float | None = None) -> float:
+    """The effective system-loss timeout: the configured one, else 5 × the interval."""
+    c = cfg or get()
+    if c.system_loss_timeout_s is not None:
+        return c.system_loss_timeout_s
+    return 5.0 * (interval_s if interval_s is not None else c.supervision_update_interval_s)
 
 
 def get() -> Config:

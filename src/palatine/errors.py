@@ -27,6 +27,7 @@ __all__ = [
     "PeerGoneError",
     "StuckWorkersException",
     "SystemRequestError",
+    "JoinError",
 ]
 
 
@@ -195,3 +196,7 @@ class SystemRequestError(PalatineError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.code, self.message))
+
+
+class JoinError(PalatineError):
+    """Bootstrapping a proc could not join the system (error reply or no answer in time)."""

@@ -79,12 +79,10 @@ ACK_TIMEOUT_ENV: Final = "PALATINE_HEARTBEAT_ACK_TIMEOUT"
 """Variable for ``heartbeat_ack_timeout`` (20-system.md §5), read when `config.Config`
 has no ``heartbeat_ack_timeout_s`` key."""
 
-_LOSS_ENV: Final = "PALATINE_SYSTEM_LOSS_TIMEOUT"
 _STOP_GRACE_S: Final = 2.0  # the "+ 2" of "proc_stop_timeout + 2"
 _JITTER: Final = 0.1
 _RECV_BYTES: Final = 65536
 _WARN_INTERVAL_S: Final = 60.0
-_CONFIG_LOSS_DEFAULT: Final = config.Config().system_loss_timeout_s
 
 
 def _fmt(value: float) -> str:
@@ -144,17 +142,10 @@ class HeartbeatSettings:
         c = config.get() if cfg is None else cfg
         interval = c.supervision_update_interval_s if interval_s is None else interval_s
         if ack_timeout_s is None:
-            configured = getattr(c, "heartbeat_ack_timeout_s", None)
-            if configured is None:
-                text = os.environ.get(ACK_TIMEOUT_ENV, "")
-                if text:
-                    configured = config.parse_seconds(text, name=ACK_TIMEOUT_ENV)
+            configured = c.heartbeat_ack_timeout_s
             ack_timeout_s = min(10.0, interval) if configured is None else float(configured)
         if system_loss_timeout_s is None:
-            if os.environ.get(_LOSS_ENV) or c.system_loss_timeout_s != _CONFIG_LOSS_DEFAULT:
-                system_loss_timeout_s = c.system_loss_timeout_s
-            else:
-                system_loss_timeout_s = 5.0 * interval
+            system_loss_timeout_s = config.system_loss_timeout_s(c, interval)
         if proc_stop_timeout_s is None:
             proc_stop_timeout_s = c.proc_stop_timeout_s
         settings = cls(

@@ -24,8 +24,8 @@ from palatine.errors import (
     RemoteException,
 )
 from palatine.ids import ActorId, PortId, ProcId
-from palatine.wire.codec import Message, decode_payload, type_name_of
-from palatine.wire.envelope import Envelope
+from palatine.wire.codec import Message, decode_payload, encode_message, type_name_of
+from palatine.wire.envelope import ENC_MSGPACK, Envelope
 
 if TYPE_CHECKING:
     from palatine.proc import Proc
@@ -53,7 +53,7 @@ class ErrorReply(Message, kw_only=True):
     traceback: str = ""
     actor_id: str = ""
 
-    def to_exception(self) -> RemoteException:
+    def to_error(self) -> RemoteException:
         return RemoteException(self.type_name, self.message, self.traceback, self.actor_id)
 
 
@@ -235,8 +235,9 @@ class Pending(Port):
             self.fail(DeliveryError(f"mailbox error: cannot decode reply for {self.id}: {e}"))
             return None
         if self._finish():
-            if type(value) is ErrorReply:
-                self.future.set_exception(value.to_exception())
+            to_exc = getattr(type(value), "to_error", None)
+            if to_exc is not None:
+                self.future.set_exception(to_exc(value))
             else:
                 self.future.set_result(value)
         return None
@@ -325,7 +326,7 @@ class Gather(Pending):
             self._item(rank, None, DeliveryError(f"cannot decode reply: {e}"))
             return None
         if type(value) is ErrorReply:
-            self._item(rank, None, value.to_exception())
+            self._item(rank, None, value.to_error())
         else:
             self._item(rank, value, None)
         return None
@@ -399,6 +400,24 @@ class Mailbox:
         p = Pending(self, self._alloc(), dest, what, timeout_s)
         self.ports[p.index] = p
         return p
+
+    def ask(self, dest: ActorId, msg: Any, timeout_s: float) -> asyncio.Future[Any]:
+        """Typed request from this mailbox (loop thread); a loop future of the reply.
+
+        A reply that is an error (`ErrorReply`, `Rejected`: any type with
+        ``to_error``) fails the future with that exception.
+        """
+        tid = type(msg).__palatine_type_id__
+        p = self.pending(dest, type(msg).__name__, timeout_s)
+        env = Envelope(self.actor_id, PortId(dest, tid), tid, ENC_MSGPACK, encode_message(msg), p.id)
+        self.proc.post(env)
+        return p.future
+
+    def tell(self, dest: ActorId | PortId, msg: Any) -> None:
+        """One-way typed message to an actor's handler port, or to an explicit port."""
+        tid = type(msg).__palatine_type_id__
+        port = dest if isinstance(dest, PortId) else PortId(dest, tid)
+        self.proc.post(Envelope(self.actor_id, port, tid, ENC_MSGPACK, encode_message(msg)))
 
     def gather(
         self,

@@ -211,11 +211,7 @@ class ActorRef:
         def go() -> Future[Any]:
             mb = caller_mailbox()
             _self_call_check(mb, dest)
-            p = mb.pending(dest, type(msg).__name__, t)
-            tid = type(msg).__palatine_type_id__
-            env = Envelope(mb.actor_id, PortId(dest, tid), tid, ENC_MSGPACK, encode_message(msg), p.id)
-            mb.proc.post(env)
-            return Future.from_asyncio(p.future)
+            return Future.from_asyncio(mb.ask(dest, msg, t))
 
         return runtime.call(go)
 

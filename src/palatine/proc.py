@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -53,16 +53,18 @@ class ActorSnapshot(msgspec.Struct, kw_only=True):
     children: dict[str, ActorSnapshot]
 
 
-class PeerGoneNotice(msgspec.Struct, kw_only=True):
-    """What a proc learns when the system declares another proc dead (20-system.md §1.9)."""
+class PeerGoneNotice(Protocol):
+    """What a proc learns when the system declares another proc dead (20-system.md §1.9).
 
-    proc_id: str
-    health: str = "Exited"
-    reason: str = ""
-    exit_code: int | None = None
-    exit_signal: int | None = None
-    pid: int | None = None
-    host: str | None = None
+    The system's ``PeerGone`` message has this shape.
+    """
+
+    proc_id: ProcId
+    reason: str
+    exit_code: int | None
+    exit_signal: int | None
+    pid: int | None
+    host: str
 
 
 class ClientInstance:
@@ -157,11 +159,11 @@ class Proc:
         if dest.proc == self.proc_id:
             self._deliver_local(env)
             return
-        tx = self.router.tx_for(dest)
-        if tx is None:
-            self._route_miss(env)
-            return
         try:
+            tx = self.router.tx_for(dest)
+            if tx is None:
+                self._route_miss(env)
+                return
             tx.post(env, self._tx_returned)
         except ChannelClosed as e:
             self.return_envelope(env, f"broken link: {e}")
@@ -270,13 +272,30 @@ class Proc:
         if self.stopping:
             raise SpawnError(f"{self.proc_id} is stopping")
         self._claim_name(name, _internal)
-        actor_id = ActorId(self.proc_id, name, 0)
         try:
             actor = cls(*args, **kwargs)
-            inst = ActorInstance(self, actor_id, actor, rank=_rank)
         except Exception as e:
             self._names_used.discard(name)
+            actor_id = self.proc_id.actor(name)
             raise SpawnError(f"spawning {actor_id}: constructor error: {type(e).__name__}: {e}") from e
+        return await self._start_root(name, actor, _rank)
+
+    async def spawn_instance(
+        self, name: str, actor: Actor, *, internal: bool = False, rank: dict[str, int] | None = None
+    ) -> ActorId:
+        """Spawn an already-constructed actor as root ``name`` (runtime actors)."""
+        if self.stopping:
+            raise SpawnError(f"{self.proc_id} is stopping")
+        self._claim_name(name, internal)
+        return await self._start_root(name, actor, rank)
+
+    async def _start_root(self, name: str, actor: Actor, rank: dict[str, int] | None) -> ActorId:
+        actor_id = self.proc_id.actor(name)
+        try:
+            inst = ActorInstance(self, actor_id, actor, rank=rank)
+        except Exception as e:
+            self._names_used.discard(name)
+            raise SpawnError(f"spawning {actor_id}: {type(e).__name__}: {e}") from e
         self._register(inst)
         self.roots[name] = inst
         try:
@@ -372,7 +391,7 @@ class Proc:
 
     def peer_gone(self, notice: PeerGoneNotice) -> None:
         """The system declared a proc dead: close its Tx, drop routes, fail calls, watches."""
-        proc = ProcId.parse(notice.proc_id)
+        proc = notice.proc_id
         self.gone[proc] = notice
         addr = self.router.binding(proc)
         if addr is not None:

@@ -239,6 +239,8 @@ class NetTx(Tx):
         self._task: asyncio.Task[None] | None = None
         self._flush_scheduled = False
         self._check_handle: asyncio.TimerHandle | None = None
+        # Set while a reconnected link waits for the server's answer to Init.
+        self._init_ack_handle: asyncio.TimerHandle | None = None
         self._last_error = "not connected yet"
         self._status = TxStatus()
         self._closing = False
@@ -355,7 +357,7 @@ class NetTx(Tx):
         self._flush_scheduled = False
         conn = self._conn
         outbox = self._outbox
-        if conn is None or conn.write_paused or not outbox:
+        if conn is None or conn.write_paused or not outbox or self._init_ack_handle is not None:
             return
         transport = conn.transport
         assert transport is not None
@@ -383,6 +385,8 @@ class NetTx(Tx):
             conn._drop(f"protocol error: ack {n} beyond the last posted seq {self._next_seq - 1}")
             return
         if n <= self._acked:
+            if self._init_ack_handle is not None:
+                self._init_ack_done()
             return
         self._acked = n
         for queue in (self._unacked, self._outbox):
@@ -394,6 +398,8 @@ class NetTx(Tx):
                 break
         if self._drained is not None and not self.pending and not self._drained.done():
             self._drained.set_result(None)
+        if self._init_ack_handle is not None:
+            self._init_ack_done()
 
     def _on_reject(self, conn: _ClientConn, reason: str) -> None:
         from palatine.wire.handshake import rejected_reason
@@ -407,20 +413,41 @@ class NetTx(Tx):
         self._close(reason)
 
     def _on_ready(self, conn: _ClientConn) -> None:
-        """Handshake done: send ``Init``, then everything unacked and queued, in seq order."""
+        """Handshake done: send ``Init``, then the outbox in seq order.
+
+        After a reconnect the unacked entries go back to the front of the outbox, and
+        writing waits for the server's answer to ``Init`` (an ``Ack`` of everything it
+        already has), so a flaky link does not resend what already arrived.
+        """
         self._conn = conn
         self.connects += 1
-        if self._unacked:
+        resend = bool(self._unacked)
+        if resend:
             self._unacked.extend(self._outbox)
             self._outbox, self._unacked = self._unacked, deque()
         first = self._outbox[0][_SEQ] if self._outbox else self._next_seq
         assert conn.transport is not None
         conn.transport.write(encode_frame(Init(self.session_id, first)))
-        self._flush()
+        if resend:
+            self._init_ack_handle = self._loop.call_later(
+                self._auth_timeout, self._init_ack_done
+            )
+        else:
+            self._flush()
+
+    def _init_ack_done(self) -> None:
+        """The server answered ``Init`` (or took too long to): start writing."""
+        if self._init_ack_handle is not None:
+            self._init_ack_handle.cancel()
+            self._init_ack_handle = None
+            self._flush()
 
     def _on_lost(self, conn: _ClientConn) -> None:
         if self._conn is conn:
             self._conn = None
+            if self._init_ack_handle is not None:
+                self._init_ack_handle.cancel()
+                self._init_ack_handle = None
             self._last_error = conn.lost.result() if conn.lost.done() else "connection lost"
 
     # -- connecting ----------------------------------------------------------------------
@@ -544,9 +571,10 @@ class NetTx(Tx):
         if self._status.closed:
             return
         self._status = TxStatus(True, reason)
-        if self._check_handle is not None:
-            self._check_handle.cancel()
-            self._check_handle = None
+        for handle in (self._check_handle, self._init_ack_handle):
+            if handle is not None:
+                handle.cancel()
+        self._check_handle = self._init_ack_handle = None
         for conn in (self._conn, self._attempt):
             if conn is not None and conn.transport is not None:
                 conn.transport.abort()
@@ -733,9 +761,11 @@ class _ServerConn(asyncio.Protocol):
         session.owner = self
         self.session = session
         self.state = _OPEN
-        if session.expected > frame.next_seq:
-            # The client still holds seqs we have: say so before it resends them.
-            self._send_ack(force=True)
+        # Always answer Init with what we have (-1: nothing yet), so a reconnecting
+        # client resends only what is missing.
+        self._last_ack = session.expected - 1
+        assert self.transport is not None
+        self.transport.write(encode_frame(Ack(self._last_ack)))
 
     def _take_over(self) -> None:
         """A newer connection owns our session now: close without reporting a lost peer."""

@@ -216,6 +216,7 @@ class History:
         "_n",
         "_order",
         "_pending_drop",
+        "_pending_ref",
         "_progress",
         "_ref_status",
     )
@@ -231,7 +232,11 @@ class History:
         self._order: deque[Invocation] = deque()
         # ref -> seq of its latest definer (Invoked) or the root Error (Errored).
         self._ref_status: dict[int, int | Error[Any]] = {}
+        # Dropped refs waiting for a live producer: per producer (for the purge), and
+        # ref -> the producer its latest drop waits for (entries of an older drop of the
+        # same ref that no longer match are skipped at the purge).
         self._pending_drop: dict[int, list[int]] = {}
+        self._pending_ref: dict[int, int] = {}
         self._max_seq: int | None = None
         self._deadline: Deadline | None = None
 
@@ -275,7 +280,7 @@ class History:
     @property
     def pending_drop_count(self) -> int:
         """Number of dropped refs waiting for their live producer to be purged."""
-        return sum(len(refs) for refs in self._pending_drop.values())
+        return len(self._pending_ref)
 
     def frontier(self, rank: int) -> int:
         """Client-view first incomplete seq of ``rank``."""
@@ -301,7 +306,7 @@ class History:
 
     def is_pending_drop(self, ref: int) -> bool:
         """Whether ``ref`` was dropped and waits for its producer's purge."""
-        return any(ref in refs for refs in self._pending_drop.values())
+        return ref in self._pending_ref
 
     def op_at_or_after(self, seq: int) -> tuple[int, str] | None:
         """``(seq, label)`` of the first live invocation at or after ``seq``, or ``None``.
@@ -490,11 +495,15 @@ class History:
         rs = self._ref_status
         live = self._live
         pending = self._pending_drop
+        pending_ref = self._pending_ref
         for ref in refs:
             st = rs.get(ref)
             if st is None:
                 continue
             if type(st) is int and st in live:
+                if pending_ref.get(ref) == st:
+                    continue  # already waiting for this producer
+                pending_ref[ref] = st
                 waiting = pending.get(st)
                 if waiting is None:
                     pending[st] = [ref]
@@ -564,18 +573,24 @@ class History:
         """Remove the refs dropped while ``seq`` (just purged) was their producer.
 
         A ref redefined since by a later, still live invocation is not removed: its drop
-        moves to that producer (DropRefs never removes a live producer's status).
+        moves to that producer (DropRefs never removes a live producer's status). A ref
+        dropped again since, while a later producer was live, waits for that one instead.
         """
         rs = self._ref_status
         live = self._live
         pending = self._pending_drop
+        pending_ref = self._pending_ref
         for ref in refs:
+            if pending_ref.get(ref) != seq:
+                continue  # superseded by a later drop against another producer
             st = rs.get(ref)
             if type(st) is int and st != seq and st in live:
+                pending_ref[ref] = st
                 waiting = pending.get(st)
                 if waiting is None:
                     pending[st] = [ref]
                 else:
                     waiting.append(ref)
             else:
+                del pending_ref[ref]
                 rs.pop(ref, None)

@@ -1,0 +1,38 @@
+"""The ``palatine`` command line (05-interfaces.md "CLI"): one module per subcommand.
+
+argparse, imported lazily per subcommand, because worker procs start often and must
+import fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main"]
+
+# subcommand -> (module, help)
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "system": ("palatine.cli.system", "run the system (registry of worlds and procs)"),
+    "host": ("palatine.cli.host", "run a host that starts the procs of a world"),
+    "worker": ("palatine.cli.worker", "run a proc that joins a world and waits for spawns"),
+    "snapshot": ("palatine.cli.snapshot", "print the worlds and procs of a running system"),
+    "stop": ("palatine.cli.stop", "stop worlds (or everything) of a running system"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``palatine`` console script; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="palatine", description="palatine distributed runtime")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    args_list = sys.argv[1:] if argv is None else argv
+    name = next((a for a in args_list if not a.startswith("-")), None)
+    for cmd, (mod, help_text) in _COMMANDS.items():
+        p = sub.add_parser(cmd, help=help_text, description=help_text)
+        if cmd == name:
+            importlib.import_module(mod).add_arguments(p)  # type: ignore[attr-defined]
+    args = parser.parse_args(args_list)
+    module = importlib.import_module(_COMMANDS[args.command][0])
+    return int(module.run(args) or 0)  # type: ignore[attr-defined]

@@ -1,0 +1,65 @@
+"""``palatine host``: join as ``hostW[r]`` and start the procs of world W (§2.5)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from palatine.cli.role import ready_line, run_role
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system-addr", required=True)
+    p.add_argument("--host-world", required=True, help="host world, e.g. hostworker")
+    p.add_argument("--host-rank", type=int, required=True)
+    p.add_argument("--supervision-update-interval-in-sec", type=float, default=None,
+                   help="heartbeat interval (default 2)")
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_role(lambda stop: serve_host(args, stop))
+
+
+async def serve_host(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    from palatine import config
+    from palatine.agent import bootstrap_proc
+    from palatine.errors import JoinError
+    from palatine.host import HostAgent
+    from palatine.ids import WorldId, is_host_world
+
+    if not is_host_world(args.host_world):
+        print(f"palatine host: --host-world {args.host_world!r} must start with 'host'", file=sys.stderr)
+        return 2
+    proc_id = WorldId(args.host_world).proc(args.host_rank)
+    try:
+        handle = await bootstrap_proc(
+            proc_id,
+            args.system_addr,
+            supervision_update_interval_s=args.supervision_update_interval_in_sec,
+            labels={"proc.palatine.dev/role": "host"},
+            main_proc=True,
+            join_timeout_s=config.get().join_timeout_s,
+            agent_cls=HostAgent,
+        )
+    except JoinError as e:
+        print(f"cannot join system at {args.system_addr}: {e}", file=sys.stderr)
+        return 1
+    ready_line("host", handle.addr)
+    waiter = asyncio.ensure_future(handle.wait())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    agent = handle.agent
+    assert isinstance(agent, HostAgent)
+    if waiter.done():
+        stopper.cancel()
+        reason = waiter.result()
+        await agent.kill_children()
+        await handle.shutdown(reason, leave=False)
+        return 1 if reason == "system lost" else 0
+    waiter.cancel()
+    await agent.kill_children()
+    await handle.shutdown("stopped by signal")
+    return 0

@@ -1,0 +1,85 @@
+"""What every long-running role shares: logging, config, the loop, signals, ready line.
+
+A role runs its loop in the main thread (uvloop when configured), prints one JSON ready
+line on stdout once it can serve, logs to stderr, exits 0 on SIGTERM/SIGINT after a
+clean stop, 1 when a root actor fails unhandled, and 2 for a configuration error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from palatine import config, runtime
+from palatine.errors import ConfigError
+from palatine.supervision_hook import set_unhandled_fault_hook
+
+__all__ = ["run_role", "ready_line", "add_seconds_flag", "setup_logging"]
+
+log = logging.getLogger("palatine")
+
+
+def setup_logging() -> None:
+    level = os.environ.get("PALATINE_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def ready_line(role: str, addr: Any) -> None:
+    """The one JSON line a role prints on stdout once it can serve."""
+    sys.stdout.write(
+        json.dumps({"event": "ready", "role": role, "addr": str(addr), "pid": os.getpid()}) + "\n"
+    )
+    sys.stdout.flush()
+
+
+def add_seconds_flag(p: Any, flag: str, default: float | None, help_text: str) -> None:
+    p.add_argument(flag, type=float, default=default, help=help_text)
+
+
+def run_role(main: Callable[[asyncio.Event], Awaitable[int]]) -> int:
+    """Run ``main(stop_event)`` on a fresh loop in this thread; map failures to exit codes."""
+    setup_logging()
+    try:
+        config.reload()
+    except ConfigError as e:
+        print(f"palatine: {e}", file=sys.stderr)
+        return 2
+    loop = runtime.new_event_loop()
+    asyncio.set_event_loop(loop)
+    exit_code: list[int] = []
+
+    def fault(event: Any) -> None:
+        log.error("unhandled failure of %s: %s", event.actor_id, event.message)
+        exit_code.append(1)
+        stop.set()
+
+    set_unhandled_fault_hook(fault)
+    stop = asyncio.Event()
+
+    async def body() -> int:
+        runtime.adopt_current_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await main(stop)
+
+    try:
+        code = loop.run_until_complete(body())
+    except ConfigError as e:
+        print(f"palatine: {e}", file=sys.stderr)
+        code = 2
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+    return exit_code[0] if exit_code else code

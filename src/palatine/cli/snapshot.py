@@ -1,0 +1,73 @@
+"""``palatine snapshot``: print worlds and procs of a running system (table or --json)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+__all__ = ["add_arguments", "run", "parse_kv"]
+
+
+def parse_kv(items: list[str] | None) -> dict[str, str]:
+    """``KEY=VALUE`` items (split at the first ``=``) into a dict; usage error otherwise."""
+    out: dict[str, str] = {}
+    for s in items or []:
+        if "=" not in s:
+            raise SystemExit(f"palatine: invalid KEY=value: no '=' found in '{s}'")
+        k, v = s.split("=", 1)
+        out[k] = v
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system-addr", required=True)
+    p.add_argument("--world", action="append", default=[], help="only this world (repeatable)")
+    p.add_argument("--world-label", action="append", default=[], metavar="K=V")
+    p.add_argument("--proc-label", action="append", default=[], metavar="K=V")
+    p.add_argument("--json", action="store_true", help="print the JSON document")
+    p.add_argument("--timeout-in-sec", type=float, default=10.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from palatine.cli.role import setup_logging
+    from palatine.runtime import new_event_loop
+
+    setup_logging()
+    wl, pl = parse_kv(args.world_label), parse_kv(args.proc_label)
+    loop = new_event_loop()
+    try:
+        snap = loop.run_until_complete(_snapshot(args, wl, pl))
+    except Exception as e:  # noqa: BLE001 - a CLI reports and exits
+        print(f"palatine snapshot: {e}", file=sys.stderr)
+        return 1
+    finally:
+        loop.close()
+    import msgspec
+
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(snap).decode() + "\n")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"execution {snap.execution_id}")
+    for col in ("world", "status", "proc", "health", "host", "pid", "addr", "reason"):
+        table.add_column(col)
+    for row in snap.rows():
+        table.add_row(*row)
+    Console().print(table)
+    return 0
+
+
+async def _snapshot(args: argparse.Namespace, wl: dict[str, str], pl: dict[str, str]):  # type: ignore[no-untyped-def]
+    from palatine import runtime
+    from palatine.system.service import System
+
+    runtime.adopt_current_loop()
+    async with asyncio.timeout(args.timeout_in_sec):
+        client = await System(args.system_addr).attach(timeout_s=args.timeout_in_sec)
+        try:
+            return await client.snapshot(args.world, wl, pl)
+        finally:
+            await client.close()

@@ -1,0 +1,66 @@
+"""``palatine worker``: a plain proc that joins its world and waits for spawns (§2.1)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from palatine.cli.role import ready_line, run_role
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-id", help="world (default: PALATINE_WORLD_ID)")
+    p.add_argument("--proc-id", help="proc id W[r] (default: PALATINE_PROC_ID)")
+    p.add_argument("--bootstrap-addr", help="system address (default: PALATINE_BOOTSTRAP_ADDR)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from palatine.children import arm_parent_death_signal
+    from palatine.debug import register_faulthandler
+
+    arm_parent_death_signal()
+    register_faulthandler()
+    proc_text = args.proc_id or os.environ.get("PALATINE_PROC_ID")
+    addr = args.bootstrap_addr or os.environ.get("PALATINE_BOOTSTRAP_ADDR")
+    if not proc_text or not addr:
+        print("palatine worker: need --proc-id and --bootstrap-addr (or PALATINE_PROC_ID and "
+              "PALATINE_BOOTSTRAP_ADDR)", file=sys.stderr)
+        return 2
+    return run_role(lambda stop: serve_worker(proc_text, addr, stop))
+
+
+async def serve_worker(proc_text: str, addr: str, stop: asyncio.Event) -> int:
+    from palatine import config
+    from palatine.agent import bootstrap_proc
+    from palatine.errors import JoinError
+    from palatine.ids import ProcId
+
+    proc_id = ProcId.parse(proc_text)
+    host = os.environ.get("PALATINE_HOST_PROC_ID")
+    try:
+        handle = await bootstrap_proc(
+            proc_id,
+            addr,
+            host_proc=ProcId.parse(host) if host else None,
+            main_proc=True,
+            join_timeout_s=config.get().join_timeout_s,
+        )
+    except JoinError as e:
+        print(f"cannot join system at {addr}: {e}", file=sys.stderr)
+        return 1
+    ready_line("worker", handle.addr)
+    waiter = asyncio.ensure_future(handle.wait())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    if waiter.done():
+        reason = waiter.result()
+        stopper.cancel()
+        await handle.shutdown(reason, leave=False)
+        return 1 if reason == "system lost" else 0
+    waiter.cancel()
+    await handle.shutdown("stopped by signal")
+    return 0

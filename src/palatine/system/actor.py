@@ -1,0 +1,265 @@
+"""The SystemActor ``system[0].root[0]``: the asyncio shell around `SystemRegistry`.
+
+It decodes requests, calls the registry, sends the reply first and then executes the
+returned instructions in order (`palatine.system.instructions`): sends, asks whose
+outcomes feed back, liveness probes, timers, router (un)binds, logs and the final stop.
+It also runs the periodic health tick and feeds the mailbox server's
+"connection lost" signal and its own returned messages to the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+from typing import Any
+
+from palatine import config
+from palatine.actor import Actor, handler
+from palatine.channel.addr import ChannelAddr
+from palatine.ids import ProcId
+from palatine.system.instructions import (
+    Ask,
+    Bind,
+    Instruction,
+    JoinProbeNeeded,
+    Log,
+    Probe,
+    Send,
+    StopSystem,
+    Timer,
+    Unbind,
+)
+from palatine.system.messages import (
+    Join,
+    Leave,
+    ProcExited,
+    Resolve,
+    Snapshot,
+    Stop,
+    Subscribe,
+    SupervisionUpdate,
+    Unsubscribe,
+    UpsertWorld,
+    WorldState,
+)
+from palatine.system.registry import SystemRegistry
+from palatine.wire.envelope import Envelope
+
+__all__ = ["SystemActor", "probe_addr"]
+
+log = logging.getLogger("palatine.system")
+
+
+async def probe_addr(addr: str, timeout_s: float) -> str:
+    """Try to connect to ``addr``: ``connected``, ``refused`` or ``timeout`` (nothing sent)."""
+    try:
+        a = ChannelAddr.parse(addr)
+    except ValueError:
+        return "refused"
+    if a.transport == "local":
+        from palatine.channel import local
+
+        return "connected" if a.port in local._served else "refused"
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(a.family if a.family != socket.AF_UNSPEC else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await loop.sock_connect(sock, a.sockaddr())
+        return "connected"
+    except TimeoutError:
+        return "timeout"
+    except OSError as e:
+        if e.errno in (errno.ETIMEDOUT,):
+            return "timeout"
+        return "refused"
+    finally:
+        sock.close()
+
+
+class SystemActor(Actor):
+    """The registry of worlds and procs, their supervision, eviction and stop."""
+
+    __palatine_name__ = "palatine.system.SystemActor"
+
+    def __init__(self, registry: SystemRegistry) -> None:
+        self.reg = registry
+        self.done: asyncio.Future[str] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._timers: list[asyncio.TimerHandle] = []
+        self._tick: asyncio.Task[None] | None = None
+
+    async def init(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.done = loop.create_future()
+        self.cx.proc.on_peer_lost = self._peers_lost
+        self._tick = loop.create_task(self._health_ticks())
+
+    async def _health_ticks(self) -> None:
+        while True:
+            await asyncio.sleep(self.reg.health_tick_interval_s)
+            self._run(self.reg.handle_health_tick())
+
+    def _peers_lost(self, procs: set[ProcId]) -> None:
+        for p in procs:
+            self._run(self.reg.handle_connection_lost(p))
+
+    # ------------------------------------------------------------ requests
+    def _request(self, msg: Any) -> None:
+        env = self.cx.env
+        assert env is not None
+        result = self.reg.handle(msg, requester=env.sender.proc)
+        self._answer(env, msg, result)
+
+    def _answer(self, env: Envelope, msg: Any, result: tuple[Any, list[Instruction]]) -> None:
+        reply, out = result
+        # Routes first: the reply to a Join must be able to reach the joining proc.
+        binds = [i for i in out if type(i) is Bind]
+        if binds:
+            self._execute(binds)
+            out = [i for i in out if type(i) is not Bind]
+        if isinstance(reply, JoinProbeNeeded):
+            self._spawn(self._probe_then_join(env, msg, reply.probe))
+        elif reply is not None and env.reply_to is not None:
+            self.cx._inst.reply(env.reply_to, reply, env)
+        self._execute(out)
+
+    async def _probe_then_join(self, env: Envelope, msg: Join, probe: Probe) -> None:
+        outcome = await probe_addr(probe.addr, probe.timeout_s)
+        self._answer(env, msg, self.reg.complete_join(msg, probe, outcome))  # type: ignore[arg-type]
+
+    @handler
+    def on_join(self, msg: Join) -> None:
+        self._request(msg)
+
+    @handler
+    def on_leave(self, msg: Leave) -> None:
+        self._request(msg)
+
+    @handler
+    def on_upsert_world(self, msg: UpsertWorld) -> None:
+        self._request(msg)
+
+    @handler
+    def on_snapshot(self, msg: Snapshot) -> None:
+        self._request(msg)
+
+    @handler
+    def on_stop_request(self, msg: Stop) -> None:
+        self._request(msg)
+
+    @handler
+    def on_supervision_update(self, msg: SupervisionUpdate) -> None:
+        env = self.cx.env
+        assert env is not None
+        self._answer(env, msg, self.reg.handle(msg, arrived_at=self.reg._clock()))
+
+    @handler
+    def on_world_state(self, msg: WorldState) -> None:
+        self._request(msg)
+
+    @handler
+    def on_resolve(self, msg: Resolve) -> None:
+        self._request(msg)
+
+    @handler
+    def on_proc_exited(self, msg: ProcExited) -> None:
+        self._request(msg)
+
+    @handler
+    def on_subscribe(self, msg: Subscribe) -> None:
+        self._request(msg)
+
+    @handler
+    def on_unsubscribe(self, msg: Unsubscribe) -> None:
+        self._request(msg)
+
+    def handle_undeliverable(self, returned: Envelope) -> None:
+        """A message we sent came back: the destination may be gone (never fails us)."""
+        dest: Any = returned.dest
+        if returned.dest.port < 1 << 63:
+            dest = returned.dest  # a subscriber port
+        else:
+            dest = returned.dest.actor
+        self._run(self.reg.handle_returned(dest, returned.errors or ()))
+
+    # ------------------------------------------------------------ instructions
+    def _run(self, result: tuple[Any, list[Instruction]]) -> None:
+        self._execute(result[1])
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("system task failed: %r", task.exception())
+
+    def _execute(self, out: list[Instruction]) -> None:
+        mb = self.cx.mailbox
+        for ins in out:
+            t = type(ins)
+            if t is Send:
+                mb.tell(ins.dest, ins.message)  # type: ignore[union-attr]
+            elif t is Ask:
+                self._spawn(self._ask(ins))  # type: ignore[arg-type]
+            elif t is Probe:
+                self._spawn(self._probe(ins))  # type: ignore[arg-type]
+            elif t is Timer:
+                loop = asyncio.get_running_loop()
+                token = ins.token  # type: ignore[union-attr]
+                self._timers.append(
+                    loop.call_later(ins.delay_s, lambda tok=token: self._run(self.reg.handle_timer(tok)))  # type: ignore[union-attr]
+                )
+            elif t is Bind:
+                self.cx.proc.router.bind(ins.proc_id, ChannelAddr.parse(ins.addr))  # type: ignore[union-attr]
+            elif t is Unbind:
+                self.cx.proc.router.unbind(ins.target)  # type: ignore[union-attr]
+            elif t is Log:
+                log.log(ins.level, "%s", ins.text)  # type: ignore[union-attr]
+            elif t is StopSystem:
+                log.info("system stopping: %s", ins.reason)  # type: ignore[union-attr]
+                if self.done is not None and not self.done.done():
+                    self.done.set_result(ins.reason)  # type: ignore[union-attr]
+
+    async def _ask(self, ask: Ask) -> None:
+        try:
+            reply = await self.cx.mailbox.ask(ask.dest, ask.message, ask.timeout_s)
+        except Exception as e:  # noqa: BLE001 - every failure is fed back
+            self._run(self.reg.handle_reply(ask, None, str(e)))
+            return
+        self._run(self.reg.handle_reply(ask, reply, None))
+
+    async def _probe(self, probe: Probe) -> None:
+        outcome = await probe_addr(probe.addr, probe.timeout_s)
+        self._run(self.reg.handle_probe_result(probe, outcome))  # type: ignore[arg-type]
+
+    async def on_stop(self, reason: str) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+        for h in self._timers:
+            h.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+
+
+def registry_from_config(
+    supervision_update_timeout_s: float | None = None,
+    world_eviction_timeout_s: float | None = None,
+) -> SystemRegistry:
+    """A `SystemRegistry` with the configured timeouts (explicit arguments win)."""
+    cfg = config.get()
+    loop = asyncio.get_running_loop()
+    return SystemRegistry(
+        loop.time,
+        cfg.supervision_update_timeout_s if supervision_update_timeout_s is None else supervision_update_timeout_s,
+        cfg.world_eviction_timeout_s if world_eviction_timeout_s is None else world_eviction_timeout_s,
+        liveness_probe_timeout_s=cfg.liveness_probe_timeout_s,
+        exit_report_grace_s=cfg.exit_report_grace_s,
+        proc_stop_timeout_s=cfg.proc_stop_timeout_s,
+        rpc_timeout_s=cfg.rpc_timeout_s,
+    )
