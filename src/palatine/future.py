@@ -38,12 +38,13 @@ def on_loop_thread() -> bool:
 class Future(Generic[T]):
     """The result of a remote operation: ``get``/``result``, ``exception``, ``done``, await."""
 
-    __slots__ = ("_cf", "_afut", "_loop")
+    __slots__ = ("_cf", "_afut", "_transform", "_loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._cf: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._afut: asyncio.Future[T] | None = None
+        self._afut: asyncio.Future[Any] | None = None
+        self._transform: Callable[[Any], T] | None = None
 
     # -- producer side (palatine loop thread) ------------------------------------
     @classmethod
@@ -61,8 +62,8 @@ class Future(Generic[T]):
         self, afut: asyncio.Future[Any], transform: Callable[[Any], T] | None = None
     ) -> None:
         """Complete this future from ``afut`` (call on the loop thread)."""
-        if transform is None:
-            self._afut = afut
+        self._afut = afut
+        self._transform = transform
         cf = self._cf
 
         def done(f: asyncio.Future[Any]) -> None:
@@ -120,7 +121,8 @@ class Future(Generic[T]):
             running = None
         afut = self._afut
         if afut is not None and running is self._loop:
-            return (yield from afut.__await__())
+            value = yield from afut.__await__()
+            return value if self._transform is None else self._transform(value)
         return (yield from asyncio.wrap_future(self._cf).__await__())
 
     def __repr__(self) -> str:

@@ -348,12 +348,29 @@ class ActorMesh:
             import pickle
 
             data = pickle.dumps((method, args, kwargs), protocol=5)
+        fanout = config.get().cast_fanout
+        if self._size <= fanout:
+            # Root step of a tree whose blocks are all single ranks: direct deliveries.
+            sender = mb.actor_id
+            origin = str(sender)
+            post = mb.proc.post
+            world = self.gang.world
+            name = self.gang.name
+            for r in self._ranks:
+                dest = ActorId(ProcId(world, r), name, 0)
+                post(
+                    Envelope(
+                        sender, PortId(dest, ENDPOINT_CALL_TID), ENDPOINT_CALL_TID, ENC_PICKLE, data,
+                        reply_to, {"cast_rank": r, "cast_size": self._size, "cast_origin": origin},
+                    )
+                )
+            return
         cast = Cast(
             origin=mb.actor_id,
             gang=self.gang,
             gang_size=self._size,
             ranks=normalize(self._ranks, self._size),
-            fanout=config.get().cast_fanout,
+            fanout=fanout,
             type_id=ENDPOINT_CALL_TID,
             encoding=ENC_PICKLE,
             data=data,
@@ -388,10 +405,11 @@ class ActorMesh:
 
         def go() -> Future[Any]:
             mb = caller_mailbox()
-            _self_call_check(mb, self.gang.actor(r))
-            g = mb.gather(self.gang.actor(r), f"call {method}", timeout_s, self._procs())
-            self._cast(mb, method, args, kwargs, g.id)
-            return Future.from_asyncio(g.future, lambda res: res[r])
+            dest = self.gang.actor(r)
+            _self_call_check(mb, dest)
+            p = mb.pending(dest, f"call {method}", timeout_s)
+            self._cast(mb, method, args, kwargs, p.id)
+            return Future.from_asyncio(p.future)
 
         return runtime.call(go)
 

@@ -297,7 +297,7 @@ def test_messages_are_keyword_only() -> None:
             with pytest.raises(TypeError):
                 cls(*[None] * len(fields))
     with pytest.raises(TypeError):
-        cm.Node(1)  # type: ignore[misc]
+        cm.Node(1)  # type: ignore[call-arg]
 
 
 def test_controller_reexports_the_worker_replies() -> None:

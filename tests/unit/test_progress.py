@@ -33,7 +33,7 @@ from palatine.worker.messages import ExecutingOp, StreamProgress, WorkerProgress
 
 W = WorldId("worker")
 
-IN_PROCESS_DUMP = '''Thread 0x7f01 "MainThread" (most recent call last):
+IN_PROCESS_DUMP = """Thread 0x7f01 "MainThread" (most recent call last):
   File "/palatine/proc.py", line 10, in run
     loop.run_forever()
   File "/asyncio/base_events.py", line 600, in run_forever
@@ -50,9 +50,9 @@ Thread 0x7f02 "palatine-stream-main" (daemon) (most recent call last):
 Thread 0x7f03 "palatine-heartbeat" (daemon) (most recent call last):
   File "/palatine/heartbeat.py", line 40, in _beat
     time.sleep(0.5)
-'''
+"""
 
-PYSPY_DUMP = '''Process 4243: python -m palatine worker
+PYSPY_DUMP = """Process 4243: python -m palatine worker
 Python v3.11.7 (/usr/bin/python3.11)
 
 Thread 4243 (idle): "MainThread"
@@ -66,15 +66,15 @@ Thread 4251 (idle): "palatine-stream-main"
             x: 1
     _execute (palatine/worker/stream.py:91)
     _loop (palatine/worker/stream.py:80)
-'''
+"""
 
-FAULTHANDLER_DUMP = '''Thread 0x00007f02 (most recent call first):
+FAULTHANDLER_DUMP = """Thread 0x00007f02 (most recent call first):
   File "/home/me/train.py", line 12 in slow_step
   File "/palatine/worker/stream.py", line 80 in _loop
 
 Current thread 0x00007f01 (most recent call first):
   File "/palatine/proc.py", line 10 in run
-'''
+"""
 
 
 class Sim:
@@ -277,7 +277,9 @@ def test_49_report_names_op_function_and_stack_of_the_stuck_stream() -> None:
     sim = Sim(2, procs=procs)
     sim.node(17, "train.slow_step")
     sim.answers[0] = RankStallData(
-        rank=0, progress=_busy(0, 17, "train.slow_step"), stack=IN_PROCESS_DUMP,
+        rank=0,
+        progress=_busy(0, 17, "train.slow_step"),
+        stack=IN_PROCESS_DUMP,
         stack_method="in-process",
     )
     sim.answers[1] = RankStallData(rank=1, stack=PYSPY_DUMP, stack_method="py-spy")
@@ -296,7 +298,7 @@ def test_49_report_names_op_function_and_stack_of_the_stuck_stream() -> None:
     text = warn.message
     # rank 0: only the stream thread of the stuck op, with the sleeping frame.
     assert "rank 0 stack (via in-process):" in text
-    assert 'in slow_step\n      time.sleep(10)' in text
+    assert "in slow_step\n      time.sleep(10)" in text
     assert "palatine-heartbeat" not in text and "MainThread" not in text
     # rank 1 (no progress answer): every stream thread of its py-spy dump.
     assert "rank 1 stack (via py-spy):" in text

@@ -104,8 +104,7 @@ class ProgressMonitor:
     ) -> None:
         if operations_per_request < 1:
             raise ValueError(
-                f"operations_per_worker_progress_request must be >= 1, got "
-                f"{operations_per_request}"
+                f"operations_per_worker_progress_request must be >= 1, got {operations_per_request}"
             )
         self._history = history
         self._world = str(worker_world)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from collections.abc import Iterable
+from typing import Literal
 
 from palatine.controller.history import History
 from palatine.controller.messages import (
@@ -351,9 +352,10 @@ class SupervisionMonitor:
                     )
                 ]
             out: list[Instruction] = []
+            # The first failure of a streak is a warning; the retries that follow are not.
+            level: Literal["warning", "debug"] = "warning"
             if self._failing_since is None:
                 self._failing_since = now
-                level = "warning"
             else:
                 level = "debug"
             out.append(
@@ -400,9 +402,7 @@ class SupervisionMonitor:
         out.extend(self._gone(event.reason))
         return out
 
-    def on_world_status_changed(
-        self, event: WorldStatusChanged, now: float
-    ) -> list[Instruction]:
+    def on_world_status_changed(self, event: WorldStatusChanged, now: float) -> list[Instruction]:
         """Logged at INFO; failures themselves arrive as ``ProcFailed`` / ``WorldGone``."""
         out = self._contact(now)
         if event.world == self._world:
@@ -435,8 +435,7 @@ class SupervisionMonitor:
         failure = DeviceFailure(
             kind="system_lost",
             message=(
-                f"lost contact with system at {self._addr}; workers can no longer be "
-                f"supervised"
+                f"lost contact with system at {self._addr}; workers can no longer be supervised"
             ),
             world=str(self._world),
             reason=reason,

@@ -63,7 +63,9 @@ async def probe_addr(addr: str, timeout_s: float) -> str:
 
         return "connected" if a.port in local._served else "refused"
     loop = asyncio.get_running_loop()
-    sock = socket.socket(a.family if a.family != socket.AF_UNSPEC else socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(
+        a.family if a.family != socket.AF_UNSPEC else socket.AF_INET, socket.SOCK_STREAM
+    )
     sock.setblocking(False)
     try:
         async with asyncio.timeout(timeout_s):
@@ -213,7 +215,9 @@ class SystemActor(Actor):
                 loop = asyncio.get_running_loop()
                 token = ins.token  # type: ignore[union-attr]
                 self._timers.append(
-                    loop.call_later(ins.delay_s, lambda tok=token: self._run(self.reg.handle_timer(tok)))  # type: ignore[union-attr]
+                    loop.call_later(
+                        ins.delay_s, lambda tok=token: self._run(self.reg.handle_timer(tok))
+                    )  # type: ignore[union-attr]
                 )
             elif t is Bind:
                 self.cx.proc.router.bind(ins.proc_id, ChannelAddr.parse(ins.addr))  # type: ignore[union-attr]
@@ -256,8 +260,12 @@ def registry_from_config(
     loop = asyncio.get_running_loop()
     return SystemRegistry(
         loop.time,
-        cfg.supervision_update_timeout_s if supervision_update_timeout_s is None else supervision_update_timeout_s,
-        cfg.world_eviction_timeout_s if world_eviction_timeout_s is None else world_eviction_timeout_s,
+        cfg.supervision_update_timeout_s
+        if supervision_update_timeout_s is None
+        else supervision_update_timeout_s,
+        cfg.world_eviction_timeout_s
+        if world_eviction_timeout_s is None
+        else world_eviction_timeout_s,
         liveness_probe_timeout_s=cfg.liveness_probe_timeout_s,
         exit_report_grace_s=cfg.exit_report_grace_s,
         proc_stop_timeout_s=cfg.proc_stop_timeout_s,

@@ -17,8 +17,7 @@ Bookkeeping errors are replies (`Rejected`), never exceptions (20-system.md §1.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from palatine.ids import HOST_WORLD_PREFIX, ProcId, WorldId
 from palatine.supervision import (
@@ -94,7 +93,7 @@ class SystemRegistry(DetectionMixin, StoppingMixin):
     """Worlds, procs, hosts, supervision, subscriptions, resolution, eviction and stop.
 
     Every handler returns ``(reply, instructions)``; the reply is ``None`` for one-way
-    stimuli. Constructor arguments are those of `RegistryState`.
+    stimuli. Constructor arguments are those of `RegistryState` (clock injected).
 
     Shell contract (what to call when):
 
@@ -108,27 +107,19 @@ class SystemRegistry(DetectionMixin, StoppingMixin):
     * a message the SystemActor sent came back: `handle_returned`.
     """
 
-    def __init__(
-        self,
-        clock: Callable[[], float],
-        supervision_update_timeout_s: float = 20.0,
-        world_eviction_timeout_s: float = 10.0,
-        **settings: Any,
-    ) -> None:
-        super().__init__(clock, supervision_update_timeout_s, world_eviction_timeout_s, **settings)
-        self._dispatch: dict[type, Callable[..., Result]] = {
-            Join: self.handle_join,
-            Leave: self.handle_leave,
-            UpsertWorld: self.handle_upsert_world,
-            Snapshot: self.handle_snapshot,
-            Stop: self.handle_stop,
-            SupervisionUpdate: self.handle_supervision_update,
-            WorldState: self.handle_world_state,
-            Resolve: self.handle_resolve,
-            ProcExited: self.handle_proc_exited,
-            Subscribe: self.handle_subscribe,
-            Unsubscribe: self.handle_unsubscribe,
-        }
+    # Request type -> handler method name (`handle` dispatches on the exact type).
+    _HANDLERS: ClassVar[dict[type, str]] = {
+        Join: "handle_join",
+        Leave: "handle_leave",
+        UpsertWorld: "handle_upsert_world",
+        Snapshot: "handle_snapshot",
+        Stop: "handle_stop",
+        WorldState: "handle_world_state",
+        Resolve: "handle_resolve",
+        ProcExited: "handle_proc_exited",
+        Subscribe: "handle_subscribe",
+        Unsubscribe: "handle_unsubscribe",
+    }
 
     def handle(
         self,
@@ -141,14 +132,14 @@ class SystemRegistry(DetectionMixin, StoppingMixin):
 
         A `Join` may be answered with `JoinProbeNeeded` (see `complete_join`).
         """
-        fn = self._dispatch.get(type(msg))
-        if fn is None:
-            return self._reject(
-                msg, requester, "invalid_argument", f"unexpected message {type(msg).__name__}", []
-            )
         if type(msg) is SupervisionUpdate:
-            return fn(msg, arrived_at=arrived_at)
-        return fn(msg, requester=requester)
+            return self.handle_supervision_update(msg, arrived_at=arrived_at)
+        name = self._HANDLERS.get(type(msg))
+        if name is None:
+            text = f"unexpected message {type(msg).__name__}"
+            return self._reject(msg, requester, "invalid_argument", text, [])
+        result: Result = getattr(self, name)(msg, requester=requester)
+        return result
 
     def handle_join(self, msg: Join, requester: ProcId | None = None) -> Result:
         """`Join` (20-system.md §1.4): `Joined`, `Rejected`, or `JoinProbeNeeded`."""

@@ -53,7 +53,11 @@ class SystemHandle:
         mb = self.proc.mailboxes.get(SYSTEM_ACTOR)
         if mb is not None:
             try:
-                await mb.ask(SYSTEM_ACTOR, Stop(worlds=None, proc_timeout_s=proc_timeout_s), proc_timeout_s + 5)
+                await mb.ask(
+                    SYSTEM_ACTOR,
+                    Stop(worlds=None, proc_timeout_s=proc_timeout_s),
+                    proc_timeout_s + 5,
+                )
             except Exception as e:  # noqa: BLE001 - stopping anyway
                 log.debug("stop request: %s", e)
         try:
@@ -75,7 +79,9 @@ class SystemHandle:
 class SystemClient:
     """A detached client proc joined to a system: a mailbox plus request helpers."""
 
-    def __init__(self, handle: ProcHandle, client: ClientInstance, system_addr: ChannelAddr) -> None:
+    def __init__(
+        self, handle: ProcHandle, client: ClientInstance, system_addr: ChannelAddr
+    ) -> None:
         self.handle = handle
         self.proc = handle.proc
         self.client = client
@@ -149,15 +155,21 @@ class System:
         a = ChannelAddr.parse(addr) if isinstance(addr, str) else addr
         proc = Proc(SYSTEM_PROC)
         await proc.serve(a)
-        actor = SystemActor(registry_from_config(supervision_update_timeout_s, world_eviction_timeout_s))
+        actor = SystemActor(
+            registry_from_config(supervision_update_timeout_s, world_eviction_timeout_s)
+        )
         await proc.spawn_instance("root", actor, internal=True)
         proc.return_sender = SYSTEM_ACTOR
         return SystemHandle(proc, actor)
 
-    async def attach(self, timeout_s: float | None = None, proc_id: ProcId | None = None) -> SystemClient:
+    async def attach(
+        self, timeout_s: float | None = None, proc_id: ProcId | None = None
+    ) -> SystemClient:
         """Join as a detached client proc ``user[R]``; bounded by ``timeout_s``."""
         pid = proc_id or random_user_proc()
         t = config.get().join_timeout_s if timeout_s is None else timeout_s
-        handle = await bootstrap_proc(pid, self.addr, mode=DETACHED, join_timeout_s=t, supervision_update_interval_s=0)
+        handle = await bootstrap_proc(
+            pid, self.addr, mode=DETACHED, join_timeout_s=t, supervision_update_interval_s=0
+        )
         client = handle.proc.attach("client")
         return SystemClient(handle, client, self.addr)

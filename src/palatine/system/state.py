@@ -10,6 +10,7 @@ detection paths in `palatine.system.detection`, stop and eviction in
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -88,8 +89,6 @@ class RegistryState:
         unknown_proc_stop_interval_s: float = 10.0,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
-        import time
-
         self._clock = clock
         self._wall = wall_clock if wall_clock is not None else time.time
         self.supervision_update_timeout_s = supervision_update_timeout_s

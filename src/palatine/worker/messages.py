@@ -145,9 +145,7 @@ class Slice(msgspec.Struct, frozen=True, array_like=True, gc=False):
     def ranks(self) -> list[int]:
         """The ranks of the slice in row-major order (duplicates kept if strides overlap)."""
         if len(self.sizes) != len(self.strides):
-            raise ValueError(
-                f"slice has {len(self.sizes)} sizes but {len(self.strides)} strides"
-            )
+            raise ValueError(f"slice has {len(self.sizes)} sizes but {len(self.strides)} strides")
         base = self.offset
         strides = self.strides
         return [

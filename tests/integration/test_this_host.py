@@ -1,0 +1,103 @@
+"""`this_host()` proc meshes from plain scripts: real OS processes (10-runtime.md §5 items 70–73)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.timeout(90)
+
+SCRIPT = textwrap.dedent(
+    """
+    import asyncio, os, sys, time
+    from palatine import Actor, endpoint, this_host, RemoteException
+    from palatine.future import LOOP_THREAD_ERROR
+
+    class Counter(Actor):
+        def __init__(self, start=0):
+            self.n = start
+
+        @endpoint
+        async def incr(self, by=1):
+            self.n += by
+            return self.n
+
+        @endpoint
+        def pid(self):
+            return os.getpid()
+
+        @endpoint
+        def boom(self):
+            raise ValueError("boom on purpose")
+
+        @endpoint
+        async def nap(self, s):
+            await asyncio.sleep(s)
+            return s
+
+    t0 = time.monotonic()
+    procs = this_host().spawn_procs(per_host={"procs": 4})
+    counters = procs.spawn("counter", Counter, 0)
+    print("SPAWNED", round(time.monotonic() - t0, 3))
+    print("CALL", counters.incr.call(1).get().values())
+    pids = counters.pid.call().get().values()
+    print("DISTINCT_PIDS", len(set(pids)), os.getpid() not in pids)
+    print("SLICE", counters.slice(procs=2).incr.call_one(1).get())
+    t = time.monotonic()
+    assert counters.nap.broadcast(0.5) is None
+    print("BROADCAST_RETURNS_AT_ONCE", time.monotonic() - t < 0.2)
+    items = sorted(counters.boom.stream())
+    print("STREAM_ERRORS", [(r, type(v).__name__) for r, v in items])
+    try:
+        counters.slice(procs=1).boom.call_one().get()
+    except RemoteException as e:
+        print("REMOTE", e.type_name, e.message)
+
+    async def use_await():
+        vm = await counters.incr.call(0)
+        return vm.values()
+
+    print("AWAIT", asyncio.run(use_await()))
+
+    from palatine import runtime
+    fut = counters.incr.call(0)
+    def on_loop():
+        try:
+            fut.get()
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+    print("ON_LOOP", runtime.submit(lambda: asyncio.sleep(0, on_loop())).get())
+    procs.stop().get()
+    print("STOPPED")
+    """
+)
+
+
+def test_plain_script_drives_a_four_proc_mesh(tmp_path: object) -> None:
+    env = dict(os.environ)
+    env.pop("PALATINE_CLUSTER_TOKEN", None)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env=env,
+    )
+    lines = dict(
+        line.split(" ", 1) for line in out.stdout.splitlines() if " " in line
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert lines["CALL"] == "[1, 1, 1, 1]"
+    assert lines["DISTINCT_PIDS"] == "4 True"
+    assert lines["SLICE"] == "2"
+    assert lines["BROADCAST_RETURNS_AT_ONCE"] == "True"
+    assert lines["STREAM_ERRORS"] == str([(r, "RemoteException") for r in range(4)])
+    assert lines["REMOTE"] == "ValueError boom on purpose"
+    assert lines["AWAIT"] == "[1, 1, 2, 1]"
+    assert lines["ON_LOOP"] == "blocking palatine call on the event loop thread; use await"
+    assert "STOPPED" in out.stdout

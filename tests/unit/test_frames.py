@@ -1,0 +1,237 @@
+"""Frame layout, encoder and incremental parser (10-runtime.md §2.4), sans-IO."""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from palatine.ids import ActorId
+from palatine.wire.envelope import Envelope
+from palatine.wire.frames import (
+    PREAUTH_MAX_FRAME_BYTES,
+    Ack,
+    Auth,
+    AuthOk,
+    FrameError,
+    FrameParser,
+    Hello,
+    Init,
+    Message,
+    Reject,
+    encode_frame,
+    encode_message,
+    join_message,
+    message_frame_size,
+)
+
+SENDER = ActorId.parse("src[0].actor[0]")
+DEST = ActorId.parse("dst[1].actor[0]").port(1025)
+CONTROL = [
+    Hello(1, b"n" * 32),
+    Auth(1, b"c" * 32, b"m" * 32),
+    AuthOk(b"s" * 32),
+    Init(2**64 - 1, 5),
+    Ack(7),
+    Ack(-1),
+    Reject("sequence gap: expected 2, got 3"),
+]
+
+
+def env(data: bytes = b"payload", buffers: list[object] | None = None) -> Envelope:
+    return Envelope(SENDER, DEST, 2**63 + 1, 1, data, buffers=buffers or [])
+
+
+def message_bytes(seq: int, e: Envelope, ack_now: bool = False) -> bytes:
+    head, bufs, _ = encode_message(seq, ack_now, e)
+    return join_message(head, bufs)
+
+
+def test_layout_is_length_header_length_header_buffers() -> None:
+    e = env(buffers=[b"abc", b"", bytearray(b"wxyz")])
+    raw = message_bytes(3, e)
+    (length, hlen) = struct.unpack_from(">QI", raw)
+    assert length == len(raw) - 8
+    header = raw[12 : 12 + hlen]
+    assert raw[12 + hlen :] == b"abcwxyz"  # buffers follow the header, raw
+    decoded = msgspec.msgpack.decode(header)
+    assert decoded[0] == 5  # the Message tag
+    assert decoded[1:3] == [3, False]
+    assert decoded[-1] == [3, 0, 4]  # buffer lengths, not contents
+    assert b"wxyz" not in header
+
+
+def test_encode_does_not_copy_buffers_or_change_the_envelope() -> None:
+    big = bytearray(b"x" * 100_000)
+    e = env(buffers=[big])
+    head, bufs, size = encode_message(0, True, e)
+    assert e.buffers == [big] and e.buffers[0] is big
+    assert bufs[0].obj is big  # a view, not a copy
+    assert len(head) < 200
+    assert size == len(head) + len(big)
+    assert message_frame_size(e) >= size
+
+
+@pytest.mark.parametrize("frame", CONTROL, ids=lambda f: type(f).__name__)
+def test_control_frames_round_trip(frame: object) -> None:
+    assert FrameParser().feed(encode_frame(frame)) == [frame]  # type: ignore[arg-type]
+
+
+def test_message_round_trip_byte_by_byte_with_zero_length_buffers() -> None:
+    e = env(buffers=[b"", b"abc", b""])
+    raw = message_bytes(9, e, ack_now=True)
+    parser = FrameParser()
+    out = []
+    for i in range(len(raw)):
+        assert parser.at_boundary == (i == 0)
+        out += parser.feed(raw[i : i + 1])
+    assert parser.at_boundary
+    (msg,) = out
+    assert isinstance(msg, Message)
+    assert (msg.seq, msg.ack_now) == (9, True)
+    got = msg.envelope
+    assert [bytes(b) for b in got.buffers] == [b"", b"abc", b""]
+    assert (got.sender, got.dest, got.data, got.type_id) == (SENDER, DEST, b"payload", 2**63 + 1)
+
+
+def test_many_frames_in_one_chunk_and_split_anywhere() -> None:
+    stream = b"".join(message_bytes(i, env(b"%d" % i)) for i in range(50))
+    stream += encode_frame(Ack(3))
+    for cut in (1, 7, 8, 13, 100, len(stream) // 2, len(stream) - 1):
+        parser = FrameParser()
+        frames = parser.feed(stream[:cut]) + parser.feed(stream[cut:])
+        assert [f.envelope.data for f in frames[:-1]] == [b"%d" % i for i in range(50)]
+        assert frames[-1] == Ack(3)
+
+
+def test_big_frame_gets_its_own_writable_buffer() -> None:
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    raw = message_bytes(1, env(buffers=[payload, b"tail"]))
+    parser = FrameParser(limit=10 * 2**20)
+    out = []
+    for i in range(0, len(raw), 65536):
+        out += parser.feed(raw[i : i + 65536])
+    (msg,) = out
+    big, tail = msg.envelope.buffers
+    assert bytes(big) == payload and bytes(tail) == b"tail"
+    assert not big.readonly
+
+
+def test_feeding_a_bytearray_does_not_alias_it() -> None:
+    chunk = bytearray(message_bytes(0, env(buffers=[b"keep"])))
+    (msg,) = FrameParser().feed(chunk)
+    chunk[:] = b"\0" * len(chunk)
+    assert bytes(msg.envelope.buffers[0]) == b"keep"
+
+
+def test_preauth_limit_refuses_the_prefix_before_any_body() -> None:
+    parser = FrameParser()
+    with pytest.raises(FrameError) as info:
+        parser.feed(struct.pack(">Q", PREAUTH_MAX_FRAME_BYTES + 1))
+    assert info.value.before_body
+    assert "exceeds the limit" in info.value.reason
+    with pytest.raises(FrameError):
+        parser.feed(b"")  # a failed stream stays failed
+
+
+def test_huge_length_prefix_closes_without_allocating() -> None:
+    parser = FrameParser(limit=10 * 2**30)
+    with pytest.raises(FrameError) as info:
+        parser.feed(struct.pack(">Q", 2**62) + b"junk")
+    assert info.value.before_body
+    assert parser.buffered_bytes == 0
+
+
+def test_limit_applies_to_a_split_prefix() -> None:
+    parser = FrameParser(limit=100)
+    parser.feed(struct.pack(">Q", 101)[:3])
+    with pytest.raises(FrameError):
+        parser.feed(struct.pack(">Q", 101)[3:])
+
+
+def test_raising_the_limit_after_auth() -> None:
+    raw = message_bytes(0, env(b"x" * 70_000))
+    parser = FrameParser()
+    with pytest.raises(FrameError):
+        parser.feed(raw)
+    parser = FrameParser()
+    parser.limit = 1 << 20
+    assert len(parser.feed(raw)) == 1
+
+
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        (b"\x00\x00", "no header length"),
+        (struct.pack(">I", 99) + b"\x91\x06", "exceeds the frame"),
+        (struct.pack(">I", 2) + b"\x92\x63\x01", "undecodable"),  # unknown tag 99
+        (struct.pack(">I", 1) + b"\xc1", "undecodable"),  # never-used msgpack byte
+        (struct.pack(">I", 3) + b"\x92\x06\x01" + b"extra", "stray bytes"),
+    ],
+)
+def test_malformed_bodies(body: bytes, problem: str) -> None:
+    with pytest.raises(FrameError, match=problem):
+        FrameParser().feed(struct.pack(">Q", len(body)) + body)
+
+
+def test_buffer_lengths_must_match_the_frame() -> None:
+    raw = bytearray(message_bytes(0, env(buffers=[b"abcd"])))
+    with pytest.raises(FrameError, match="exceed the frame"):
+        FrameParser().feed(struct.pack(">Q", len(raw) - 9) + raw[8:-1])  # one byte short
+    with pytest.raises(FrameError, match="stray bytes"):
+        FrameParser().feed(struct.pack(">Q", len(raw) - 7) + raw[8:] + b"!")
+
+
+def test_eof_mid_frame_is_visible() -> None:
+    parser = FrameParser()
+    parser.feed(encode_frame(Ack(1))[:-1])
+    assert not parser.at_boundary
+    assert parser.buffered_bytes > 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=2048))
+def test_fuzz_random_bytes_only_raise_frame_error(data: bytes) -> None:
+    parser = FrameParser(limit=1 << 20)
+    try:
+        parser.feed(data)
+    except FrameError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 255), max_size=64), st.binary(max_size=64), st.integers(0, 40))
+def test_fuzz_valid_prefix_then_garbage(cuts: list[int], junk: bytes, at: int) -> None:
+    stream = message_bytes(1, env(buffers=[b"zz"])) + encode_frame(Ack(1))
+    stream = stream[:at] + junk + stream[at:]
+    parser = FrameParser(limit=1 << 20)
+    pos = 0
+    try:
+        for c in cuts:
+            parser.feed(stream[pos : pos + c])
+            pos += c
+        parser.feed(stream[pos:])
+    except FrameError:
+        pass
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=30))
+def test_fuzz_any_split_gives_the_same_frames(sizes: list[int]) -> None:
+    stream = b"".join(
+        message_bytes(i, env(b"d" * i, buffers=[b"b" * (i % 3)])) for i in range(10)
+    )
+    parser = FrameParser()
+    out = []
+    pos = 0
+    for size in sizes * 100:
+        if pos >= len(stream):
+            break
+        out += parser.feed(stream[pos : pos + size])
+        pos += size
+    out += parser.feed(stream[pos:])
+    assert [f.seq for f in out] == list(range(10))
+    assert [bytes(f.envelope.buffers[0]) for f in out] == [b"b" * (i % 3) for i in range(10)]
