@@ -221,9 +221,7 @@ def test_fuzz_valid_prefix_then_garbage(cuts: list[int], junk: bytes, at: int) -
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=30))
 def test_fuzz_any_split_gives_the_same_frames(sizes: list[int]) -> None:
-    stream = b"".join(
-        message_bytes(i, env(b"d" * i, buffers=[b"b" * (i % 3)])) for i in range(10)
-    )
+    stream = b"".join(message_bytes(i, env(b"d" * i, buffers=[b"b" * (i % 3)])) for i in range(10))
     parser = FrameParser()
     out = []
     pos = 0

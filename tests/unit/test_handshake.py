@@ -39,12 +39,14 @@ def test_mutual_authentication_succeeds() -> None:
 
 def test_macs_follow_the_spec_formula() -> None:
     ns, nc = b"s" * 32, b"c" * 32
-    assert client_mac(TOKEN, ns, nc) == hmac.new(
-        TOKEN, b"palatine/1 client" + ns + nc, hashlib.sha256
-    ).digest()
-    assert server_mac(TOKEN, nc, ns) == hmac.new(
-        TOKEN, b"palatine/1 server" + nc + ns, hashlib.sha256
-    ).digest()
+    assert (
+        client_mac(TOKEN, ns, nc)
+        == hmac.new(TOKEN, b"palatine/1 client" + ns + nc, hashlib.sha256).digest()
+    )
+    assert (
+        server_mac(TOKEN, nc, ns)
+        == hmac.new(TOKEN, b"palatine/1 server" + nc + ns, hashlib.sha256).digest()
+    )
     server = ServerHandshake(TOKEN, nonce=ns)
     client = ClientHandshake(TOKEN, nonce=nc)
     auth = client.receive(server.hello())
@@ -83,8 +85,10 @@ def test_forged_auth_ok_fails_the_client() -> None:
     client.receive(server.hello())
     with pytest.raises(HandshakeError) as info:
         client.receive(AuthOk(b"\0" * 32))
-    assert info.value.reason == SERVER_AUTH_FAILED == (
-        "server authentication failed (cluster token mismatch?)"
+    assert (
+        info.value.reason
+        == SERVER_AUTH_FAILED
+        == ("server authentication failed (cluster token mismatch?)")
     )
     assert info.value.fatal
 

@@ -385,6 +385,51 @@ def test_item_33_drop_of_live_producer_applies_at_purge() -> None:
     assert c.h.ref_count == 0 and c.h.pending_drop_count == 0
 
 
+def test_redefinition_cancels_a_pending_drop_so_a_failed_redefiner_stays_errored() -> None:
+    c = Client(1)
+    h = c.h
+    c.node(0, defs=[1])
+    c.drop(1)
+    assert h.is_pending_drop(1)
+    c.node(2, defs=[1])  # a new binding of r1, not dropped
+    assert not h.is_pending_drop(1) and h.pending_drop_count == 0
+    c.failed(2, "e")
+    c.status(0, 1)  # purges s0, whose binding of r1 was dropped
+    assert h.ref_state(1) == Errored(Error(2, 2, "e"))
+    c.status(0, 3)  # purges s2
+    assert h.ref_state(1) == Errored(Error(2, 2, "e"))
+    assert c.node(3, uses=[1]) == [(3, err(3, 2, "e"))]
+    c.drop(1)
+    assert h.ref_state(1) is None
+
+
+def test_drop_of_a_redefined_ref_waits_for_its_new_producer() -> None:
+    c = Client(1)
+    h = c.h
+    c.node(0, defs=[1])
+    c.drop(1)
+    c.node(2, defs=[1])
+    c.drop(1)  # names s2's binding
+    c.failed(2, "e")
+    c.status(0, 1)
+    assert h.ref_state(1) == Errored(Error(2, 2, "e")) and h.is_pending_drop(1)
+    c.status(0, 3)
+    assert h.ref_state(1) is None and h.pending_drop_count == 0
+
+
+def test_removing_an_errored_ref_ends_its_pending_drop() -> None:
+    c = Client(1)
+    h = c.h
+    c.node(0, defs=[1])
+    c.drop(1)
+    c.failed(0, "e")
+    assert h.is_pending_drop(1)
+    c.drop(1)  # Errored: removed now
+    assert h.ref_state(1) is None and h.pending_drop_count == 0
+    c.status(0, 1)
+    assert (h.live_count, h.ref_count, h.pending_drop_count) == (0, 0, 0)
+
+
 def test_item_34_drop_of_unknown_refs_changes_nothing() -> None:
     c = Client(1)
     c.drop(1, 2, 3)
@@ -579,6 +624,11 @@ class Model:
         self.nodes[seq] = node
         for ref in defs:
             self.refs[ref] = ("err", root) if root else ("inv", seq)
+            # A pending drop named the previous binding, not this new value: cancel it.
+            # (Moving it to this producer instead would, if this one fails, remove an
+            # Errored ref nobody dropped, and with an earlier producer's purge even while
+            # this one is live: §6.3 invariant 5 forbids both.)
+            self.pending.pop(ref, None)
         out = []
         if root is not None:
             node["result"], node["reported"] = ("err", seq, *root), True
@@ -614,11 +664,7 @@ class Model:
                 out.append((s, node["result"]))
             for ref in [r for r, p in self.pending.items() if p == s]:
                 del self.pending[ref]
-                kind, x = self.refs.get(ref, ("none", None))
-                if kind == "inv" and x != s and x in self.nodes:
-                    self.pending[ref] = x
-                else:
-                    self.refs.pop(ref, None)
+                del self.refs[ref]  # still s's: Invoked(s), or Errored by s's failure
         return out
 
     def fetched(self, seq: int, value: tuple[str, Any]) -> None:
@@ -637,6 +683,7 @@ class Model:
                 self.pending[ref] = x
             elif kind != "none":
                 del self.refs[ref]
+                self.pending.pop(ref, None)  # its status is gone: nothing left to wait for
 
     def ref_view(self) -> dict[int, Any]:
         return {
@@ -758,6 +805,8 @@ class HistoryMachine(RuleBasedStateMachine):
         assert h.live_count == len(self.m.nodes)
         assert h.min_frontier == min(self.m.frontier)
         assert {r for r in REFS if h.is_pending_drop(r)} == set(self.m.pending)
+        assert h.pending_drop_count == len(self.m.pending)
+        assert set(self.m.pending) <= set(self.m.refs)  # only refs that still have a status
 
     @invariant()
     def passed_seqs_have_their_result_and_errors_stay_first(self) -> None:

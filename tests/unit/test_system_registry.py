@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from palatine.errors import SystemRequestError
 from palatine.ids import PortId, ProcId, WorldId
-from palatine.supervision import ActorFailure, ProcSupervisionState, signal_text
+from palatine.supervision import ActorFailure, ProcSupervisionState
 from palatine.system.instructions import (
     Ask,
     Bind,
@@ -338,11 +338,6 @@ def test_host_rank_assignment_examples() -> None:
     assert list(host_ranks(2, 8, 12)) == []
     assert list(host_ranks(0, 3, 6)) == [0, 1, 2]
     assert list(host_ranks(1, 3, 6)) == [3, 4, 5]
-
-
-def test_signal_text() -> None:
-    assert signal_text(9) == "killed by signal 9 (SIGKILL)"
-    assert signal_text(200) == "killed by signal 200"
 
 
 # --------------------------------------------------------------------------- registry and snapshot

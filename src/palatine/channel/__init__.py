@@ -19,7 +19,7 @@ from palatine.channel.addr import ChannelAddr, any_addr, parse
 from palatine.channel.base import Rx, Tx, TxStatus
 from palatine.errors import AddrParseError
 
-__all__ = ["ChannelAddr", "Rx", "Tx", "TxStatus", "any_addr", "parse", "serve", "dial"]
+__all__ = ["ChannelAddr", "Rx", "Tx", "TxStatus", "any_addr", "dial", "parse", "serve"]
 
 
 async def serve(addr: ChannelAddr | str) -> tuple[ChannelAddr, Rx]:

@@ -32,7 +32,7 @@ from palatine.channel.base import (
 from palatine.errors import AddrParseError, ChannelClosed
 from palatine.wire.envelope import Envelope
 
-__all__ = ["InboundQueue", "LocalRx", "LocalTx", "serve_local", "dial_local"]
+__all__ = ["InboundQueue", "LocalRx", "LocalTx", "dial_local", "serve_local"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class InboundQueue:
     `close`, `get` drains what is left, then raises `ChannelClosed`.
     """
 
-    __slots__ = ("_items", "_waiters", "_closed", "limit", "on_space", "_low")
+    __slots__ = ("_closed", "_items", "_low", "_waiters", "limit", "on_space")
 
     def __init__(self, limit: int | None = None) -> None:
         self._items: deque[Envelope] = deque()

@@ -54,7 +54,6 @@ from palatine.wire.envelope import Envelope
 from palatine.wire.frames import (
     PREAUTH_MAX_FRAME_BYTES,
     Ack,
-    Auth,
     Frame,
     FrameError,
     FrameParser,
@@ -66,7 +65,7 @@ from palatine.wire.frames import (
 )
 from palatine.wire.handshake import ClientHandshake, HandshakeError, ServerHandshake
 
-__all__ = ["NetTx", "NetRx", "serve_net", "dial_net", "WARN_INTERVAL_S"]
+__all__ = ["WARN_INTERVAL_S", "NetRx", "NetTx", "dial_net", "serve_net"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +76,22 @@ _BACKLOG: Final = 1024
 _JITTER: Final = 0.1
 
 # Indexes of a pending entry, a tuple (seq, env, post_time, head, buffers, on_return, fut).
-_SEQ, _ENV, _T, _HEAD, _BUFS, _RET, _FUT = range(7)
-_Entry = tuple[int, Envelope, float, bytes, list[memoryview], "ReturnCallback | None", "asyncio.Future[None] | None"]
+_SEQ: Final = 0
+_ENV: Final = 1
+_T: Final = 2
+_HEAD: Final = 3
+_BUFS: Final = 4
+_RET: Final = 5
+_FUT: Final = 6
+_Entry = tuple[
+    int,
+    Envelope,
+    float,
+    bytes,
+    list[memoryview],
+    "ReturnCallback | None",
+    "asyncio.Future[None] | None",
+]
 
 
 def _describe(exc: BaseException) -> str:
@@ -429,9 +442,7 @@ class NetTx(Tx):
         assert conn.transport is not None
         conn.transport.write(encode_frame(Init(self.session_id, first)))
         if resend:
-            self._init_ack_handle = self._loop.call_later(
-                self._auth_timeout, self._init_ack_done
-            )
+            self._init_ack_handle = self._loop.call_later(self._auth_timeout, self._init_ack_done)
         else:
             self._flush()
 
@@ -466,11 +477,12 @@ class NetTx(Tx):
 
     async def _run(self) -> None:
         """Connect, serve the connection until it is lost, back off, repeat while pending."""
+        me = asyncio.current_task()
         try:
             await self._connect_loop()
         finally:
             # Cleared here, not in a done callback, so a post right after sees no task.
-            if self._task is asyncio.current_task():
+            if self._task is me:
                 self._task = None
 
     async def _connect_loop(self) -> None:
@@ -501,11 +513,17 @@ class NetTx(Tx):
         try:
             async with asyncio.timeout(self._connect_timeout):
                 if addr.transport == "unix":
-                    sockaddr = addr.sockaddr()
-                    assert isinstance(sockaddr, str)
-                    _, proto = await loop.create_unix_connection(
-                        lambda: _ClientConn(self), sockaddr
-                    )
+                    # Connect the socket ourselves: uvloop refuses abstract names as paths.
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    try:
+                        sock.setblocking(False)
+                        await loop.sock_connect(sock, addr.sockaddr())
+                        _, proto = await loop.create_unix_connection(
+                            lambda: _ClientConn(self), sock=sock
+                        )
+                    except BaseException:
+                        sock.close()
+                        raise
                 else:
                     _, proto = await loop.create_connection(
                         lambda: _ClientConn(self),
@@ -587,7 +605,10 @@ class NetTx(Tx):
         self._outbox.clear()
         if pending:
             logger.info(
-                "channel to %s closed (%s); returning %d message(s)", self.addr, reason, len(pending)
+                "channel to %s closed (%s); returning %d message(s)",
+                self.addr,
+                reason,
+                len(pending),
             )
         for entry in pending:
             env = entry[_ENV]
@@ -622,7 +643,7 @@ class NetTx(Tx):
 class _Session:
     """Receiver state of one sender session: the next expected seq and its owner."""
 
-    __slots__ = ("session_id", "expected", "owner", "gc_handle")
+    __slots__ = ("expected", "gc_handle", "owner", "session_id")
 
     def __init__(self, session_id: int, expected: int) -> None:
         self.session_id = session_id
@@ -665,10 +686,10 @@ class _ServerConn(asyncio.Protocol):
         _set_nodelay(transport)
         self.peer, self.peer_key = _peer_of(transport)
         if rx._stopping:
-            transport.abort()
+            self.transport.abort()
             return
         rx._conns.add(self)
-        transport.write(encode_frame(self.handshake.hello()))
+        self.transport.write(encode_frame(self.handshake.hello()))
         self._auth_handle = rx._loop.call_later(rx._auth_timeout, self._auth_expired)
 
     def data_received(self, data: bytes) -> None:
@@ -951,7 +972,7 @@ class NetRx(Rx):
                 infos = await loop.getaddrinfo(
                     host, addr.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
                 )
-                ip = infos[0][4][0]
+                ip = str(infos[0][4][0])
                 self._server = await loop.create_server(
                     lambda: _ServerConn(self),
                     ip,

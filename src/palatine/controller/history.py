@@ -233,8 +233,10 @@ class History:
         # ref -> seq of its latest definer (Invoked) or the root Error (Errored).
         self._ref_status: dict[int, int | Error[Any]] = {}
         # Dropped refs waiting for a live producer: per producer (for the purge), and
-        # ref -> the producer its latest drop waits for (entries of an older drop of the
-        # same ref that no longer match are skipped at the purge).
+        # ref -> the producer its drop waits for. A drop names the ref's binding when it
+        # was sent: redefining the ref, or removing its status, cancels the wait, so the
+        # per-producer lists may hold stale entries; the purge skips those that no longer
+        # match ``_pending_ref``.
         self._pending_drop: dict[int, list[int]] = {}
         self._pending_ref: dict[int, int] = {}
         self._max_seq: int | None = None
@@ -345,8 +347,9 @@ class History:
         A use whose ref is ``Errored`` fails the new invocation at once (the first such
         use wins); a use whose producer is live makes this seq one of its users; any
         other use is already complete and adds no dependency. Each def then maps to this
-        invocation (or to the root error if it failed). ``uses``/``defs`` are kept by
-        reference, not copied.
+        invocation (or to the root error if it failed); a pending drop of a def is
+        cancelled, since it named the previous binding, not this new value.
+        ``uses``/``defs`` are kept by reference, not copied.
 
         Raises `ValueError` (with the ``Log(error)`` text, nothing recorded) when ``seq``
         does not exceed the last accepted seq.
@@ -374,9 +377,13 @@ class History:
             elif root is None:
                 assert isinstance(st, Error)
                 root = st
+        pending_ref = self._pending_ref
         if root is None:
             for ref in defs:
                 rs[ref] = seq
+            if pending_ref:
+                for ref in defs:
+                    pending_ref.pop(ref, None)
             live[seq] = inv
             self._order.append(inv)
             if seq < self._frontier.min:
@@ -389,6 +396,9 @@ class History:
         inv.reported = True
         for ref in defs:
             rs[ref] = root
+        if pending_ref:
+            for ref in defs:
+                pending_ref.pop(ref, None)
         live[seq] = inv
         self._order.append(inv)
         if seq < self._frontier.min:
@@ -488,9 +498,11 @@ class History:
     def delete_invocations_for_refs(self, refs: Iterable[int]) -> None:
         """Forget the status of dropped refs (DropRefs).
 
-        An ``Errored`` ref, or one whose producer is no longer live, is removed now; one
-        whose producer is live is removed when that producer is purged (the producer's
-        status must survive until then); an unknown ref is ignored.
+        An ``Errored`` ref, or one whose producer is no longer live, is removed now (with
+        any drop of it still pending); one whose producer is live is removed when that
+        producer is purged (the producer's status must survive until then), unless the
+        ref is redefined first (the drop named the old binding); an unknown ref is
+        ignored.
         """
         rs = self._ref_status
         live = self._live
@@ -511,6 +523,8 @@ class History:
                     waiting.append(ref)
             else:
                 del rs[ref]
+                if pending_ref:
+                    pending_ref.pop(ref, None)
 
     def update_deadline_tracking(self, rank: int, seq: int) -> None:
         """Record that ``rank`` reached ``seq`` in the controller view (any Status).
@@ -572,25 +586,16 @@ class History:
     def _apply_drops(self, seq: int, refs: list[int]) -> None:
         """Remove the refs dropped while ``seq`` (just purged) was their producer.
 
-        A ref redefined since by a later, still live invocation is not removed: its drop
-        moves to that producer (DropRefs never removes a live producer's status). A ref
-        dropped again since, while a later producer was live, waits for that one instead.
+        Only refs whose drop still waits for ``seq`` are removed: their status is still
+        ``seq``'s (``Invoked(seq)``, or ``Errored`` by ``seq``'s failure), because a
+        redefinition cancels the drop and a later drop of a redefined ref waits for its
+        own producer. So a drop never removes the status of another invocation, live or
+        failed (§6.3 invariant 5).
         """
         rs = self._ref_status
-        live = self._live
-        pending = self._pending_drop
         pending_ref = self._pending_ref
         for ref in refs:
             if pending_ref.get(ref) != seq:
-                continue  # superseded by a later drop against another producer
-            st = rs.get(ref)
-            if type(st) is int and st != seq and st in live:
-                pending_ref[ref] = st
-                waiting = pending.get(st)
-                if waiting is None:
-                    pending[st] = [ref]
-                else:
-                    waiting.append(ref)
-            else:
-                del pending_ref[ref]
-                rs.pop(ref, None)
+                continue  # stale: redefined, removed or dropped again since
+            del pending_ref[ref]
+            rs.pop(ref, None)

@@ -34,24 +34,24 @@ import msgspec
 from palatine.ids import ActorId, PortId, ProcId, WorldId
 
 __all__ = [
-    "ProbeOutcome",
     "PROBE_OUTCOMES",
-    "Send",
     "Ask",
-    "Probe",
-    "Timer",
     "Bind",
-    "Unbind",
-    "Log",
-    "StopSystem",
+    "ExitReportGrace",
     "Instruction",
     "JoinProbeNeeded",
-    "ExitReportGrace",
-    "StopFallback",
+    "Log",
     "ManagingStopFallback",
-    "TimerToken",
-    "StopToken",
+    "Probe",
+    "ProbeOutcome",
+    "Send",
     "SpawnToken",
+    "StopFallback",
+    "StopSystem",
+    "StopToken",
+    "Timer",
+    "TimerToken",
+    "Unbind",
 ]
 
 ProbeOutcome = Literal["connected", "refused", "timeout"]
@@ -152,6 +152,7 @@ class StopFallback(msgspec.Struct, frozen=True):
 
     world: str
     generation: int
+    delay_s: float = 0.0
 
 
 class ManagingStopFallback(msgspec.Struct, frozen=True):

@@ -86,7 +86,7 @@ from palatine.system.worlds import (
     served_name,
 )
 
-__all__ = ["SystemRegistry", "Result", "agent_of"]
+__all__ = ["Result", "SystemRegistry", "agent_of"]
 
 
 class SystemRegistry(DetectionMixin, StoppingMixin):

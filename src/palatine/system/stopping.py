@@ -184,7 +184,7 @@ class StoppingMixin(RegistryState):
                     self._send_stop(rec, proc_timeout_s, reason, token, out)
         if world.pending:
             delay = self._fallback_delay(proc_timeout_s)
-            out.append(Timer(delay, StopFallback(world.name, world.generation)))
+            out.append(Timer(delay, StopFallback(world.name, world.generation, delay)))
         else:
             self._remove_world(world, out)
 
@@ -211,7 +211,7 @@ class StoppingMixin(RegistryState):
                 out.append(Ask(agent_of(host.proc_id), kill, self.rpc_timeout_s))
         if world.pending:
             delay = self._fallback_delay(self.proc_stop_timeout_s)
-            out.append(Timer(delay, StopFallback(world.name, world.generation)))
+            out.append(Timer(delay, StopFallback(world.name, world.generation, delay)))
         else:
             self._remove_world(world, out)
 
@@ -350,7 +350,7 @@ class StoppingMixin(RegistryState):
             if world is not None and world.generation == token.generation and world.phase != ACTIVE:
                 what = "stop" if world.phase == STOPPING else "eviction"
                 silent = ", ".join(str(p) for p in sorted(world.pending))
-                wait = format_seconds(self._fallback_delay(self.proc_stop_timeout_s))
+                wait = format_seconds(token.delay_s)
                 out.append(
                     Log(
                         logging.WARNING,

@@ -29,16 +29,16 @@ from palatine.system.messages import Exec, UpsertWorld, WorldEnv, WorldStatus, W
 
 __all__ = [
     "ACTIVE",
-    "STOPPING",
     "EVICTING",
+    "STOPPING",
     "WorldPhase",
     "WorldRecord",
+    "check_upsert_spec",
+    "check_world_name",
+    "execution_id_from_env",
     "host_ranks",
     "hosts_needed",
     "served_name",
-    "check_world_name",
-    "check_upsert_spec",
-    "execution_id_from_env",
 ]
 
 ACTIVE = "active"
@@ -60,27 +60,27 @@ class WorldRecord:
     """
 
     __slots__ = (
-        "name",
-        "world_id",
-        "created",
-        "shape",
-        "num_procs_per_host",
-        "env",
-        "size",
-        "labels",
-        "procs",
-        "hosts",
-        "failed",
-        "status",
-        "since",
-        "reason",
-        "failing_since",
-        "phase",
-        "pending",
-        "gone_reason",
-        "generation",
-        "incarnation",
         "assigned",
+        "created",
+        "env",
+        "failed",
+        "failing_since",
+        "generation",
+        "gone_reason",
+        "hosts",
+        "incarnation",
+        "labels",
+        "name",
+        "num_procs_per_host",
+        "pending",
+        "phase",
+        "procs",
+        "reason",
+        "shape",
+        "since",
+        "size",
+        "status",
+        "world_id",
     )
 
     def __init__(self, name: str) -> None:

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import random
 import struct
-from typing import cast
+from typing import Self, cast
 
 from palatine.channel.addr import ChannelAddr
 
@@ -170,7 +170,7 @@ class _ClientSide(asyncio.Protocol):
         if link.closed:
             transport.abort()
             return
-        link.server = cast(asyncio.Transport, transport)
+        link.server = transport
         link.up.target = link.server
         for chunk in link.up.early:
             link.server.write(chunk)
@@ -226,9 +226,7 @@ class LossyProxy:
 
     async def start(self) -> ChannelAddr:
         """Listen on ``127.0.0.1`` (a free port); returns the address to dial."""
-        self._server = await self.loop.create_server(
-            lambda: _ClientSide(self), "127.0.0.1", 0
-        )
+        self._server = await self.loop.create_server(lambda: _ClientSide(self), "127.0.0.1", 0)
         port = self._server.sockets[0].getsockname()[1]
         self.addr = ChannelAddr.tcp("127.0.0.1", port)
         return self.addr
@@ -244,7 +242,7 @@ class LossyProxy:
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=1.0)
 
-    async def __aenter__(self) -> LossyProxy:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 

@@ -31,25 +31,25 @@ from palatine.errors import PalatineError
 from palatine.wire.envelope import Envelope
 
 __all__ = [
-    "PROTOCOL_VERSION",
     "PREAUTH_MAX_FRAME_BYTES",
     "PREFIX_BYTES",
-    "Hello",
+    "PROTOCOL_VERSION",
+    "Ack",
     "Auth",
     "AuthOk",
-    "Init",
-    "Message",
-    "Ack",
-    "Reject",
     "Frame",
     "FrameError",
     "FrameParser",
+    "Hello",
+    "Init",
+    "Message",
+    "Reject",
+    "buffer_view",
     "encode_frame",
     "encode_message",
-    "message_frame_size",
-    "buffer_view",
     "frames_bytes",
     "join_message",
+    "message_frame_size",
 ]
 
 PROTOCOL_VERSION: Final = 1
@@ -162,9 +162,7 @@ def encode_frame(frame: Frame) -> bytes:
     return _prefix.pack(len(header) + 4, len(header)) + header
 
 
-def encode_message(
-    seq: int, ack_now: bool, env: Envelope
-) -> tuple[bytes, list[memoryview], int]:
+def encode_message(seq: int, ack_now: bool, env: Envelope) -> tuple[bytes, list[memoryview], int]:
     """Encode one `Message` frame: ``(head, buffers, frame_bytes)``.
 
     ``head`` is the length prefix plus header; the frame on the wire is ``head``
@@ -242,7 +240,7 @@ class FrameParser:
     After a `FrameError` the stream is unusable: close the connection.
     """
 
-    __slots__ = ("limit", "_part", "_big", "_big_view", "_big_pos", "_failed")
+    __slots__ = ("_big", "_big_pos", "_big_view", "_failed", "_part", "limit")
 
     def __init__(self, limit: int = PREAUTH_MAX_FRAME_BYTES) -> None:
         self.limit = limit
@@ -352,7 +350,7 @@ class FrameParser:
             part += data[:off]
             if len(part) < 8:
                 return off
-        (length,) = _u64.unpack_from(part, 0)
+        length: int = _u64.unpack_from(part, 0)[0]
         self._check(length)
         total = length + 8
         if total >= _BIG_FRAME_BYTES:

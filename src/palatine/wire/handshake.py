@@ -26,19 +26,19 @@ from palatine.errors import PalatineError
 from palatine.wire.frames import PROTOCOL_VERSION, Auth, AuthOk, Frame, Hello, Reject
 
 __all__ = [
-    "NONCE_BYTES",
-    "CLIENT_LABEL",
-    "SERVER_LABEL",
     "AUTH_FAILED",
+    "CLIENT_LABEL",
+    "NONCE_BYTES",
     "SERVER_AUTH_FAILED",
+    "SERVER_LABEL",
     "TOKEN_MISMATCH_HINT",
+    "ClientHandshake",
     "HandshakeError",
+    "ServerHandshake",
     "client_mac",
+    "rejected_reason",
     "server_mac",
     "version_mismatch",
-    "rejected_reason",
-    "ServerHandshake",
-    "ClientHandshake",
 ]
 
 NONCE_BYTES: Final = 32
@@ -100,7 +100,7 @@ class ServerHandshake:
     sent; close the connection after writing it). ``failure`` holds the reason.
     """
 
-    __slots__ = ("_token", "nonce", "state", "failure")
+    __slots__ = ("_token", "failure", "nonce", "state")
 
     def __init__(self, token: bytes, nonce: bytes | None = None) -> None:
         if not token:
@@ -148,7 +148,7 @@ class ClientHandshake:
     server and returns None. Any failure raises `HandshakeError`.
     """
 
-    __slots__ = ("_token", "nonce", "_nonce_s", "state")
+    __slots__ = ("_nonce_s", "_token", "nonce", "state")
 
     def __init__(self, token: bytes, nonce: bytes | None = None) -> None:
         if not token:

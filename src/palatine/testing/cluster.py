@@ -1,0 +1,126 @@
+"""Real-process clusters for tests: role processes started through the CLI.
+
+`RoleProcess` starts ``palatine <role> ...`` in its own process group, waits (bounded)
+for its JSON ready line, and kills the whole group on `kill`/`close`, so no test leaves
+orphans behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+__all__ = ["RoleProcess", "palatine_cmd"]
+
+
+def palatine_cmd() -> list[str]:
+    """How to run the CLI with this interpreter."""
+    return [sys.executable, "-m", "palatine"]
+
+
+class RoleProcess:
+    """One ``palatine <role>`` process with its ready line."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, ready_timeout_s: float = 20.0) -> None:
+        self.args = args
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self.popen = subprocess.Popen(
+            [*palatine_cmd(), *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=full_env,
+            start_new_session=True,
+        )
+        self.ready: dict[str, Any] | None = None
+        self._stderr_chunks: list[bytes] = []
+        self.wait_ready(ready_timeout_s)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def addr(self) -> str:
+        assert self.ready is not None
+        return str(self.ready["addr"])
+
+    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+        """Read stdout until the ready line (raise with stderr if it never comes)."""
+        assert self.popen.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        buf = b""
+        fd = self.popen.stdout.fileno()
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([fd], [], [], 0.05)
+            self._drain_stderr()
+            if r:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    try:
+                        obj = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(obj, dict) and obj.get("event") == "ready":
+                        self.ready = obj
+                        return obj
+            elif self.popen.poll() is not None:
+                break
+        self.kill()
+        raise RuntimeError(
+            f"palatine {' '.join(self.args)} printed no ready line within {timeout_s} s "
+            f"(exit {self.popen.poll()}); stderr:\n{self.stderr()[-4000:]}"
+        )
+
+    def _drain_stderr(self) -> None:
+        assert self.popen.stderr is not None
+        fd = self.popen.stderr.fileno()
+        while True:
+            r, _, _ = select.select([fd], [], [], 0)
+            if not r:
+                return
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return
+            self._stderr_chunks.append(chunk)
+
+    def stderr(self) -> str:
+        self._drain_stderr()
+        return b"".join(self._stderr_chunks).decode(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.popen.pid, sig)
+
+    def wait(self, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._drain_stderr()
+            code = self.popen.poll()
+            if code is not None:
+                return code
+            time.sleep(0.02)
+        raise TimeoutError(f"palatine {' '.join(self.args)} did not exit within {timeout_s} s")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (idempotent)."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    close = kill

@@ -1,0 +1,232 @@
+"""System, hosts and workers started only through the CLI (20-system.md acceptance).
+
+1 system + 2 hosts + a world of 4 procs spread 2 per host via ``--program``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import psutil
+import pytest
+
+from palatine.system.service import System, SystemClient
+from palatine.testing.cluster import RoleProcess, palatine_cmd
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class LoopThread:
+    """A private event loop on a thread, for a test's system client."""
+
+    def __init__(self) -> None:
+        from palatine.runtime import new_event_loop
+
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, fn: Callable[[], Coroutine[Any, Any, Any]], timeout: float = 20.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(fn(), self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class Cluster:
+    def __init__(self, env: dict[str, str], system: RoleProcess, hosts: list[RoleProcess]) -> None:
+        self.env = env
+        self.system = system
+        self.hosts = hosts
+        self.lt = LoopThread()
+        self.client: SystemClient = self.lt.run(lambda: System(system.addr).attach(timeout_s=10))
+
+    def snapshot(self) -> dict[str, Any]:
+        import msgspec
+
+        snap = self.lt.run(lambda: self.client.snapshot())
+        return json.loads(msgspec.json.encode(snap))
+
+    def upsert(self, world: str, n: int, per_host: int) -> None:
+        program = f"{sys.executable} -m palatine worker"
+        self.lt.run(lambda: self.client.upsert_world(world, [n], per_host, program))
+
+    def wait_for(self, pred: Callable[[dict[str, Any]], bool], timeout_s: float, what: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        snap: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            snap = self.snapshot()
+            if pred(snap):
+                return snap
+            time.sleep(0.02)
+        raise AssertionError(f"timed out waiting for {what}; last snapshot: {json.dumps(snap)[:3000]}")
+
+    def close(self) -> None:
+        try:
+            self.lt.run(lambda: self.client.close(), timeout=5)
+        except Exception:  # noqa: BLE001 - the system may be gone
+            pass
+        self.lt.close()
+        for h in self.hosts:
+            h.kill()
+        self.system.kill()
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    env = {
+        "PALATINE_CLUSTER_TOKEN": secrets.token_hex(16),
+        "PALATINE_LOG_LEVEL": "WARNING",
+    }
+    os.environ.update(env)
+    from palatine.channel import token
+
+    token.reset_token_cache()
+    addr = f"unix:@palatine-test-{secrets.token_hex(4)}"
+    system = RoleProcess(
+        ["system", "--system-addr", addr, "--supervision-update-timeout-in-sec", "1",
+         "--world-eviction-timeout-in-sec", "2"],
+        env,
+    )
+    hosts = [
+        RoleProcess(
+            ["host", "--system-addr", system.addr, "--host-world", "hostw", "--host-rank", str(r),
+             "--supervision-update-interval-in-sec", "0.2"],
+            env,
+        )
+        for r in range(2)
+    ]
+    c = Cluster(env, system, hosts)
+    try:
+        yield c
+    finally:
+        c.close()
+        for k in env:
+            os.environ.pop(k, None)
+        token.reset_token_cache()
+
+
+def live(world: str) -> Callable[[dict[str, Any]], bool]:
+    return lambda s: s["worlds"].get(world, {}).get("status") == "Live"
+
+
+def test_world_of_four_on_two_hosts_then_sigkill_and_eviction(cluster: Cluster) -> None:
+    cluster.upsert("w", 4, 2)
+    snap = cluster.wait_for(live("w"), 20, "world w Live")
+    w = snap["worlds"]["w"]
+    assert w["host_procs"] == ["hostw[0]", "hostw[1]"]
+    assert sorted(w["procs"]) == ["w[0]", "w[1]", "w[2]", "w[3]"]
+    assert [w["procs"][f"w[{r}]"]["host_proc"] for r in range(4)] == ["hostw[0]"] * 2 + ["hostw[1]"] * 2
+    pids = {r: w["procs"][f"w[{r}]"]["pid"] for r in range(4)}
+    assert all(psutil.pid_exists(p) for p in pids.values())
+
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    snap = cluster.wait_for(
+        lambda s: s["worlds"]["w"]["procs"]["w[1]"]["health"] == "Exited", 5, "w[1] Exited"
+    )
+    took = time.monotonic() - t0
+    entry = snap["worlds"]["w"]["procs"]["w[1]"]
+    assert entry["exit_signal"] == 9
+    assert "killed by signal 9 (SIGKILL)" in (entry["reason"] or "")
+    assert took < 0.5, f"SIGKILL reported after {took:.3f} s"
+    assert snap["worlds"]["w"]["status"] == "Unhealthy"
+
+    # Unhealthy past the eviction timeout: evicted, survivors stopped, hosts keep running.
+    # Hosts stay joined, so the evicted world is listed again as AwaitingCreation (§1.10).
+    cluster.wait_for(
+        lambda s: "w" not in s["worlds"]
+        or (s["worlds"]["w"]["status"] == "AwaitingCreation" and not s["worlds"]["w"]["procs"]),
+        10,
+        "world w evicted",
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids.values()):
+        time.sleep(0.05)
+    assert not [p for p in pids.values() if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert all(h.popen.poll() is None for h in cluster.hosts)
+
+
+def test_sigstop_expires_after_heartbeat_timeout(cluster: Cluster) -> None:
+    cluster.upsert("w", 4, 2)
+    snap = cluster.wait_for(live("w"), 20, "world w Live")
+    pid = snap["worlds"]["w"]["procs"]["w[2]"]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        snap = cluster.wait_for(
+            lambda s: s["worlds"]["w"]["procs"]["w[2]"]["health"] == "Expired", 5, "w[2] Expired"
+        )
+        took = time.monotonic() - t0
+        assert 0.8 <= took <= 2.5, took
+        assert "no heartbeat" in snap["worlds"]["w"]["procs"]["w[2]"]["reason"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_palatine_stop_stops_everything(cluster: Cluster) -> None:
+    cluster.upsert("w", 4, 2)
+    snap = cluster.wait_for(live("w"), 20, "world w Live")
+    pids = [e["pid"] for e in snap["worlds"]["w"]["procs"].values()]
+    out = subprocess.run(
+        [*palatine_cmd(), "stop", "--system-addr", cluster.system.addr],
+        capture_output=True, text=True, timeout=30, env={**os.environ, **cluster.env},
+    )
+    assert out.returncode == 0, out.stderr
+    assert cluster.system.wait(15) == 0
+    for h in cluster.hosts:
+        assert h.wait(15) == 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.05)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive
+
+
+def test_killed_host_takes_its_procs_and_they_are_reported(cluster: Cluster) -> None:
+    cluster.upsert("w", 4, 2)
+    snap = cluster.wait_for(live("w"), 20, "world w Live")
+    pids = {r: snap["worlds"]["w"]["procs"][f"w[{r}]"]["pid"] for r in range(4)}
+    cluster.hosts[1].kill()
+    snap = cluster.wait_for(
+        lambda s: "w" in s["worlds"]
+        and all(s["worlds"]["w"]["procs"][f"w[{r}]"]["health"] != "Alive" for r in (2, 3)),
+        5,
+        "w[2], w[3] reported",
+    )
+    for r in (2, 3):
+        assert not psutil.pid_exists(pids[r]) or psutil.Process(pids[r]).status() == psutil.STATUS_ZOMBIE
+    assert snap["worlds"]["w"]["status"] == "Unhealthy"
+
+
+def test_snapshot_cli_json_and_table(cluster: Cluster) -> None:
+    cluster.upsert("w", 4, 2)
+    cluster.wait_for(live("w"), 20, "world w Live")
+    env = {**os.environ, **cluster.env}
+    out = subprocess.run(
+        [*palatine_cmd(), "snapshot", "--system-addr", cluster.system.addr, "--json"],
+        capture_output=True, text=True, timeout=30, env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    w = doc["worlds"]["w"]
+    assert w["status"] == "Live"
+    for entry in w["procs"].values():
+        assert list(entry)[:8] == ["labels", "addr", "pid", "host", "health", "exit_code", "exit_signal", "failed_actors"]
+    table = subprocess.run(
+        [*palatine_cmd(), "snapshot", "--system-addr", cluster.system.addr],
+        capture_output=True, text=True, timeout=30, env={**env, "COLUMNS": "200"},
+    )
+    assert table.returncode == 0, table.stderr
+    assert "w[3]" in table.stdout and "Live" in table.stdout
