@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TextIO
 
 from palatine import config
-from palatine.errors import PalatineError
+from palatine.errors import StackDumpError
 
 __all__ = [
     "PYSPY_VAR",
@@ -58,13 +58,6 @@ _STABLE_S = 0.1
 _POLL_S = 0.01
 
 _registered_file: TextIO | None = None
-
-
-class StackDumpError(PalatineError):
-    """`dump_external` could not get a stack dump; the message says why for each method tried.
-
-    Raised to the host's ``StackDump`` handler, which puts the text in ``StackTrace.error``.
-    """
 
 
 # --------------------------------------------------------------------------- in-process

@@ -28,6 +28,7 @@ __all__ = [
     "StuckWorkersException",
     "SystemRequestError",
     "JoinError",
+    "StackDumpError",
 ]
 
 
@@ -200,3 +201,10 @@ class SystemRequestError(PalatineError):
 
 class JoinError(PalatineError):
     """Bootstrapping a proc could not join the system (error reply or no answer in time)."""
+
+
+class StackDumpError(PalatineError):
+    """`palatine.debug.dump_external` could not get a stack dump; says why per method tried.
+
+    Raised to the host's ``StackDump`` handler, which puts the text in ``StackTrace.error``.
+    """

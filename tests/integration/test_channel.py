@@ -709,7 +709,9 @@ async def test_local_handler_sees_objects_in_order_without_recursion() -> None:
 
 
 @pytest.mark.timeout(60)
-async def test_35_tls_mutual_auth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_35_tls_mutual_auth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     pytest.importorskip("cryptography")
     from palatine.testing.certs import make_test_pki, tls_env
 
@@ -736,6 +738,16 @@ async def test_35_tls_mutual_auth(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert items[0][1].startswith("delivery timeout")
     with pytest.raises(TimeoutError):
         await recv_n(rx, 1, timeout=0.2)
+    msgs = warnings_of(caplog)  # several attempts, one WARNING naming the peer
+    assert len(msgs) == 1 and "127.0.0.1:" in msgs[0] and "TLS handshake failed" in msgs[0]
+
+    # A client whose certificate another CA signed is refused the same way.
+    for key, value in tls_env(pki, "other_client").items():
+        monkeypatch.setenv(key, value)
+    with config.override(message_delivery_timeout_s=0.5):
+        other = dial(addr)
+    other.post(mk(2), returns)
+    await returns.wait(2, timeout=5.0)
     await rx.stop()
 
     for var in ("PALATINE_TLS_CERT", "PALATINE_TLS_KEY", "PALATINE_TLS_CA"):

@@ -652,7 +652,7 @@ class _Session:
         self.gc_handle: asyncio.TimerHandle | None = None
 
 
-_AUTH, _INIT, _OPEN, _CLOSED = range(4)
+_TLS, _AUTH, _INIT, _OPEN, _CLOSED = range(5)
 _peercred = struct.Struct("3i")
 
 
@@ -674,6 +674,7 @@ class _ServerConn(asyncio.Protocol):
         self._auth_handle: asyncio.TimerHandle | None = None
         self.paused = False
         self.taken_over = False
+        self._lost = False
         self.peer = "unknown peer"
         self.peer_key = "?"
 
@@ -689,11 +690,47 @@ class _ServerConn(asyncio.Protocol):
             self.transport.abort()
             return
         rx._conns.add(self)
-        self.transport.write(encode_frame(self.handshake.hello()))
+        # auth_timeout covers the TLS handshake too: a silent peer is cut either way.
         self._auth_handle = rx._loop.call_later(rx._auth_timeout, self._auth_expired)
+        if rx._ssl is None:
+            self.transport.write(encode_frame(self.handshake.hello()))
+            return
+        # TLS is started here rather than by the server so that a refused handshake
+        # (no or untrusted client certificate) is ours to log, naming the peer.
+        self.state = _TLS
+        task = rx._loop.create_task(self._start_tls(self.transport, rx._ssl))
+        rx._tasks.add(task)
+        task.add_done_callback(rx._tasks.discard)
+
+    async def _start_tls(self, raw: asyncio.Transport, context: ssl.SSLContext) -> None:
+        rx = self.rx
+        try:
+            tls = await rx._loop.start_tls(
+                raw, self, context, server_side=True, ssl_handshake_timeout=rx._auth_timeout
+            )
+        except asyncio.CancelledError:
+            raw.abort()
+            self.connection_lost(None)
+            raise
+        except Exception as exc:  # ssl.SSLError, ConnectionError, TimeoutError, ...
+            if self.state == _TLS:
+                rx._warn(
+                    self,
+                    f"refused connection from {self.peer}: TLS handshake failed: {_describe(exc)}",
+                )
+            raw.abort()
+            self.connection_lost(None)
+            return
+        if tls is None or self.state != _TLS:
+            if tls is not None:
+                tls.abort()
+            return
+        self.transport = tls
+        self.state = _AUTH
+        tls.write(encode_frame(self.handshake.hello()))
 
     def data_received(self, data: bytes) -> None:
-        if self.state == _CLOSED:
+        if self.state == _CLOSED or self.state == _TLS:
             return
         try:
             frames = self.parser.feed(data)
@@ -819,7 +856,7 @@ class _ServerConn(asyncio.Protocol):
 
     def _auth_expired(self) -> None:
         self._auth_handle = None
-        if self.state == _AUTH:
+        if self.state in (_TLS, _AUTH):
             self.rx._warn(
                 self,
                 f"closing connection from {self.peer}: not authenticated within "
@@ -864,6 +901,9 @@ class _ServerConn(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._lost:
+            return
+        self._lost = True
         rx = self.rx
         if self.state != _CLOSED and not self.parser.at_boundary:
             logger.debug("connection from %s lost inside a frame", self.peer)
@@ -938,6 +978,7 @@ class NetRx(Rx):
         self._on_peer_lost: PeerLostHandler | None = None
         self._sessions: dict[int, _Session] = {}
         self._conns: set[_ServerConn] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # TLS handshakes in progress
         self._paused: set[_ServerConn] = set()
         self._warned: dict[str, float] = {}
         self._server: asyncio.AbstractServer | None = None
@@ -977,10 +1018,8 @@ class NetRx(Rx):
                     lambda: _ServerConn(self),
                     ip,
                     addr.port,
-                    ssl=self._ssl,
                     backlog=_BACKLOG,
                     reuse_address=True,
-                    ssl_handshake_timeout=self._auth_timeout if self._ssl is not None else None,
                 )
                 sock = self._server.sockets[0]
                 bound = ChannelAddr.from_bound(addr.transport, sock, host=host)
@@ -1076,6 +1115,8 @@ class NetRx(Rx):
             self._all_closed = self._loop.create_future()
         for conn in conns:
             conn._close(final_ack=True)
+        for task in list(self._tasks):
+            task.cancel()
         for session in self._sessions.values():
             if session.gc_handle is not None:
                 session.gc_handle.cancel()
