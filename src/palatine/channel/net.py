@@ -698,6 +698,7 @@ class _ServerConn(asyncio.Protocol):
         # TLS is started here rather than by the server so that a refused handshake
         # (no or untrusted client certificate) is ours to log, naming the peer.
         self.state = _TLS
+        self.transport.pause_reading()  # the ClientHello is for start_tls, not for us
         task = rx._loop.create_task(self._start_tls(self.transport, rx._ssl))
         rx._tasks.add(task)
         task.add_done_callback(rx._tasks.discard)
