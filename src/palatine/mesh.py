@@ -208,10 +208,10 @@ class ActorRef:
         t = timeout if timeout is not None else config.get().rpc_timeout_s
         dest = self.actor_id
 
-        def go() -> Future[Any]:
+        def go() -> asyncio.Future[Any]:
             mb = caller_mailbox()
             _self_call_check(mb, dest)
-            return Future.from_asyncio(mb.ask(dest, msg, t))
+            return mb.ask(dest, msg, t)
 
         return runtime.call(go)
 
@@ -221,20 +221,17 @@ class ActorRef:
         data = encode_message(msg)
         tid = type(msg).__palatine_type_id__
 
-        def go() -> Future[None]:
+        def go() -> None:
             mb = caller_mailbox()
             mb.proc.post(Envelope(mb.actor_id, PortId(dest, tid), tid, ENC_MSGPACK, data))
-            f: Future[None] = Future(mb.proc.loop)
-            f.set_result(None)
-            return f
 
-        runtime.call(go)
+        runtime.post(go)
 
     def _call_one(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float) -> Future[Any]:
         data, bufs = _encode_call(method, args, kwargs)
         dest = self.actor_id
 
-        def go() -> Future[Any]:
+        def go() -> asyncio.Future[Any]:
             mb = caller_mailbox()
             _self_call_check(mb, dest)
             p = mb.pending(dest, f"call {method}", timeout_s)
@@ -243,7 +240,7 @@ class ActorRef:
                 None, None, bufs,
             )
             mb.proc.post(env)
-            return Future.from_asyncio(p.future)
+            return p.future
 
         return runtime.call(go)
 
@@ -251,18 +248,15 @@ class ActorRef:
         data, bufs = _encode_call(method, args, kwargs)
         dest = self.actor_id
 
-        def go() -> Future[None]:
+        def go() -> None:
             mb = caller_mailbox()
             env = Envelope(
                 mb.actor_id, PortId(dest, ENDPOINT_CALL_TID), ENDPOINT_CALL_TID, ENC_PICKLE, data,
                 None, None, None, bufs,
             )
             mb.proc.post(env)
-            f: Future[None] = Future(mb.proc.loop)
-            f.set_result(None)
-            return f
 
-        runtime.call(go)
+        runtime.post(go)
 
     def _as_mesh(self) -> ActorMesh:
         if self.actor_id.pid != 0:
@@ -385,56 +379,48 @@ class ActorMesh:
     def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float) -> Future[ValueMesh]:
         dims, ranks = self._dims, list(self._ranks)
 
-        def go() -> Future[ValueMesh]:
+        def go() -> asyncio.Future[Any]:
             mb = caller_mailbox()
             g = mb.gather(self.gang.actor(ranks[0]) if ranks else self.gang.actor(0), f"call {method}", timeout_s, self._procs())
             if not ranks:
                 g._complete()
             else:
                 self._cast(mb, method, args, kwargs, g.id)
-            return Future.from_asyncio(
-                g.future, lambda res: ValueMesh(dims, ranks, [res[r] for r in ranks])
-            )
+            return g.future
 
-        return runtime.call(go)
+        return runtime.call(go, lambda res: ValueMesh(dims, ranks, [res[r] for r in ranks]))
 
     def _call_one(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float) -> Future[Any]:
         if len(self._ranks) != 1:
             raise ValueError(f"call_one needs a selection of exactly one actor, this one has {len(self._ranks)}")
         r = self._ranks[0]
 
-        def go() -> Future[Any]:
+        def go() -> asyncio.Future[Any]:
             mb = caller_mailbox()
             dest = self.gang.actor(r)
             _self_call_check(mb, dest)
             p = mb.pending(dest, f"call {method}", timeout_s)
             self._cast(mb, method, args, kwargs, p.id)
-            return Future.from_asyncio(p.future)
+            return p.future
 
         return runtime.call(go)
 
     def _broadcast(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        def go() -> Future[None]:
+        def go() -> None:
             mb = caller_mailbox()
             self._cast(mb, method, args, kwargs, None)
-            f: Future[None] = Future(mb.proc.loop)
-            f.set_result(None)
-            return f
 
-        runtime.call(go)
+        runtime.post(go)
 
     def _stream(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float) -> _Stream:
         st = _Stream(len(self._ranks))
 
-        def go() -> Future[None]:
+        def go() -> None:
             mb = caller_mailbox()
             g = mb.gather(self.gang.actor(self._ranks[0]), f"stream {method}", timeout_s, self._procs(), st.push)
             self._cast(mb, method, args, kwargs, g.id)
-            f: Future[None] = Future(mb.proc.loop)
-            f.set_result(None)
-            return f
 
-        runtime.call(go)
+        runtime.post(go)
         return st
 
 

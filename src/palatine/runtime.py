@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import logging
 import threading
 from collections.abc import Callable, Coroutine
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 from palatine import config
 from palatine.future import Future, mark_loop_thread, on_loop_thread, unmark_loop_thread
 
-__all__ = ["new_event_loop", "get_loop", "adopt_current_loop", "submit", "call", "at_exit"]
+__all__ = ["new_event_loop", "get_loop", "adopt_current_loop", "submit", "call", "post", "at_exit"]
 
 log = logging.getLogger(__name__)
 
@@ -101,38 +102,73 @@ def submit(coro_fn: Callable[[], Coroutine[Any, Any, T]]) -> Future[T]:
             return
         fut.chain(task)
 
-    if on_loop_thread():
-        start()
-    else:
-        loop.call_soon_threadsafe(start)
+    post(start)
     return fut
 
 
-def call(fn: Callable[[], Future[T]]) -> Future[T]:
-    """Run ``fn`` (which returns a Future) on the loop thread; hand its Future back."""
+_queue: collections.deque[Callable[[], None]] = collections.deque()
+_drain_scheduled = False
+_queue_lock = threading.Lock()
+
+
+def _drain() -> None:
+    global _drain_scheduled
+    with _queue_lock:
+        _drain_scheduled = False
+    pop = _queue.popleft
+    while _queue:
+        pop()()
+
+
+def post(fn: Callable[[], Any]) -> None:
+    """Run ``fn()`` on the loop thread (now, if already there); no result.
+
+    Submissions from other threads are queued and drained in one loop callback, so a
+    burst of calls costs one wake-up of the loop, not one each.
+    """
+    global _drain_scheduled
     if on_loop_thread():
-        return fn()
+        fn()
+        return
+    loop = get_loop()
+    _queue.append(fn)
+    with _queue_lock:
+        if _drain_scheduled:
+            return
+        _drain_scheduled = True
+    loop.call_soon_threadsafe(_drain)
+
+
+def call(
+    fn: Callable[[], asyncio.Future[Any] | Future[Any]],
+    transform: Callable[[Any], T] | None = None,
+) -> Future[T]:
+    """Run ``fn`` on the loop thread; its (asyncio or palatine) future becomes ours."""
     loop = get_loop()
     out: Future[T] = Future(loop)
 
     def run() -> None:
         try:
             inner = fn()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - surfaced to the caller's future
             out.set_exception(e)
             return
-        inner.add_done_callback(lambda f: _copy(f, out))
+        if isinstance(inner, Future):
+            inner.add_done_callback(lambda f: _copy(f, out, transform))
+        else:
+            out.chain(inner, transform)
 
-    loop.call_soon_threadsafe(run)
+    post(run)
     return out
 
 
-def _copy(src: Future[Any], dst: Future[Any]) -> None:
+def _copy(src: Future[Any], dst: Future[Any], transform: Callable[[Any], Any] | None = None) -> None:
     exc = src._cf.exception()
     if exc is not None:
         dst.set_exception(exc)
     else:
-        dst.set_result(src._cf.result())
+        value = src._cf.result()
+        dst.set_result(value if transform is None else transform(value))
 
 
 def at_exit(hook: Callable[[], Coroutine[Any, Any, Any]]) -> None:

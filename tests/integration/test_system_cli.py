@@ -94,20 +94,29 @@ def cluster() -> Iterator[Cluster]:
 
     token.reset_token_cache()
     addr = f"unix:@palatine-test-{secrets.token_hex(4)}"
-    system = RoleProcess(
-        ["system", "--system-addr", addr, "--supervision-update-timeout-in-sec", "1",
-         "--world-eviction-timeout-in-sec", "2"],
-        env,
-    )
-    hosts = [
-        RoleProcess(
-            ["host", "--system-addr", system.addr, "--host-world", "hostw", "--host-rank", str(r),
-             "--supervision-update-interval-in-sec", "0.2"],
+    started: list[RoleProcess] = []
+    try:
+        system = RoleProcess(
+            ["system", "--system-addr", addr, "--supervision-update-timeout-in-sec", "1",
+             "--world-eviction-timeout-in-sec", "2"],
             env,
         )
-        for r in range(2)
-    ]
-    c = Cluster(env, system, hosts)
+        started.append(system)
+        hosts = []
+        for r in range(2):
+            hosts.append(
+                RoleProcess(
+                    ["host", "--system-addr", system.addr, "--host-world", "hostw",
+                     "--host-rank", str(r), "--supervision-update-interval-in-sec", "0.2"],
+                    env,
+                )
+            )
+            started.append(hosts[-1])
+        c = Cluster(env, system, hosts)
+    except BaseException:
+        for rp in started:
+            rp.kill()
+        raise
     try:
         yield c
     finally:

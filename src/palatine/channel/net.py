@@ -652,7 +652,7 @@ class _Session:
         self.gc_handle: asyncio.TimerHandle | None = None
 
 
-_TLS, _AUTH, _INIT, _OPEN, _CLOSED = range(5)
+_AUTH, _INIT, _OPEN, _CLOSED = range(4)
 _peercred = struct.Struct("3i")
 
 
@@ -690,48 +690,11 @@ class _ServerConn(asyncio.Protocol):
             self.transport.abort()
             return
         rx._conns.add(self)
-        # auth_timeout covers the TLS handshake too: a silent peer is cut either way.
+        self.transport.write(encode_frame(self.handshake.hello()))
         self._auth_handle = rx._loop.call_later(rx._auth_timeout, self._auth_expired)
-        if rx._ssl is None:
-            self.transport.write(encode_frame(self.handshake.hello()))
-            return
-        # TLS is started here rather than by the server so that a refused handshake
-        # (no or untrusted client certificate) is ours to log, naming the peer.
-        self.state = _TLS
-        self.transport.pause_reading()  # the ClientHello is for start_tls, not for us
-        task = rx._loop.create_task(self._start_tls(self.transport, rx._ssl))
-        rx._tasks.add(task)
-        task.add_done_callback(rx._tasks.discard)
-
-    async def _start_tls(self, raw: asyncio.Transport, context: ssl.SSLContext) -> None:
-        rx = self.rx
-        try:
-            tls = await rx._loop.start_tls(
-                raw, self, context, server_side=True, ssl_handshake_timeout=rx._auth_timeout
-            )
-        except asyncio.CancelledError:
-            raw.abort()
-            self.connection_lost(None)
-            raise
-        except Exception as exc:  # ssl.SSLError, ConnectionError, TimeoutError, ...
-            if self.state == _TLS:
-                rx._warn(
-                    self,
-                    f"refused connection from {self.peer}: TLS handshake failed: {_describe(exc)}",
-                )
-            raw.abort()
-            self.connection_lost(None)
-            return
-        if tls is None or self.state != _TLS:
-            if tls is not None:
-                tls.abort()
-            return
-        self.transport = tls
-        self.state = _AUTH
-        tls.write(encode_frame(self.handshake.hello()))
 
     def data_received(self, data: bytes) -> None:
-        if self.state == _CLOSED or self.state == _TLS:
+        if self.state == _CLOSED:
             return
         try:
             frames = self.parser.feed(data)
@@ -778,7 +741,7 @@ class _ServerConn(asyncio.Protocol):
             assert self.transport is not None
             if type(reply) is Reject:
                 reason = reply.reason
-                self.rx._warn(self, f"refused connection from {self.peer}: {reason}")
+                self.rx._warn(self.peer_key, f"refused connection from {self.peer}: {reason}")
                 self.transport.write(encode_frame(reply))
                 self._close()
                 return
@@ -857,9 +820,9 @@ class _ServerConn(asyncio.Protocol):
 
     def _auth_expired(self) -> None:
         self._auth_handle = None
-        if self.state in (_TLS, _AUTH):
+        if self.state == _AUTH:
             self.rx._warn(
-                self,
+                self.peer_key,
                 f"closing connection from {self.peer}: not authenticated within "
                 f"{_seconds(self.rx._auth_timeout)} s",
             )
@@ -867,7 +830,7 @@ class _ServerConn(asyncio.Protocol):
 
     def _fail(self, reason: str, reject: bool = True) -> None:
         """A malformed or invalid frame: warn (rate-limited), ``Reject``, close."""
-        self.rx._warn(self, f"closing connection from {self.peer}: {reason}")
+        self.rx._warn(self.peer_key, f"closing connection from {self.peer}: {reason}")
         if reject and self.transport is not None and not self.transport.is_closing():
             self.transport.write(encode_frame(Reject(reason)))
         self._close(abort=not reject)
@@ -980,6 +943,8 @@ class NetRx(Rx):
         self._sessions: dict[int, _Session] = {}
         self._conns: set[_ServerConn] = set()
         self._tasks: set[asyncio.Task[None]] = set()  # TLS handshakes in progress
+        self._listener: socket.socket | None = None  # tls only (see _accept_tls)
+        self._accepting: asyncio.Task[None] | None = None
         self._paused: set[_ServerConn] = set()
         self._warned: dict[str, float] = {}
         self._server: asyncio.AbstractServer | None = None
@@ -1014,21 +979,64 @@ class NetRx(Rx):
                 infos = await loop.getaddrinfo(
                     host, addr.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
                 )
-                ip = str(infos[0][4][0])
-                self._server = await loop.create_server(
-                    lambda: _ServerConn(self),
-                    ip,
-                    addr.port,
-                    backlog=_BACKLOG,
-                    reuse_address=True,
-                )
-                sock = self._server.sockets[0]
+                family, ip = infos[0][0], str(infos[0][4][0])
+                if self._ssl is None:
+                    self._server = await loop.create_server(
+                        lambda: _ServerConn(self),
+                        ip,
+                        addr.port,
+                        backlog=_BACKLOG,
+                        reuse_address=True,
+                    )
+                    sock = self._server.sockets[0]
+                else:
+                    # TLS connections are accepted by hand so that a refused handshake
+                    # (no or untrusted client certificate) is ours to log, naming the peer.
+                    sock = socket.create_server((ip, addr.port), family=family, backlog=_BACKLOG)
+                    sock.setblocking(False)
+                    self._listener = sock
+                    self._accepting = loop.create_task(
+                        self._accept_tls(sock, self._ssl), name=f"palatine-rx {addr}"
+                    )
                 bound = ChannelAddr.from_bound(addr.transport, sock, host=host)
         except OSError as exc:
             raise OSError(exc.errno, f"cannot serve {self.addr}: {exc.strerror or exc}") from exc
         self.addr = bound
         logger.debug("serving channel %s", bound)
         return bound
+
+    async def _accept_tls(self, listener: socket.socket, context: ssl.SSLContext) -> None:
+        """Accept loop of a tls listener: one handshake task per connection."""
+        loop = self._loop
+        while True:
+            try:
+                sock, peer = await loop.sock_accept(listener)
+            except OSError as exc:  # e.g. out of file descriptors: keep serving
+                logger.warning("channel %s: accept failed: %s", self.addr, exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = loop.create_task(self._tls_handshake(sock, peer, context))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _tls_handshake(self, sock: socket.socket, peer: Any, context: ssl.SSLContext) -> None:
+        try:
+            await self._loop.connect_accepted_socket(
+                lambda: _ServerConn(self),
+                sock,
+                ssl=context,
+                ssl_handshake_timeout=self._auth_timeout,
+            )
+        except asyncio.CancelledError:
+            sock.close()
+            raise
+        except Exception as exc:  # ssl.SSLError, ConnectionError, TimeoutError, ...
+            sock.close()
+            host = str(peer[0]) if isinstance(peer, tuple) else "?"
+            shown = f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
+            self._warn(
+                host, f"refused connection from {shown}: TLS handshake failed: {_describe(exc)}"
+            )
 
     # -- delivery ------------------------------------------------------------------------
 
@@ -1063,16 +1071,16 @@ class NetRx(Rx):
         if session.owner is None and self._sessions.get(session.session_id) is session:
             del self._sessions[session.session_id]
 
-    def _warn(self, conn: _ServerConn, text: str) -> None:
+    def _warn(self, peer_key: str, text: str) -> None:
         """One WARNING per peer per `WARN_INTERVAL_S`; the rest at DEBUG."""
         now = time.monotonic()
-        last = self._warned.get(conn.peer_key)
+        last = self._warned.get(peer_key)
         if last is not None and now - last < WARN_INTERVAL_S:
             logger.debug("channel %s: %s", self.addr, text)
             return
         if len(self._warned) > 4096:
             self._warned.clear()
-        self._warned[conn.peer_key] = now
+        self._warned[peer_key] = now
         logger.warning("channel %s: %s", self.addr, text)
 
     # -- public API ----------------------------------------------------------------------
@@ -1111,6 +1119,11 @@ class NetRx(Rx):
         self._stopping = True
         if self._server is not None:
             self._server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.wait([self._accepting], timeout=1.0)
+        if self._listener is not None:
+            self._listener.close()
         conns = list(self._conns)
         if conns:
             self._all_closed = self._loop.create_future()

@@ -17,6 +17,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "system": ("palatine.cli.system", "run the system (registry of worlds and procs)"),
     "host": ("palatine.cli.host", "run a host that starts the procs of a world"),
     "worker": ("palatine.cli.worker", "run a proc that joins a world and waits for spawns"),
+    "controller": ("palatine.cli.controller", "create the worker world and run its controller"),
+    "serve": ("palatine.cli.serve", "run system/host/controller roles on JSON-lines requests"),
     "snapshot": ("palatine.cli.snapshot", "print the worlds and procs of a running system"),
     "stop": ("palatine.cli.stop", "stop worlds (or everything) of a running system"),
 }

@@ -19,6 +19,14 @@ from typing import Any
 __all__ = ["RoleProcess", "palatine_cmd"]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the test process dies (no orphans)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
 def palatine_cmd() -> list[str]:
     """How to run the CLI with this interpreter."""
     return [sys.executable, "-m", "palatine"]
@@ -38,6 +46,7 @@ class RoleProcess:
             stderr=subprocess.PIPE,
             env=full_env,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         self.ready: dict[str, Any] | None = None
         self._stderr_chunks: list[bytes] = []
