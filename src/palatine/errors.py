@@ -112,8 +112,10 @@ class SpawnError(PalatineError):
 class RemoteException(PalatineError):
     """A handler or remote function raised; carries the remote type, message and traceback.
 
-    Raised at the caller of ``call``/``call_one``/``ask`` (and, for the client, on
-    ``fetch``). ``actor_id`` names where it ran.
+    Raised at the caller of ``call``/``call_one``/``ask`` and, for the client, on
+    ``fetch``. ``actor_id`` names where it ran; ``headline`` (client calls) names the
+    function, seq, rank, world, proc, pid and host; ``client_traceback`` is where the
+    failing call was issued.
     """
 
     def __init__(
@@ -123,27 +125,44 @@ class RemoteException(PalatineError):
         traceback: str = "",
         actor_id: str = "",
         client_traceback: str = "",
+        headline: str = "",
     ) -> None:
         self.type_name = type_name
+        self.exc_type = type_name
         self.message = message
         self.traceback = traceback
         self.actor_id = actor_id
         self.client_traceback = client_traceback
+        self.headline = headline
         super().__init__(self._render())
 
     def _render(self) -> str:
-        where = f" in {self.actor_id}" if self.actor_id else ""
-        text = f"{self.type_name}: {self.message}{where}"
+        short = self.type_name.rsplit(".", 1)[-1] if self.headline else self.type_name
+        if self.headline:
+            text = f"{self.headline}\n{short}: {self.message}"
+        else:
+            where = f" in {self.actor_id}" if self.actor_id else ""
+            text = f"{self.type_name}: {self.message}{where}"
         if self.traceback:
-            text += "\n\nRemote traceback:\n" + self.traceback.rstrip()
+            label = "Worker traceback" if self.headline else "Remote traceback"
+            body = self.traceback.rstrip()
+            body = body.removeprefix("Traceback (most recent call last):").lstrip("\n")
+            text += f"\n{label} (most recent call last):\n" + body
         if self.client_traceback:
-            text += "\n\nIssued at:\n" + self.client_traceback.rstrip()
+            text += "\nIssued at (most recent call last):\n" + self.client_traceback.rstrip()
         return text
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             type(self),
-            (self.type_name, self.message, self.traceback, self.actor_id, self.client_traceback),
+            (
+                self.type_name,
+                self.message,
+                self.traceback,
+                self.actor_id,
+                self.client_traceback,
+                self.headline,
+            ),
         )
 
 

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from palatine.system.service import System, SystemClient
-from palatine.testing.cluster import RoleProcess, palatine_cmd
+from palatine.client.procs import RoleProcess, palatine_cmd
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -4,10 +4,12 @@ Sender (`NetTx`): one random 64-bit session per Tx, seqs from 0, one per post. P
 entries wait in ``outbox`` until the connection is ready, then move to ``unacked`` as
 they are written; cumulative ``Ack{n}`` frames drop every entry with ``seq <= n``. A
 lost connection is re-established with exponential backoff and ``unacked`` goes back to
-the front of ``outbox`` with its seqs unchanged, so the receiver, which drops seqs it
-already has, sees every message exactly once and in order. Every entry carries its post
-time: when the oldest pending one is older than ``message_delivery_timeout`` the Tx
-closes and returns everything still pending, oldest first.
+the front of ``outbox`` with its seqs unchanged; the resend waits for the receiver's
+answer to ``Init`` (an ack of all it has), so a link that keeps breaking still makes
+progress, and the receiver, which drops seqs it already has, sees every message exactly
+once and in order. Every entry carries its post time: when the oldest pending one is
+older than ``message_delivery_timeout`` the Tx closes and returns everything still
+pending, oldest first.
 
 Receiver (`NetRx`): each connection authenticates (`palatine.wire.handshake`), sends
 ``Init{session_id, next_seq}``, then ``Message`` frames, each delivered if and only if
@@ -15,7 +17,8 @@ its seq is the session's next one. Acks go out on ``ack_now``, every
 ``message_ack_every_n`` messages, after ``message_ack_interval`` and, best effort, when
 a connection closes. A full inbound queue pauses reading (back-pressure through the
 socket). A malformed frame closes only its connection, with one rate-limited WARNING
-naming the peer.
+naming the peer; so does a refused TLS handshake (tls connections are accepted by hand
+for that reason).
 
 Hot-path rules: posts are encoded once, coalesced per loop iteration and written with
 one call; frames are parsed in place from each read; nothing is logged per message and
@@ -1030,7 +1033,7 @@ class NetRx(Rx):
         except asyncio.CancelledError:
             sock.close()
             raise
-        except Exception as exc:  # ssl.SSLError, ConnectionError, TimeoutError, ...
+        except (OSError, TimeoutError, ValueError) as exc:  # ssl.SSLError is an OSError
             sock.close()
             host = str(peer[0]) if isinstance(peer, tuple) else "?"
             shown = f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"

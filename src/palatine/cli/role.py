@@ -46,6 +46,33 @@ def add_seconds_flag(p: Any, flag: str, default: float | None, help_text: str) -
     p.add_argument(flag, type=float, default=default, help=help_text)
 
 
+def _watch_lifeline(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Stop as on SIGTERM when the launcher's lifeline pipe reaches EOF (launcher gone)."""
+    text = os.environ.pop("PALATINE_LIFELINE_FD", None)
+    if not text:
+        return
+    try:
+        fd = int(text)
+        os.set_blocking(fd, False)
+    except (ValueError, OSError):
+        return
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+            os.close(fd)
+            log.warning("launcher gone (lifeline closed); stopping")
+            stop.set()
+
+    loop.add_reader(fd, readable)
+
+
 def run_role(main: Callable[[asyncio.Event], Awaitable[int]]) -> int:
     """Run ``main(stop_event)`` on a fresh loop in this thread; map failures to exit codes."""
     setup_logging()
@@ -70,6 +97,7 @@ def run_role(main: Callable[[asyncio.Event], Awaitable[int]]) -> int:
         runtime.adopt_current_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        _watch_lifeline(loop, stop)
         return await main(stop)
 
     try:

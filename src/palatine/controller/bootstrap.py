@@ -36,7 +36,7 @@ import msgspec
 from palatine import config
 from palatine.channel.addr import ChannelAddr
 from palatine.controller.messages import CONTROLLER_ACTOR_TYPE, ControllerParams, WorkerProcRecord
-from palatine.errors import ConfigError, JoinError, PalatineError
+from palatine.errors import CallTimeout, ConfigError, JoinError, PalatineError
 from palatine.ids import (
     RESERVED_ACTOR_NAMES,
     ActorId,
@@ -244,7 +244,8 @@ def proc_labels(cmd: ControllerCommand) -> dict[str, str]:
 
 def world_labels(cmd: ControllerCommand) -> dict[str, str]:
     """Labels of the worker world (§2.2 step 2)."""
-    return {LABEL_WORKER: "1", LABEL_CONTROLLER_ACTOR_ID: str(ActorId.parse(cmd.controller_actor_id))}
+    actor = ActorId.parse(cmd.controller_actor_id)
+    return {LABEL_WORKER: "1", LABEL_CONTROLLER_ACTOR_ID: f"{actor.proc}.{actor.name}"}
 
 
 # --------------------------------------------------------------------------- the live wait
@@ -468,18 +469,20 @@ async def _spawn_workers(client: Any, cmd: ControllerCommand, controller: ActorI
         async with asyncio.timeout(timeout_s):
             while len(acked) < n and pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                failed: tuple[int, BaseException] | None = None
                 for fut in sorted(done, key=lambda f: futures[f]):
                     rank = futures[fut]
-                    exc = fut.exception()
-                    if exc is not None:
-                        if isinstance(exc, TimeoutError) and not isinstance(exc, PalatineError):
-                            continue
-                        raise BootstrapError(
-                            f"cannot spawn worker actor {cmd.worker_name} on {world.proc(rank)}: "
-                            f"{_err_text(exc)}"
-                        )
-                    reply: Spawned = fut.result()
-                    acked.add(reply.rank)
+                    exc = fut.exception()  # retrieved for every future, so none is reported later
+                    if exc is None:
+                        reply: Spawned = fut.result()
+                        acked.add(reply.rank)
+                    elif not isinstance(exc, CallTimeout) and failed is None:
+                        failed = (rank, exc)
+                if failed is not None:
+                    raise BootstrapError(
+                        f"cannot spawn worker actor {cmd.worker_name} on {world.proc(failed[0])}: "
+                        f"{_err_text(failed[1])}"
+                    )
     except TimeoutError:
         pass
     finally:
@@ -642,6 +645,13 @@ async def _serve(cmd: ControllerCommand, client: Any, handle: Any, controller: A
                     await asyncio.shield(waiter)
             except TimeoutError:
                 log.warning("the system did not stop the controller proc within %g s", _CLEANUP_S)
+        elif not waiter.done() and handle.agent.state == "Stopping" and inst.state != "failed":
+            # The proc is being stopped (ProcStop, system lost): its actors stop first.
+            try:
+                async with asyncio.timeout(config.get().proc_stop_timeout_s + 2.0):
+                    await asyncio.shield(waiter)
+            except TimeoutError:
+                log.warning("the controller proc did not finish stopping")
         elif not waiter.done():
             # The ControllerActor ended while its proc still runs: nothing can serve the client.
             why = f"controller actor {cmd.controller_actor_id} stopped: {inst.status}"

@@ -89,7 +89,12 @@ class AuthOk(msgspec.Struct, tag=3, array_like=True, gc=False):
 
 
 class Init(msgspec.Struct, tag=4, array_like=True, gc=False):
-    """Client → server once authenticated: which session, and its oldest unacked seq."""
+    """Client → server once authenticated: which session, and its oldest unacked seq.
+
+    The server answers every ``Init`` with ``Ack(expected - 1)`` — ``Ack(-1)`` for a
+    session that has received nothing — so a reconnecting client can drop what already
+    arrived before resending (10-runtime.md §2.6, §5 item 38).
+    """
 
     session_id: int
     next_seq: int
@@ -110,7 +115,11 @@ class Message(msgspec.Struct, tag=5, array_like=True, gc=False):
 
 
 class Ack(msgspec.Struct, tag=6, array_like=True, gc=False):
-    """Server → client: every seq ``<= seq`` of the session is delivered (cumulative)."""
+    """Server → client: every seq ``<= seq`` of the session is delivered (cumulative).
+
+    Acks of one session never decrease; ``-1`` (only as the answer to ``Init``) means
+    nothing yet.
+    """
 
     seq: int
 

@@ -1,0 +1,303 @@
+"""`local_mesh` and `connect`: start or attach to a mesh of workers (40-worker-client.md §2.2–2.3).
+
+`local_mesh` starts ``palatine system``, ``hosts`` × ``palatine host`` and ``palatine
+controller`` as real processes (the same code paths as the CLI), each holding a
+lifeline pipe, then `connect`s. `connect` attaches a detached client proc to the
+system, finds the worker world and its controller by their labels, waits until both
+are Live (bounded), attaches, and builds the `DeviceMesh`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import sys
+import time
+from typing import Any
+
+from palatine import config, runtime
+from palatine.client.mesh import DeviceMesh
+from palatine.client.procs import RoleProcess
+from palatine.client.session import ClientActor, Session
+from palatine.controller.messages import Attach, AttachRejected, AttachReply
+from palatine.ids import ActorId
+from palatine.worker.messages import Exit, RequestStatus, Slice
+
+__all__ = ["local_mesh", "connect", "LocalCluster", "shutdown_session"]
+
+log = logging.getLogger("palatine")
+
+WORKER_LABEL = "world.palatine.dev/worker"
+CONTROLLER_LABEL = "world.palatine.dev/controllerActorId"
+
+_SYSTEM_OPTS = ("supervision_update_timeout_in_sec", "world_eviction_timeout_in_sec")
+_HOST_OPTS = ("supervision_update_interval_in_sec",)
+_CONTROLLER_OPTS = (
+    "supervision_query_interval_in_sec",
+    "supervision_update_interval_in_sec",
+    "worker_progress_check_interval_in_sec",
+    "operation_timeout_in_sec",
+    "operations_per_worker_progress_request",
+    "fail_on_worker_timeout",
+)
+_OURS = ("device", "transport", "log_dir", "startup_timeout_in_sec")
+
+
+def _flags(options: dict[str, Any], names: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        if name not in options or options[name] is None:
+            continue
+        value = options[name]
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                out.append(flag)
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+class LocalCluster:
+    """The processes a `local_mesh` started, torn down on shutdown."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.procs: list[RoleProcess] = []
+        self.system_addr = ""
+
+    def start(self, role_args: list[str], timeout_s: float, log_dir: str | None, name: str) -> RoleProcess:
+        stderr_path = os.path.join(log_dir, f"{name}.log") if log_dir else None
+        try:
+            rp = RoleProcess(role_args, self.env, timeout_s, die_with_parent=False, stderr_path=stderr_path)
+        except RuntimeError as e:
+            self.stop(1.0)
+            raise RuntimeError(f"local mesh failed to start: {e}") from None
+        self.procs.append(rp)
+        return rp
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for rp in reversed(self.procs):
+            if rp.popen.poll() is None:
+                try:
+                    rp.popen.send_signal(15)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for rp in reversed(self.procs):
+            try:
+                rp.wait(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                pass
+            rp.kill()
+        self.procs.clear()
+
+
+def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> DeviceMesh:
+    """Start system, hosts, controller and workers as real processes; a `DeviceMesh`."""
+    allowed = set(_SYSTEM_OPTS + _HOST_OPTS + _CONTROLLER_OPTS + _OURS)
+    for k in options:
+        if k not in allowed:
+            raise TypeError(f"local_mesh() got an unexpected keyword argument {k!r}")
+    device = options.get("device", "auto")
+    cuda = _want_cuda(device)
+    transport = options.get("transport", "unix")
+    startup = float(options.get("startup_timeout_in_sec", 60.0))
+    log_dir = options.get("log_dir")
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+    env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(32)}
+    if cuda:
+        import torch
+
+        env["PALATINE_DEVICES_PER_HOST"] = str(torch.cuda.device_count())
+    if transport == "unix":
+        addr = f"unix:@palatine-{os.getpid()}-{secrets.token_hex(4)}"
+    elif transport == "tcp":
+        addr = "tcp:127.0.0.1:0"
+    else:
+        raise ValueError(f"transport must be 'unix' or 'tcp', not {transport!r}")
+    cluster = LocalCluster(env)
+    try:
+        system = cluster.start(
+            ["system", "--system-addr", addr, *_flags(options, _SYSTEM_OPTS)], startup, log_dir, "system"
+        )
+        cluster.system_addr = system.addr
+        for h in range(hosts):
+            cluster.start(
+                ["host", "--system-addr", system.addr, "--host-world", "hostworker", "--host-rank", str(h),
+                 *_flags(options, _HOST_OPTS)],
+                startup, log_dir, f"host-{h}",
+            )
+        program = f"{sys.executable} -m palatine worker"
+        ctl = [
+            "controller", "--worker-world", "worker", "--system-addr", system.addr,
+            "--world-size", str(hosts * procs_per_host), "--num-procs-per-host", str(procs_per_host),
+            "--program", program, *_flags(options, _CONTROLLER_OPTS),
+        ]
+        if not cuda:
+            ctl.append("--is-cpu-worker")
+        cluster.start(ctl, startup, log_dir, "controller")
+        return connect(system.addr, "worker", timeout=startup, _local=cluster, _token=env["PALATINE_CLUSTER_TOKEN"])
+    except BaseException:
+        cluster.stop(1.0)
+        raise
+
+
+def _want_cuda(device: str) -> bool:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', not {device!r}")
+    if device == "cpu":
+        return False
+    try:
+        import torch
+
+        has = bool(torch.cuda.is_available())
+    except ImportError:
+        has = False
+    if device == "cuda" and not has:
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return has
+
+
+def connect(
+    system_addr: str,
+    worker_world: str | None = None,
+    *,
+    timeout: float = 60.0,
+    _local: LocalCluster | None = None,
+    _token: str | None = None,
+) -> DeviceMesh:
+    """Attach to the controller of a running worker world; its `DeviceMesh`."""
+    if _token is not None:
+        from palatine.channel import token as token_mod
+
+        token_mod.set_token(_token)
+    session = runtime.submit(lambda: _connect(system_addr, worker_world, timeout)).get()
+    world = session.world_size
+    per = session.per_host if session.per_host and world % session.per_host == 0 else world
+    mesh = DeviceMesh(session, ["host", "proc"], [world // per, per], local=_local)
+    session.root_mesh = mesh  # type: ignore[attr-defined]
+    mesh.stream("main")
+    return mesh
+
+
+async def _connect(system_addr: str, worker_world: str | None, timeout: float) -> Session:
+    from palatine.system.service import System
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    client = await System(system_addr).attach(timeout_s=timeout)
+    try:
+        world, controller = await _find_worlds(client, system_addr, worker_world, deadline, timeout)
+        actor = ClientActor()
+        await client.proc.spawn_instance("client_actor", actor, internal=True)
+        reply = await client.mailbox.ask(controller, Attach(client=actor.cx.actor_id), config.get().rpc_timeout_s)
+        if isinstance(reply, AttachRejected):
+            raise RuntimeError(f"controller {controller} refused the attach: {reply.message}")
+        assert isinstance(reply, AttachReply)
+        session = Session(
+            controller=reply.controller_actor_id,
+            client_actor=actor,
+            world_size=reply.world_size,
+            per_host=reply.num_procs_per_host,
+            worker_world=str(reply.worker_world),
+            worker_name=reply.worker_name,
+            liveness_timeout_s=reply.client_liveness_timeout_s,
+            system_client=client,
+            loop=loop,
+        )
+        session.start_keepalive()
+        session.watch_controller(client.proc, reply.controller_actor_id.proc)
+        return session
+    except BaseException:
+        await client.close()
+        raise
+
+
+async def _find_worlds(
+    client: Any, addr: str, wanted: str | None, deadline: float, timeout: float
+) -> tuple[str, ActorId]:
+    loop = asyncio.get_running_loop()
+    last = "no worker world"
+    while True:
+        snap = await client.snapshot(world_labels={WORKER_LABEL: "1"})
+        names = [w for w in snap.worlds if wanted is None or w == wanted]
+        if wanted is None and len(names) > 1:
+            raise ValueError(f"several worker worlds at {addr}: {sorted(names)}; pass worker_world=")
+        if names:
+            name = names[0]
+            w = snap.worlds[name]
+            cid = w.labels.get(CONTROLLER_LABEL)
+            ctl_status = "absent"
+            if cid:
+                controller = ActorId.parse(cid)
+                csnap = await client.snapshot(worlds=[controller.proc.world.name])
+                cw = csnap.worlds.get(controller.proc.world.name)
+                ctl_status = cw.status if cw is not None else "absent"
+                if w.status == "Live" and ctl_status == "Live":
+                    return name, controller
+            joined = sum(1 for p in w.procs.values() if p.health == "Alive")
+            last = f"{name}: {w.status} {joined}/{len(w.procs) or '?'} procs; controller: {ctl_status}"
+        if loop.time() > deadline:
+            raise TimeoutError(
+                f"no Live worker world {wanted or '(any)'!r} with a Live controller at {addr} "
+                f"after {timeout:g} s ({last})"
+            )
+        await asyncio.sleep(0.02)
+
+
+def shutdown_session(session: Session, local: LocalCluster | None, timeout: float, error: BaseException | None = None) -> None:
+    """Drain, Exit, Detach, stop the worlds (and a local mesh's processes)."""
+    if session.closed:
+        return
+    healthy = session.failure is None
+    whole = Slice(offset=0, sizes=[session.world_size], strides=[1])
+    try:
+        if healthy:
+            session.flush_drops()
+            with session.lock:
+                last = max(session.pending) if session.pending else None
+            if last is not None:
+                session.send_commands([(whole, RequestStatus(seq=last, controller=False))])
+                left = session.wait_drained(timeout)
+                if left:
+                    log.warning("shutdown: %d operations still pending after %g s; stopping anyway", left, timeout)
+            session.send_commands([(whole, Exit(error=str(error) if error is not None else None))])
+        session.detach()
+        client = session.system_client
+
+        async def stop_worlds() -> None:
+            worlds = [session.worker_world, session.controller.proc.world.name]
+            try:
+                await client.stop(worlds, 5.0)
+                end = asyncio.get_running_loop().time() + 10
+                while asyncio.get_running_loop().time() < end:
+                    snap = await client.snapshot(worlds=worlds)
+                    if not any(w in snap.worlds and snap.worlds[w].procs for w in worlds):
+                        break
+                    await asyncio.sleep(0.05)
+            except Exception as e:  # noqa: BLE001 - best effort
+                log.debug("stopping worlds: %s", e)
+            if local is not None:
+                try:
+                    await client.stop(None, 2.0)
+                except Exception:  # noqa: BLE001
+                    pass
+            try:
+                await client.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+        try:
+            runtime.submit(stop_worlds).get(30)
+        except Exception as e:  # noqa: BLE001
+            log.debug("shutdown: %s", e)
+    finally:
+        session.closed = True
+        session.shutdown_pending()
+        if local is not None:
+            local.stop(5.0)
+

@@ -1,0 +1,207 @@
+"""`DeviceMesh` and `Stream`: where remote calls run (40-worker-client.md §2.4, §2.7).
+
+A mesh covers worker-world ranks laid out row-major over named dims (``host``,
+``proc``); sub-meshes share the session. ``with mesh.activate():`` makes it the mesh
+remote calls run on (a context variable, so it nests and is per thread/task).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from palatine.client.values import Handle
+from palatine.worker.messages import CreateDeviceMesh, CreateStream, Slice
+
+if TYPE_CHECKING:
+    from palatine.client.local import LocalCluster
+    from palatine.client.session import Session
+    from palatine.client.values import RemoteValue
+
+__all__ = ["DeviceMesh", "Stream", "active_mesh", "active_stream"]
+
+_active_mesh: contextvars.ContextVar[DeviceMesh | None] = contextvars.ContextVar("palatine_mesh", default=None)
+_active_stream: contextvars.ContextVar[Stream | None] = contextvars.ContextVar("palatine_stream", default=None)
+
+
+def active_mesh() -> DeviceMesh:
+    mesh = _active_mesh.get()
+    if mesh is None:
+        raise RuntimeError("no active mesh: use 'with mesh.activate():'")
+    return mesh
+
+
+def active_stream(mesh: DeviceMesh) -> Stream:
+    s = _active_stream.get()
+    if s is not None and s.session is mesh.session:
+        return s
+    return mesh.stream("main")
+
+
+class Stream:
+    """A named stream of the session: one worker thread per rank, FIFO."""
+
+    def __init__(self, session: Session, name: str, sid: int) -> None:
+        self.session = session
+        self.name = name
+        self.id = sid
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.name}>"
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[Stream]:
+        token = _active_stream.set(self)
+        try:
+            yield self
+        finally:
+            _active_stream.reset(token)
+
+
+class _MeshHandle(Handle):
+    """The worker-side device-mesh view of a `DeviceMesh` (created on first use)."""
+
+    __slots__ = ()
+
+
+class _ProcessGroupHandle(Handle):
+    """A torch ProcessGroup inside remote functions."""
+
+    __slots__ = ()
+
+
+class DeviceMesh:
+    """Ranks of the worker world over named dims; a context manager that shuts down."""
+
+    def __init__(
+        self,
+        session: Session,
+        names: list[str],
+        sizes: list[int],
+        offset: int = 0,
+        strides: list[int] | None = None,
+        local: LocalCluster | None = None,
+    ) -> None:
+        self.session = session
+        self.names = list(names)
+        self.sizes = list(sizes)
+        self.offset = offset
+        if strides is None:
+            strides = [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
+        self.strides = list(strides)
+        self.slice_spec = Slice(offset=offset, sizes=self.sizes, strides=self.strides)
+        self.ranks = self.slice_spec.ranks()
+        self._local = local
+        self._handle: _MeshHandle | None = None
+        self._groups: dict[tuple[str, ...], Any] = {}
+
+    # ------------------------------------------------------------ shape
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def size(self, dim: str | None = None) -> int:
+        if dim is None:
+            return len(self)
+        return self.sizes[self._dim(dim)]
+
+    def _dim(self, dim: str) -> int:
+        try:
+            return self.names.index(dim)
+        except ValueError:
+            raise ValueError(f"unknown dimension {dim!r}; this mesh has {self.names}") from None
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes, strict=True))
+        return f"<DeviceMesh {self.session.worker_world} {dims} ranks {self.ranks}>"
+
+    def slice(self, **dims: int | slice) -> DeviceMesh:
+        """A sub-mesh: an int removes the dim, a Python slice keeps it."""
+        names, sizes, strides, offset = [], [], [], self.offset
+        for name in dims:
+            self._dim(name)
+        for i, name in enumerate(self.names):
+            size, stride = self.sizes[i], self.strides[i]
+            sel = dims.get(name)
+            if sel is None:
+                names.append(name)
+                sizes.append(size)
+                strides.append(stride)
+            elif isinstance(sel, slice):
+                start, stop, step = sel.indices(size)
+                count = len(range(start, stop, step))
+                if count == 0:
+                    raise IndexError(f"empty slice {sel} of dimension {name!r} (size {size})")
+                offset += start * stride
+                names.append(name)
+                sizes.append(count)
+                strides.append(stride * step)
+            else:
+                if not -size <= sel < size:
+                    raise IndexError(f"index {sel} out of range for dimension {name!r} of size {size}")
+                offset += (sel % size) * stride
+        return DeviceMesh(self.session, names, sizes, offset, strides, self._local)
+
+    # ------------------------------------------------------------ activation
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[DeviceMesh]:
+        token = _active_mesh.set(self)
+        try:
+            yield self
+        finally:
+            _active_mesh.reset(token)
+
+    def __enter__(self) -> DeviceMesh:
+        self._cm = self.activate()
+        self._cm.__enter__()
+        return self
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
+        self._cm.__exit__(et, ev, tb)
+        self.shutdown(error=ev)
+
+    # ------------------------------------------------------------ streams, handles
+    def stream(self, name: str) -> Stream:
+        """The session's stream ``name`` (created on every rank on first use)."""
+        s = self.session
+        with s.lock:
+            sid = s.streams.get(name)
+            if sid is None:
+                sid = 0 if name == "main" else next(s._stream_ids)
+                s.streams[name] = sid
+                whole = Slice(offset=0, sizes=[s.world_size], strides=[1])
+                s.send_commands([(whole, CreateStream(id=sid, name=name, default=name == "main"))])
+        return Stream(s, name, sid)
+
+    def handle(self) -> _MeshHandle:
+        """This mesh's device-mesh ref on its ranks (``CreateDeviceMesh`` on first use)."""
+        if self._handle is None:
+            s = self.session
+            ref = s.new_ref()
+            s.send_commands([(self.slice_spec, CreateDeviceMesh(result=ref, names=self.names, ranks=self.slice_spec))])
+            self._handle = _MeshHandle(s, ref)
+        return self._handle
+
+    def rank(self, dim: str | tuple[str, ...]) -> RemoteValue:
+        """Each worker's coordinate along ``dim`` (a tuple: row-major index over them)."""
+        from palatine.client.remote import remote
+
+        dims = (dim,) if isinstance(dim, str) else tuple(dim)
+        for d in dims:
+            self._dim(d)
+        with self.activate():
+            return remote("palatine.client.functions.coordinate")(self.handle(), dims)  # type: ignore[no-any-return]
+
+    def process_group(self, dims: str | tuple[str, ...] | None = None) -> Any:
+        """A remote value that is a torch ProcessGroup over ``dims`` (all dims: the mesh)."""
+        from palatine.client.collectives import process_group
+
+        return process_group(self, dims)
+
+    # ------------------------------------------------------------ shutdown
+    def shutdown(self, timeout: float = 30.0, error: BaseException | None = None) -> None:
+        from palatine.client.local import shutdown_session
+
+        shutdown_session(self.session, self._local, timeout, error)

@@ -1,0 +1,392 @@
+"""``palatine serve``: run system, host and controller roles on JSON-lines requests
+(05-interfaces.md, 30-controller.md §9).
+
+A launcher writes one request per line on ``READ_FD``; the server answers on ``WRITE_FD``:
+
+* ``{"Run": {"System"|"Host"|"Controller": {...}}}`` starts that role **in this process**
+  (imports and device initialisation stay warm across runs); when it ends the server
+  writes ``{"Finished": {"error": null}}`` or ``{"Finished": {"error": "<message>"}}``,
+  after the role released its resources (so the next Run may reuse the address);
+* ``{"Exit": []}`` or EOF stops a running role (its Finished is written) and ends the
+  server with status 0;
+* **(ours)** anything malformed — bad JSON, an unknown variant or field, a wrong type, an
+  unparsable address or id — is answered ``{"Finished": {"error": "invalid request: …"}}``
+  and the server keeps serving; a request while a Run is active is answered
+  ``invalid request: a Run is already in progress``.
+
+`parse_request` is the pure request decoder; `serve` is the asyncio shell. Roles print
+their ready line through the ``on_ready`` callback (the CLI passes its ready-line printer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import msgspec
+
+from palatine.channel.addr import ChannelAddr
+from palatine.controller.bootstrap import BootstrapError, ControllerCommand, validate_command
+from palatine.errors import ConfigError, JoinError
+from palatine.ids import WorldId, is_host_world
+
+__all__ = [
+    "SystemCommand",
+    "HostCommand",
+    "ControllerCommand",
+    "RunRequest",
+    "ExitRequest",
+    "InvalidRequest",
+    "parse_request",
+    "finished_line",
+    "run_system",
+    "run_host",
+    "run_role",
+    "serve",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_LINE_BYTES = 1 << 20
+_ROLE_STOP_BOUND_S = 20.0
+
+OnReady = Callable[[str, str], None]
+"""``on_ready(role, addr)``: the role can serve (print the ready line)."""
+
+
+class SystemCommand(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``Run.System``: serve the system actor (30-controller.md §1)."""
+
+    system_addr: str
+    supervision_update_timeout_in_sec: float = 20.0
+    world_eviction_timeout_in_sec: float = 10.0
+
+
+class HostCommand(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``Run.Host``: a host proc ``host_world[host_rank]`` (30-controller.md §1)."""
+
+    system_addr: str
+    host_world: str
+    host_rank: int
+    supervision_update_interval_in_sec: float = 2.0
+
+
+class RunRequest(msgspec.Struct, frozen=True):
+    """A decoded ``Run`` request."""
+
+    role: Literal["System", "Host", "Controller"]
+    command: SystemCommand | HostCommand | ControllerCommand
+
+
+class ExitRequest(msgspec.Struct, frozen=True):
+    """A decoded ``Exit`` request."""
+
+
+class InvalidRequest(ValueError):
+    """A request line that cannot be served; the text follows ``invalid request: ``."""
+
+
+_ROLES: dict[str, type[Any]] = {
+    "System": SystemCommand,
+    "Host": HostCommand,
+    "Controller": ControllerCommand,
+}
+
+
+def _positive(where: str, name: str, value: float) -> None:
+    if not value > 0:
+        raise InvalidRequest(f"Run.{where}.{name} must be > 0, got {value:g}")
+
+
+def _check(role: str, cmd: Any) -> None:
+    """Semantic checks: addresses, names, ranges (the same rules as the CLI)."""
+    if role == "Controller":
+        try:
+            validate_command(cmd)
+        except ConfigError as e:
+            raise InvalidRequest(f"Run.Controller: {e}") from None
+        return
+    try:
+        ChannelAddr.parse(cmd.system_addr)
+    except ValueError as e:
+        raise InvalidRequest(f"Run.{role}.system_addr {cmd.system_addr!r}: {e}") from None
+    if role == "System":
+        _positive(role, "supervision_update_timeout_in_sec", cmd.supervision_update_timeout_in_sec)
+        _positive(role, "world_eviction_timeout_in_sec", cmd.world_eviction_timeout_in_sec)
+        return
+    try:
+        WorldId.parse(cmd.host_world)
+    except ValueError as e:
+        raise InvalidRequest(f"Run.Host.host_world {cmd.host_world!r}: {e}") from None
+    if not is_host_world(cmd.host_world):
+        raise InvalidRequest(f"Run.Host.host_world {cmd.host_world!r} must start with 'host'")
+    if cmd.host_rank < 0:
+        raise InvalidRequest(f"Run.Host.host_rank must be >= 0, got {cmd.host_rank}")
+    _positive(role, "supervision_update_interval_in_sec", cmd.supervision_update_interval_in_sec)
+
+
+def parse_request(line: bytes | str) -> RunRequest | ExitRequest:
+    """Decode one request line; raise `InvalidRequest` saying what and where."""
+    try:
+        obj = msgspec.json.decode(line)
+    except msgspec.DecodeError as e:
+        raise InvalidRequest(f"not valid JSON: {e}") from None
+    if obj == "Exit":
+        return ExitRequest()
+    if not isinstance(obj, dict) or len(obj) != 1:
+        raise InvalidRequest('expected {"Run": {"System"|"Host"|"Controller": {...}}} or {"Exit": []}')
+    ((tag, body),) = obj.items()
+    if tag == "Exit":
+        if body not in ([], None, {}):
+            raise InvalidRequest(f"Exit takes no fields, got {msgspec.json.encode(body).decode()}")
+        return ExitRequest()
+    if tag != "Run":
+        raise InvalidRequest(f"unknown variant {tag!r} (expected Run or Exit)")
+    if not isinstance(body, dict) or len(body) != 1:
+        raise InvalidRequest('Run expects {"System"|"Host"|"Controller": {...}}')
+    ((role, fields),) = body.items()
+    typ = _ROLES.get(role)
+    if typ is None:
+        raise InvalidRequest(f"unknown role {role!r} in Run (expected System, Host or Controller)")
+    if not isinstance(fields, dict):
+        raise InvalidRequest(f"Run.{role} expects an object of fields")
+    try:
+        cmd = msgspec.convert(fields, typ)
+    except msgspec.ValidationError as e:
+        raise InvalidRequest(f"Run.{role}: {e}") from None
+    _check(role, cmd)
+    return RunRequest(role, cmd)  # type: ignore[arg-type]
+
+
+def finished_line(error: str | None) -> bytes:
+    """``{"Finished": {"error": …}}`` plus the newline."""
+    return msgspec.json.encode({"Finished": {"error": error}}) + b"\n"
+
+
+# --------------------------------------------------------------------------- roles
+
+
+async def _until(done: Awaitable[Any], stop: asyncio.Event) -> bool:
+    """Wait for ``done`` or ``stop``; True when ``done`` finished first."""
+    waiter = asyncio.ensure_future(done)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if waiter.done():
+        return True
+    waiter.cancel()
+    return False
+
+
+async def run_system(cmd: SystemCommand, stop: asyncio.Event, on_ready: OnReady) -> str | None:
+    """Serve the system until it is stopped (``palatine stop``) or ``stop`` is set."""
+    from palatine.system.service import System
+
+    try:
+        handle = await System.serve(
+            cmd.system_addr,
+            supervision_update_timeout_s=cmd.supervision_update_timeout_in_sec,
+            world_eviction_timeout_s=cmd.world_eviction_timeout_in_sec,
+        )
+    except Exception as e:  # noqa: BLE001 - the Finished message
+        return f"cannot serve the system at {cmd.system_addr}: {e}"
+    on_ready("system", str(handle.addr))
+    if await _until(handle.wait(), stop):
+        await handle.close()
+    else:
+        await handle.stop()
+    return None
+
+
+async def run_host(cmd: HostCommand, stop: asyncio.Event, on_ready: OnReady) -> str | None:
+    """Run host ``host_world[host_rank]`` until the system stops it or ``stop`` is set."""
+    from palatine import config
+    from palatine.agent import bootstrap_proc
+    from palatine.host import HostAgent
+
+    proc_id = WorldId(cmd.host_world).proc(cmd.host_rank)
+    try:
+        handle = await bootstrap_proc(
+            proc_id,
+            cmd.system_addr,
+            supervision_update_interval_s=cmd.supervision_update_interval_in_sec,
+            labels={"proc.palatine.dev/role": "host"},
+            join_timeout_s=config.get().join_timeout_s,
+            agent_cls=HostAgent,
+        )
+    except (JoinError, OSError) as e:
+        return f"cannot join system at {cmd.system_addr}: {e}"
+    on_ready("host", str(handle.addr))
+    agent = handle.agent
+    assert isinstance(agent, HostAgent)
+    if await _until(handle.wait(), stop):
+        reason = agent.stop_reason
+        await agent.kill_children()
+        await handle.shutdown(reason, leave=False)
+        return f"lost contact with system at {cmd.system_addr}" if reason == "system lost" else None
+    await agent.kill_children()
+    await handle.shutdown("stopped by palatine serve")
+    return None
+
+
+async def _run_controller(cmd: ControllerCommand, stop: asyncio.Event, on_ready: OnReady) -> str | None:
+    from palatine.controller.bootstrap import run_controller
+
+    try:
+        code, why = await run_controller(cmd, stop, lambda addr: on_ready("controller", addr))
+    except BootstrapError as e:
+        return str(e)
+    return (why or f"controller exited with status {code}") if code else None
+
+
+async def run_role(req: RunRequest, stop: asyncio.Event, on_ready: OnReady) -> str | None:
+    """Run one role to its end; the error message for ``Finished``, or None."""
+    try:
+        if req.role == "System":
+            return await run_system(req.command, stop, on_ready)  # type: ignore[arg-type]
+        if req.role == "Host":
+            return await run_host(req.command, stop, on_ready)  # type: ignore[arg-type]
+        return await _run_controller(req.command, stop, on_ready)  # type: ignore[arg-type]
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.exception("%s role failed", req.role)
+        return f"{req.role} failed: {type(e).__name__}: {e}"
+
+
+# --------------------------------------------------------------------------- server
+
+
+class _Lines:
+    """Lines read from a non-blocking fd through the loop; ``None`` at EOF."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._buf = bytearray()
+        self._skipping = False
+        self._loop = asyncio.get_running_loop()
+        os.set_blocking(fd, False)
+        self._loop.add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            log.warning("reading requests: %s", e)
+            data = b""
+        if not data:
+            self.close()
+            if self._buf.strip() and not self._skipping:
+                self.queue.put_nowait(bytes(self._buf))
+            self._buf.clear()
+            self.queue.put_nowait(None)
+            return
+        self._buf += data
+        while True:
+            i = self._buf.find(b"\n")
+            if i < 0:
+                break
+            line = bytes(self._buf[:i])
+            del self._buf[: i + 1]
+            if self._skipping:
+                self._skipping = False
+                continue
+            self.queue.put_nowait(line)
+        if len(self._buf) > MAX_LINE_BYTES and not self._skipping:
+            self._buf.clear()
+            self._skipping = True
+            self.queue.put_nowait(b"\x00too long")
+
+    def close(self) -> None:
+        self._loop.remove_reader(self.fd)
+
+
+def _write(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except BlockingIOError:
+            import select
+
+            select.select([], [fd], [], 1.0)
+            continue
+        view = view[n:]
+
+
+async def serve(read_fd: int, write_fd: int, stop: asyncio.Event, on_ready: OnReady) -> int:
+    """Serve requests until ``Exit``, EOF or ``stop``; returns the exit status (0)."""
+    lines = _Lines(read_fd)
+    running: asyncio.Task[str | None] | None = None
+    role_stop = asyncio.Event()
+    next_line: asyncio.Future[bytes | None] = asyncio.ensure_future(lines.queue.get())
+    stopper = asyncio.ensure_future(stop.wait())
+
+    def finish(error: str | None) -> None:
+        try:
+            _write(write_fd, finished_line(error))
+        except OSError as e:
+            log.warning("cannot write the response: %s", e)
+
+    async def end_run() -> None:
+        nonlocal running
+        if running is None:
+            return
+        role_stop.set()
+        try:
+            async with asyncio.timeout(_ROLE_STOP_BOUND_S):
+                error = await asyncio.shield(running)
+        except TimeoutError:
+            running.cancel()
+            error = f"the role did not stop within {_ROLE_STOP_BOUND_S:g} s"
+        finish(error)
+        running = None
+
+    try:
+        while True:
+            waits: set[asyncio.Future[Any]] = {next_line, stopper}
+            if running is not None:
+                waits.add(running)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if running is not None and running.done():
+                finish(running.result())
+                running = None
+                continue
+            if stopper.done():
+                await end_run()
+                return 0
+            line = next_line.result()
+            next_line = asyncio.ensure_future(lines.queue.get())
+            if line is None:
+                await end_run()
+                return 0
+            if not line.strip():
+                continue
+            try:
+                if line == b"\x00too long":
+                    raise InvalidRequest(f"line longer than {MAX_LINE_BYTES} bytes")
+                req = parse_request(line)
+            except InvalidRequest as e:
+                finish(f"invalid request: {e}")
+                continue
+            if isinstance(req, ExitRequest):
+                await end_run()
+                return 0
+            if running is not None:
+                finish("invalid request: a Run is already in progress")
+                continue
+            role_stop = asyncio.Event()
+            log.info("serve: starting %s", req.role)
+            running = asyncio.ensure_future(run_role(req, role_stop, on_ready))
+    finally:
+        lines.close()
+        next_line.cancel()
+        stopper.cancel()
+        if running is not None and not running.done():
+            running.cancel()

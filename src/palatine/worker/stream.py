@@ -1,0 +1,627 @@
+"""Streams: one OS thread per stream, executing its commands in arrival order (§1.2, §1.5).
+
+A `Stream` owns a FIFO, a thread named ``palatine-stream-<name>`` and a **refs table**
+(``ref → value | SeqError``) that only its own thread touches. The worker actor's loop
+posts work items (bound ``run_*`` methods) and never waits for them. What a stream
+produces for the controller — `RemoteFunctionFailed`, `FetchResult`, the `Status` of a
+completed barrier, replies to test hooks — is encoded on the stream thread and handed
+to the worker's single outbox (`WorkerState.send`), which the actor drains on its loop
+in production order. That is what keeps a root error or a fetched value ahead of any
+`Status` covering its seq: a stream emits them before it reaches a later barrier.
+
+Error classes (§1.5): an exception raised by user code, by resolving or unpickling, or
+by binding results is a **user error** (reported once, results and mutated refs
+poisoned); a call whose input holds a `SeqError` is a **dependent error** (poisoned
+silently with the root's `SeqError`); an `InfrastructureError` (duplicate ref, unknown
+borrow, ``__test_panic``, a bug here) ends the stream and fails the worker actor.
+
+The progress view (`current`, `last_completed_seq`, `queued`) is plain attributes the
+loop reads without locks, so a progress query never waits for a stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from palatine.errors import PalatineError
+from palatine.ids import ActorId, PortId
+from palatine.wire.codec import encode_message
+from palatine.worker.messages import (
+    BackendNetworkInit,
+    CallFunction,
+    CreateProcessGroup,
+    Err,
+    FetchResult,
+    FunctionPath,
+    FunctionRef,
+    GetRefUnitTestsOnly,
+    Ok,
+    Reduce,
+    RefValue,
+    RemoteFunctionFailed,
+    SendValue,
+    SetRefUnitTestsOnly,
+    WorkerError,
+)
+from palatine.worker.values import (
+    TEST_PANIC_PATH,
+    FunctionCache,
+    ResolvedFunction,
+    SeqError,
+    dumps_fetched,
+    load_args,
+    load_value,
+    user_error_fields,
+)
+
+__all__ = [
+    "InfrastructureError",
+    "WorkerState",
+    "Stream",
+    "Countdown",
+    "Borrow",
+    "OutItem",
+    "MISSING",
+    "current_stream",
+    "worker_info",
+]
+
+log = logging.getLogger(__name__)
+
+
+class InfrastructureError(PalatineError):
+    """A broken worker invariant (duplicate ref or stream, unknown stream / borrow /
+    mesh, a rank outside a mesh, an undecodable command, ``__test_panic``, a worker bug).
+
+    Raised inside the worker; it fails the worker actor with its message, which the
+    client sees as ``DeviceException(actor_failed)``. Never sent as a user error.
+    """
+
+
+class _Missing:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Any = _Missing()
+"""Sentinel for an absent ref."""
+
+OutItem = tuple[PortId, int, bytes] | InfrastructureError
+"""An outbox entry: an encoded message for a port, or a failure of the worker actor."""
+
+_FUNCTIONS = FunctionCache()
+_local = threading.local()
+
+
+def current_stream() -> Stream | None:
+    """The stream whose thread is running the caller, or None."""
+    return getattr(_local, "stream", None)
+
+
+def worker_info() -> dict[str, Any]:
+    """Who runs the calling remote function: ``{world, rank, world_size, local_rank,
+    device, proc_id, stream}`` (§1.1). RuntimeError outside a worker stream."""
+    s = current_stream()
+    if s is None:
+        raise RuntimeError("palatine.worker_info() works only inside a remote function on a worker")
+    w = s.worker
+    return {
+        "world": w.world,
+        "rank": w.rank,
+        "world_size": w.world_size,
+        "local_rank": w.local_rank,
+        "device": w.device,
+        "proc_id": w.proc_id,
+        "stream": s.name,
+    }
+
+
+class Countdown:
+    """A marker passed by every stream; the last arrival runs ``done`` (on its thread)."""
+
+    __slots__ = ("_left", "_lock", "_done")
+
+    def __init__(self, n: int, done: Callable[[], None]) -> None:
+        self._left = n
+        self._lock = threading.Lock()
+        self._done = done
+
+    def arrive(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._done()
+
+
+class Borrow:
+    """A value lent from one stream to another (§1.7): slot, readiness, release."""
+
+    __slots__ = ("id", "result", "value_ref", "from_id", "to_id", "value", "ready", "released",
+                 "ready_event", "release_event")
+
+    def __init__(self, bid: int, result: int, value_ref: int, from_id: int, to_id: int) -> None:
+        self.id = bid
+        self.result = result
+        self.value_ref = value_ref
+        self.from_id = from_id
+        self.to_id = to_id
+        self.value: Any = None
+        self.ready = threading.Event()
+        self.released = threading.Event()
+        self.ready_event: Any = None  # torch.cuda.Event on CUDA
+        self.release_event: Any = None
+
+
+class WorkerState:
+    """What all streams of one worker share: identity, worker-level tables, the outbox.
+
+    Worker-level tables hold device mesh views (``meshes``), process groups and the
+    collective context (``groups``; a failed creation holds its `SeqError`), and live
+    borrows. Streams read them; the loop and the last stream past a ``DeleteRefs``
+    marker mutate them (single dict operations, atomic under the GIL).
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        world: str,
+        proc_id: str,
+        host: str,
+        pid: int,
+        device: str,
+        device_index: int | None,
+        local_rank: int,
+        store_host: str,
+        controller: ActorId,
+        emit: Callable[[OutItem], None],
+        torch_available: bool,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.world = world
+        self.proc_id = proc_id
+        self.host = host
+        self.pid = pid
+        self.device = device
+        self.device_index = device_index
+        self.local_rank = local_rank
+        self.store_host = store_host
+        self.controller = controller
+        self.torch_available = torch_available
+        self.meshes: dict[int, Any] = {}
+        self.groups: dict[int, Any] = {}
+        self.reduce_groups: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.collective: Any = None  # CollectiveContext | SeqError | None
+        self.borrows: dict[int, Borrow] = {}
+        self.functions = _FUNCTIONS
+        self._emit = emit
+
+    # ---------------------------------------------------------------- outbox
+    def send(self, msg: Any) -> None:
+        """Encode ``msg`` now (this thread) and queue it for the controller."""
+        tid = type(msg).__palatine_type_id__
+        self._emit((PortId(self.controller, tid), tid, encode_message(msg)))
+
+    def reply(self, port: PortId, msg: Any) -> None:
+        """Encode ``msg`` now and queue it for ``port`` (the reply of an ask)."""
+        self._emit((port, type(msg).__palatine_type_id__, encode_message(msg)))
+
+    def fail(self, exc: InfrastructureError) -> None:
+        """Queue the failure of the worker actor (after everything emitted before)."""
+        self._emit(exc)
+
+    # ---------------------------------------------------------------- tables
+    def lookup_shared(self, ref: int) -> Any:
+        """A worker-level value for ``ref`` (mesh view, group, context), or `MISSING`."""
+        v = self.meshes.get(ref, MISSING)
+        if v is MISSING:
+            v = self.groups.get(ref, MISSING)
+            group = getattr(v, "palatine_group", None)
+            if group is not None:
+                v = group  # the collective context stands for the world group
+        return v
+
+    def forget_shared(self, refs: Iterable[int]) -> None:
+        """Drop meshes and groups named by ``refs`` (every stream passed the marker)."""
+        for r in refs:
+            if self.meshes.pop(r, None) is not None:
+                for key in [k for k in self.reduce_groups if k[0] == r]:
+                    del self.reduce_groups[key]
+            self.groups.pop(r, None)
+
+    def worker_error(self, seq: int, stream: str, label: str, exc: BaseException) -> WorkerError:
+        """The `WorkerError` of user error ``exc`` raised by ``seq`` on ``stream``."""
+        return WorkerError(
+            seq=seq,
+            rank=self.rank,
+            world=self.world,
+            proc_id=self.proc_id,
+            host=self.host,
+            pid=self.pid,
+            stream=stream,
+            function=label,
+            **user_error_fields(exc),
+        )
+
+
+class _Stopped(BaseException):
+    """Unwinds a stream thread that was abandoned while waiting (never user-visible)."""
+
+
+_WorkItem = tuple[Callable[[Any], None] | None, Any]
+
+
+def _function_hint(ref: FunctionRef | None) -> str:
+    if ref is None:
+        return "fetch"
+    if type(ref) is FunctionPath:
+        return ref.path
+    return "<cloudpickled function>"
+
+
+class Stream:
+    """One stream: a thread, its FIFO, its refs table and its progress view."""
+
+    def __init__(self, worker: WorkerState, sid: int, name: str, default: bool) -> None:
+        self.worker = worker
+        self.id = sid
+        self.name = name
+        self.default = default
+        self.refs: dict[int, Any] = {}
+        self.current: tuple[int, str, float] | None = None
+        self.last_completed_seq: int | None = None
+        self._q: queue.SimpleQueue[_WorkItem] = queue.SimpleQueue()
+        self._abandoned = False
+        self._deps: list[SeqError] = []
+        self.cuda_stream: Any = None
+        self.thread = threading.Thread(
+            target=self._run, name=f"palatine-stream-{name}", daemon=True
+        )
+
+    def __repr__(self) -> str:
+        return f"Stream({self.id}, {self.name!r})"
+
+    # ---------------------------------------------------------------- loop side
+    def start(self) -> None:
+        self.thread.start()
+
+    def post(self, fn: Callable[[Any], None], arg: Any) -> None:
+        """Queue ``fn(arg)`` to run on this stream's thread after everything queued."""
+        self._q.put((fn, arg))
+
+    @property
+    def queued(self) -> int:
+        return self._q.qsize()
+
+    def close(self, drain: bool = True) -> None:
+        """Stop after the queued work (``drain``), or as soon as possible (abandon)."""
+        if not drain:
+            self._abandoned = True
+        self._q.put((None, None))
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    # ---------------------------------------------------------------- thread
+    def _run(self) -> None:
+        _local.stream = self
+        try:
+            self._setup_device()
+            get = self._q.get
+            while True:
+                try:
+                    fn, arg = get(timeout=1.0)
+                except queue.Empty:
+                    if self._abandoned:
+                        return
+                    continue
+                if fn is None:
+                    return
+                if self._abandoned:
+                    continue
+                fn(arg)
+        except _Stopped:
+            return
+        except InfrastructureError as e:
+            self._abandoned = True
+            self.worker.fail(e)
+        except BaseException as e:  # noqa: BLE001 - a worker bug: fail the actor, visibly
+            self._abandoned = True
+            log.exception("stream %s of rank %d crashed", self.name, self.worker.rank)
+            self.worker.fail(
+                InfrastructureError(
+                    f"stream {self.name} of rank {self.worker.rank} crashed: "
+                    f"{type(e).__name__}: {e}"
+                )
+            )
+        finally:
+            self.current = None
+            _local.stream = None
+
+    def _setup_device(self) -> None:
+        w = self.worker
+        if w.device_index is None or not w.device.startswith("cuda"):
+            return
+        import torch
+
+        torch.cuda.set_device(w.device_index)
+        self.cuda_stream = (
+            torch.cuda.default_stream() if self.default or self.name == "main" else torch.cuda.Stream()
+        )
+        torch.cuda.set_stream(self.cuda_stream)
+
+    def wait_event(self, ev: threading.Event) -> None:
+        """Wait for ``ev`` in slices, so an abandoned stream still unwinds."""
+        while not ev.wait(0.1):
+            if self._abandoned:
+                raise _Stopped()
+
+    # ---------------------------------------------------------------- helpers
+    def _lookup(self, ref: int) -> Any:
+        v = self.refs.get(ref, MISSING)
+        if v is MISSING:
+            v = self.worker.lookup_shared(ref)
+            if v is MISSING:
+                raise LookupError(
+                    f"ref r{ref} not found on stream {self.name} of rank {self.worker.rank}"
+                )
+        if type(v) is SeqError:
+            self._deps.append(v)
+        return v
+
+    def load(self, args: Any) -> tuple[tuple[Any, ...], dict[str, Any], SeqError | None]:
+        """Unpickle ``(args, kwargs)`` with refs; the first errored input, if any."""
+        deps = self._deps = []
+        a, k = load_args(args, self._lookup)
+        return a, k, (deps[0] if deps else None)
+
+    def resolve(self, ref: FunctionRef) -> ResolvedFunction:
+        if type(ref) is FunctionPath and ref.path == TEST_PANIC_PATH:
+            raise InfrastructureError("__test_panic called")
+        return self.worker.functions.resolve(ref, self.worker.rank)
+
+    def check_fresh(self, refs: Iterable[int | None], seq: int | None) -> None:
+        """Every ref in ``refs`` must be undefined here (a ref is defined once)."""
+        table = self.refs
+        for r in refs:
+            if r is not None and r in table:
+                by = f" (s{seq})" if seq is not None else ""
+                raise InfrastructureError(
+                    f"duplicate definition of ref r{r} on stream {self.name} of rank "
+                    f"{self.worker.rank}{by}"
+                )
+
+    def poison(self, refs: Iterable[int | None], err: SeqError) -> None:
+        table = self.refs
+        for r in refs:
+            if r is not None:
+                table[r] = err
+
+    def user_error(
+        self, seq: int, label: str, exc: BaseException, poison: Iterable[int | None]
+    ) -> SeqError:
+        """Report a root user error once and poison ``poison`` with it."""
+        werr = self.worker.worker_error(seq, self.name, label, exc)
+        self.worker.send(RemoteFunctionFailed(seq=seq, error=werr))
+        err = SeqError(seq, werr)
+        self.poison(poison, err)
+        return err
+
+    def _bind(self, results: Sequence[int | None], ret: Any, label: str) -> None:
+        n = len(results)
+        if n == 0:
+            return
+        if n == 1:
+            r = results[0]
+            if r is not None:
+                self.refs[r] = ret
+            return
+        if isinstance(ret, str | bytes | bytearray | dict) or not (
+            hasattr(ret, "__len__") and hasattr(ret, "__iter__")
+        ):
+            raise TypeError(
+                f"expected {n} results from {label}, got a {type(ret).__qualname__}, "
+                "which is not a sequence"
+            )
+        items = list(ret)
+        if len(items) != n:
+            raise ValueError(f"expected {n} results from {label}, got {len(items)}")
+        table = self.refs
+        for r, v in zip(results, items, strict=True):
+            if r is not None:
+                table[r] = v
+
+    # ---------------------------------------------------------------- commands
+    def run_call(self, cmd: CallFunction) -> None:
+        seq = cmd.seq
+        t0 = time.monotonic()
+        label = _function_hint(cmd.function)
+        self.current = (seq, label, t0)
+        results = cmd.results
+        try:
+            self.check_fresh(results, seq)
+            try:
+                rf = self.resolve(cmd.function)
+                label = rf.label
+                self.current = (seq, label, t0)
+                args, kwargs, dep = self.load(cmd.args)
+                if dep is not None:
+                    self.poison(results, dep)
+                    self.poison(cmd.mutates, dep)
+                    return
+                ret = rf.fn(*args, **kwargs)
+                self._bind(results, ret, label)
+            except InfrastructureError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - SystemExit from user code too
+                self.user_error(seq, label, e, [*results, *cmd.mutates])
+        finally:
+            self.current = None
+            self.last_completed_seq = seq
+
+    def run_send_value(self, cmd: SendValue) -> None:
+        seq = cmd.seq
+        t0 = time.monotonic()
+        label = _function_hint(cmd.function)
+        self.current = (seq, label, t0)
+        try:
+            try:
+                rf = self.resolve(cmd.function) if cmd.function is not None else None
+                if rf is not None:
+                    label = rf.label
+                    self.current = (seq, label, t0)
+                args, kwargs, dep = self.load(cmd.args)
+                if dep is not None:
+                    self.poison(cmd.mutates, dep)
+                    self.worker.send(FetchResult(seq=seq, value=Err(dep.error)))
+                    return
+                if rf is None:
+                    if len(args) != 1 or kwargs:
+                        raise TypeError(
+                            "a fetch without a function takes exactly one value, got "
+                            f"{len(args)} positional and {len(kwargs)} keyword arguments"
+                        )
+                    value = args[0]
+                else:
+                    value = rf.fn(*args, **kwargs)
+                pickled = dumps_fetched(value)
+                msg = FetchResult(seq=seq, value=Ok(pickled))
+                del value, pickled
+                self.worker.send(msg)
+            except InfrastructureError:
+                raise
+            except BaseException as e:  # noqa: BLE001
+                err = self.user_error(seq, label, e, cmd.mutates)
+                self.worker.send(FetchResult(seq=seq, value=Err(err.error)))
+        finally:
+            self.current = None
+            self.last_completed_seq = seq
+
+    def run_marker(self, countdown: Countdown) -> None:
+        """A `RequestStatus` barrier: this stream has finished everything before it."""
+        countdown.arrive()
+
+    def run_delete(self, arg: tuple[list[int], Countdown]) -> None:
+        refs, countdown = arg
+        table = self.refs
+        for r in refs:
+            table.pop(r, None)
+        countdown.arrive()
+
+    def run_set_ref(self, cmd: SetRefUnitTestsOnly) -> None:
+        self.refs[cmd.ref] = load_value(cmd.value, self._lookup)
+
+    def run_get_ref(self, arg: tuple[GetRefUnitTestsOnly, PortId]) -> None:
+        cmd, port = arg
+        v = self.refs.get(cmd.ref, MISSING)
+        if v is MISSING:
+            msg = RefValue(found=False)
+        elif type(v) is SeqError:
+            msg = RefValue(found=True, error=v.text())
+        else:
+            try:
+                msg = RefValue(found=True, value=dumps_fetched(v))
+            except TypeError as e:
+                msg = RefValue(found=True, error=str(e))
+        self.worker.reply(port, msg)
+
+    def run_collective(self, cmd: BackendNetworkInit | CreateProcessGroup | Reduce) -> None:
+        """Collective commands (§1.6); torch is imported by `collectives` only."""
+        seq = cmd.seq
+        t0 = time.monotonic()
+        label = _COLLECTIVE_LABELS[type(cmd)]
+        if type(cmd) is Reduce:
+            label = f"reduce({cmd.op}{', scatter' if cmd.scatter else ''})"
+        self.current = (seq, label, t0)
+        try:
+            if type(cmd) is Reduce:
+                self.check_fresh([cmd.result], seq)
+            try:
+                if not self.worker.torch_available:
+                    raise ModuleNotFoundError(
+                        f"torch is not installed on worker rank {self.worker.rank}", name="torch"
+                    )
+                from palatine.worker import collectives
+
+                collectives.run(self, cmd)
+            except InfrastructureError:
+                raise
+            except BaseException as e:  # noqa: BLE001
+                err = self.user_error(seq, label, e, ())
+                self.poison_collective(cmd, err)
+        finally:
+            self.current = None
+            self.last_completed_seq = seq
+
+    def poison_collective(
+        self, cmd: BackendNetworkInit | CreateProcessGroup | Reduce, err: SeqError
+    ) -> None:
+        """Poison what a failed collective command would have defined or mutated."""
+        w = self.worker
+        if type(cmd) is BackendNetworkInit:
+            w.groups[cmd.result] = err
+            w.collective = err
+        elif type(cmd) is CreateProcessGroup:
+            w.groups[cmd.result] = err
+        elif type(cmd) is Reduce:
+            self.poison([cmd.result, cmd.value if cmd.in_place else None, cmd.out], err)
+
+    # ---------------------------------------------------------------- borrows
+    def run_borrow_create(self, b: Borrow) -> None:
+        v = self.refs.get(b.value_ref, MISSING)
+        if v is MISSING:
+            raise InfrastructureError(
+                f"borrow {b.id}: ref r{b.value_ref} not found on stream {self.name} of rank "
+                f"{self.worker.rank}"
+            )
+        b.value = v
+        if self.cuda_stream is not None:
+            import torch
+
+            b.ready_event = torch.cuda.Event()
+            b.ready_event.record()
+        b.ready.set()
+
+    def run_borrow_first_use(self, b: Borrow) -> None:
+        self.wait_event(b.ready)
+        if b.ready_event is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(b.ready_event)
+        self.check_fresh([b.result], None)
+        self.refs[b.result] = b.value
+
+    def run_borrow_last_use(self, b: Borrow) -> None:
+        self.refs.pop(b.result, None)
+        if self.cuda_stream is not None:
+            import torch
+
+            b.release_event = torch.cuda.Event()
+            b.release_event.record()
+        b.released.set()
+
+    def run_borrow_drop(self, b: Borrow) -> None:
+        self.wait_event(b.released)
+        if b.release_event is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(b.release_event)
+        b.value = None
+
+
+_COLLECTIVE_LABELS: dict[type[Any], str] = {
+    BackendNetworkInit: "backend_network_init",
+    CreateProcessGroup: "process_group",
+    Reduce: "reduce",
+}

@@ -1,0 +1,552 @@
+"""The controller started only through the CLI (30-controller.md §10, items 1–22, 40–64).
+
+Every test runs real processes: ``palatine system``, two ``palatine host`` of
+``hostworker`` and ``palatine controller --program "<python> -m palatine worker"``, so the
+hosts exec four worker procs (two per host). Until the tensor WorkerActor exists the
+controller spawns `controller_fakes.FakeWorker` (``PALATINE_CONTROLLER_WORKER_ACTOR_TYPE``);
+the test talks to the controller as its client through `controller_fakes.TestClient`.
+Process groups are always killed by the fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from controller_fakes import FAKE_WORKER_TYPE, FakeConfig, FakeQuery, TestClient
+
+from palatine.controller.messages import (
+    AttachRejected,
+    AttachReply,
+    Detach,
+    KeepAlive,
+    Node,
+    Send,
+    Serialized,
+)
+from palatine.client.procs import RoleProcess, palatine_cmd
+from palatine.worker.messages import CallFunction, FunctionPath, Pickled, RequestStatus, Slice
+
+pytestmark = pytest.mark.timeout(90)
+
+HERE = Path(__file__).resolve().parent
+PROGRAM = f"{sys.executable} -m palatine worker"
+ALL = [Slice(0, [4], [1])]
+
+
+class Cluster:
+    """System + two hosts; controllers and clients started by the tests."""
+
+    def __init__(self, env: dict[str, str], hosts: int = 2) -> None:
+        self.env = env
+        self.procs: list[RoleProcess] = []
+        self.popens: list[subprocess.Popen[bytes]] = []
+        self.clients: list[TestClient] = []
+        addr = f"unix:@palatine-ctl-{secrets.token_hex(4)}"
+        self.system = self._role(
+            ["system", "--system-addr", addr, "--supervision-update-timeout-in-sec", "3",
+             "--world-eviction-timeout-in-sec", "2"]
+        )
+        self.addr = self.system.addr
+        self.hosts = [self.start_host(h) for h in range(hosts)]
+
+    def _role(self, args: list[str], env: dict[str, str] | None = None) -> RoleProcess:
+        p = RoleProcess(args, {**self.env, **(env or {})}, ready_timeout_s=30)
+        self.procs.append(p)
+        return p
+
+    def start_host(self, rank: int) -> RoleProcess:
+        return self._role(
+            ["host", "--system-addr", self.addr, "--host-world", "hostworker", "--host-rank",
+             str(rank), "--supervision-update-interval-in-sec", "0.5"]
+        )
+
+    def controller_args(self, *extra: str, program: bool = True) -> list[str]:
+        args = ["controller", "--worker-world", "worker", "--system-addr", self.addr,
+                "--world-size", "4", "--num-procs-per-host", "2", "--is-cpu-worker",
+                "--supervision-query-interval-in-sec", "0.5",
+                "--supervision-update-interval-in-sec", "0.5", *extra]
+        if program:
+            args += ["--program", PROGRAM]
+        return args
+
+    def start_controller(self, *extra: str, env: dict[str, str] | None = None) -> RoleProcess:
+        return self._role(self.controller_args(*extra), env)
+
+    def popen(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(
+            [*palatine_cmd(), *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env={**os.environ, **self.env, **(env or {})},
+            start_new_session=True,
+        )
+        self.popens.append(p)
+        return p
+
+    def client(self) -> TestClient:
+        c = TestClient(self.addr)
+        self.clients.append(c)
+        return c
+
+    def snapshot(self) -> dict[str, Any]:
+        out = subprocess.run(
+            [*palatine_cmd(), "snapshot", "--system-addr", self.addr, "--json"],
+            capture_output=True, text=True, timeout=30, env={**os.environ, **self.env},
+        )
+        assert out.returncode == 0, out.stderr
+        return dict(json.loads(out.stdout))
+
+    def wait_snapshot(self, pred: Any, timeout_s: float, what: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        snap: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            snap = self.snapshot()
+            if pred(snap):
+                return snap
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}: {json.dumps(snap)[:2000]}")
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        for p in self.popens:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait(5)
+        for r in reversed(self.procs):
+            r.kill()
+
+
+@pytest.fixture
+def env() -> Iterator[dict[str, str]]:
+    from palatine.channel import token
+
+    e = {
+        "PALATINE_CLUSTER_TOKEN": secrets.token_hex(16),
+        "PALATINE_LOG_LEVEL": "WARNING",
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": FAKE_WORKER_TYPE,
+    }
+    saved = {k: os.environ.get(k) for k in e}
+    os.environ.update(e)
+    token.reset_token_cache()
+    try:
+        yield e
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        token.reset_token_cache()
+
+
+@pytest.fixture
+def cluster(env: dict[str, str]) -> Iterator[Cluster]:
+    c = Cluster(env)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def communicate(p: subprocess.Popen[bytes], timeout_s: float) -> tuple[int, str]:
+    _, err = p.communicate(timeout=timeout_s)
+    return p.returncode, err.decode(errors="replace")
+
+
+def last_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def proc_failures(client: TestClient) -> list[Any]:
+    return [f.failure for f in client.failures if f.failure.kind in ("proc_failed", "actor_failed")]
+
+
+# --------------------------------------------------------------------------- usage (1, 2, 13)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--extra-proc-labels", "foo"], "invalid KEY=value: no '=' found in 'foo'"),
+        (["--world-size", "4", "--controller-actor-id", "controller[1].root"], "controller-actor-id"),
+        (["--world-size", "4", "--controller-actor-id", "controller[0].root[2]"], "pid 0"),
+        (["--world-size", "4", "--controller-actor-id", "hostc[0].root"], "reserved"),
+        (["--world-size", "4", "--controller-actor-id", "controller[0].comm"], "reserved"),
+        (["--world-size", "0"], "--world-size must be >= 1"),
+        (["--world-size", "4", "--extra-proc-labels", "proc.palatine.dev/role=x"], "reserved"),
+        ([], "--world-size"),
+    ],
+)
+def test_usage_errors_exit_2(extra: list[str], expected: str) -> None:
+    args = [*palatine_cmd(), "controller", "--worker-world", "worker", "--system-addr",
+            "unix:@nowhere", *extra]
+    if "--world-size" not in extra and extra:
+        args += ["--world-size", "4"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, out.stderr
+    assert expected in out.stderr
+
+
+# --------------------------------------------------------------------------- bootstrap (3–7)
+
+
+def test_bootstrap_labels_params_and_ready_line(cluster: Cluster) -> None:
+    t0 = time.monotonic()
+    ctl = cluster.start_controller("--extra-proc-labels", "k=v=3", "team=ml")
+    assert time.monotonic() - t0 < 15
+    assert ctl.ready is not None and ctl.ready["role"] == "controller" and ctl.ready["pid"] == ctl.pid
+    snap = cluster.snapshot()
+    w = snap["worlds"]["worker"]
+    assert w["status"] == "Live"
+    assert w["labels"] == {"world.palatine.dev/worker": "1",
+                           "world.palatine.dev/controllerActorId": "controller[0].root"}
+    assert w["host_procs"] == ["hostworker[0]", "hostworker[1]"]
+    x = snap["worlds"]["controller"]
+    assert x["status"] == "Live"
+    assert list(x["procs"]) == ["controller[0]"]
+    assert x["procs"]["controller[0]"]["labels"] == {
+        "proc.palatine.dev/role": "controller", "proc.palatine.dev/workerWorld": "worker",
+        "k": "v=3", "team": "ml",
+    }
+    assert x["procs"]["controller[0]"]["addr"] == ctl.addr
+    client = cluster.client()
+    for rank in range(4):
+        state = client.ask(client.worker(rank), FakeQuery())
+        assert state.params.world_size == 4
+        assert state.params.rank == rank
+        assert state.params.device_index is None
+        assert str(state.params.controller_actor) == "controller[0].root[0]"
+    # exactly one ready line
+    assert ctl.popen.stdout is not None
+    os.set_blocking(ctl.popen.stdout.fileno(), False)
+    assert b"ready" not in (ctl.popen.stdout.read() or b"")
+
+
+def test_no_workers_times_out_with_hint(env: dict[str, str]) -> None:
+    c = Cluster(env, hosts=0)
+    try:
+        t0 = time.monotonic()
+        p = c.popen(c.controller_args(program=False),
+                    env={"PALATINE_CONTROLLER_WORLD_READY_TIMEOUT": "2"})
+        code, err = communicate(p, 20)
+        took = time.monotonic() - t0
+        assert code == 1, err
+        assert took < 6, took
+        line = last_line(err)
+        assert "worker world worker did not become Live within 2 s" in line
+        assert "0 of 4 procs joined" in line
+        assert "start each worker with 'palatine worker --world-id worker" in line
+        # cleanup after step 2: the world is gone
+        c.wait_snapshot(lambda s: "worker" not in s["worlds"], 10, "worker world removed")
+    finally:
+        c.close()
+
+
+def test_worker_exiting_at_start_fails_fast(cluster: Cluster) -> None:
+    program = f"{sys.executable} -c 'import sys; sys.exit(1)'"
+    t0 = time.monotonic()
+    p = cluster.popen([*cluster.controller_args(program=False), "--program", program])
+    code, err = communicate(p, 30)
+    assert code == 1, err
+    assert time.monotonic() - t0 < 10
+    line = last_line(err)
+    assert "worker proc worker[" in line and "exited with code 1 during startup" in line, line
+    cluster.wait_snapshot(lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
+                          10, "worlds removed after the failed bootstrap")
+
+
+def test_existing_world_is_an_error(cluster: Cluster) -> None:
+    client = cluster.client()
+    client.lt.run(lambda: client.sys.upsert_world("worker", [4], 2, None, {}))
+    p = cluster.popen(cluster.controller_args())
+    code, err = communicate(p, 30)
+    assert code == 1, err
+    assert "already exists" in last_line(err)
+    assert "worker" in client.snapshot()["worlds"]  # the system still answers, untouched
+
+
+def test_unknown_worker_actor_type_fails_naming_the_rank(cluster: Cluster) -> None:
+    p = cluster.popen(cluster.controller_args(),
+                      env={"PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": "no.such.Worker"})
+    code, err = communicate(p, 40)
+    assert code == 1, err
+    line = last_line(err)
+    assert "cannot spawn worker actor worker on worker[" in line
+    assert "not registered" in line
+    cluster.wait_snapshot(lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
+                          10, "worlds removed after the failed bootstrap")
+
+
+# --------------------------------------------------------------------------- stopping (14, 15, 21, 22)
+
+
+def test_sigterm_exits_0_and_removes_both_worlds(cluster: Cluster) -> None:
+    ctl = cluster.start_controller()
+    ctl.signal(signal.SIGTERM)
+    assert ctl.wait(15) == 0
+    cluster.wait_snapshot(lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
+                          10, "both worlds gone")
+
+
+def test_palatine_stop_of_controller_world_exits_0(cluster: Cluster) -> None:
+    ctl = cluster.start_controller()
+    out = subprocess.run(
+        [*palatine_cmd(), "stop", "--system-addr", cluster.addr, "--world", "controller"],
+        capture_output=True, text=True, timeout=30, env={**os.environ, **cluster.env},
+    )
+    assert out.returncode == 0, out.stderr
+    assert ctl.wait(15) == 0
+
+
+def test_detach_stops_worlds_and_exits_0(cluster: Cluster) -> None:
+    ctl = cluster.start_controller()
+    client = cluster.client()
+    assert isinstance(client.attach(), AttachReply)
+    client.tell(Detach())
+    assert ctl.wait(10) == 0
+    cluster.wait_snapshot(lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
+                          5, "both worlds gone")
+
+
+def test_silent_client_is_lost(cluster: Cluster) -> None:
+    ctl = cluster.start_controller(env={"PALATINE_CLIENT_LIVENESS_TIMEOUT": "2"})
+    client = cluster.client()
+    reply = client.attach()
+    assert reply.client_liveness_timeout_s == 2
+    t0 = time.monotonic()
+    assert ctl.wait(10) == 1
+    assert time.monotonic() - t0 < 7
+    assert "lost" in last_line(ctl.stderr())
+    cluster.wait_snapshot(lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
+                          5, "both worlds gone")
+
+
+# --------------------------------------------------------------------------- attach, results, casts
+
+
+def test_attach_nodes_sends_and_results(cluster: Cluster) -> None:
+    cluster.start_controller()
+    client = cluster.client()
+    reply = client.attach()
+    assert isinstance(reply, AttachReply)
+    assert (reply.world_size, reply.num_procs_per_host, str(reply.worker_world), reply.worker_name) == (
+        4, 2, "worker", "worker")
+    other = cluster.client()
+    rejected = other.attach()
+    assert isinstance(rejected, AttachRejected)
+    assert str(client.id) in rejected.message
+    # a Node from the stranger is dropped; the controller keeps working
+    other.tell(Node(seq=0, defs=[1]))
+    call = CallFunction(seq=0, results=[1], function=FunctionPath("os.getpid"),
+                        args=Pickled(b""), stream=0)
+    client.tell(Node(seq=0, defs=[1], label="os.getpid"))
+    client.tell(Send(ranks=ALL, message=Serialized.of(call)))
+    client.tell(Node(seq=1, uses=[1]))
+    client.tell(Send(ranks=[Slice(2, [2], [1])], message=Serialized.of(
+        CallFunction(seq=1, results=[], function=FunctionPath("f"), args=Pickled(b""), stream=0))))
+    client.tell(Send(ranks=[Slice(9, [1], [1])], message=Serialized.of(call)))
+    client.tell(Send(ranks=ALL, message=Serialized.of(RequestStatus(seq=1))))
+    client.wait_for(lambda: len(client.results) >= 2, 10, "two Results")
+    assert [(r.seq, r.result) for r in client.results] == [(0, None), (1, None)]
+    assert any(lg.level == "error" and "rank 9 outside worker world worker of size 4" in lg.message
+               for lg in client.logs)
+    for rank in range(4):
+        got = [(k, s) for k, s, ctl in client.ask(client.worker(rank), FakeQuery()).received
+               if not ctl]
+        expected = [("CallFunction", 0)] + ([("CallFunction", 1)] if rank >= 2 else [])
+        assert got == [*expected, ("RequestStatus", 1)], (rank, got)
+    # a rejected (non-increasing) Node yields a Log(error), no Result
+    client.tell(Node(seq=1))
+    client.wait_for(lambda: any("seqs must increase" in lg.message for lg in client.logs), 5, "Log")
+    client.tell(KeepAlive())
+    assert len(client.results) == 2
+
+
+# --------------------------------------------------------------------------- supervision (19, 55, 59, 60)
+
+
+def test_sigkilled_worker_is_reported_once(cluster: Cluster) -> None:
+    cluster.start_controller()
+    client = cluster.client()
+    client.attach()
+    pid = client.ask(client.worker(1), FakeQuery()).pid
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    client.wait_for(lambda: bool(proc_failures(client)), 5, "a Failure")
+    took = time.monotonic() - t0
+    assert took < 1.0, took
+    f = proc_failures(client)[0]
+    assert f.kind == "proc_failed" and f.rank == 1 and f.proc_id == "worker[1]"
+    assert f.world == "worker" and f.pid == pid and f.exit_signal == 9 and f.host
+    assert "killed by signal 9 (SIGKILL)" in f.message
+    assert f"worker rank 1 (worker[1], pid {pid} on host" in f.message
+    assert ".none[0]" not in f.message
+    time.sleep(2.0)  # several query intervals, and the world's eviction
+    assert len(proc_failures(client)) == 1
+    kinds = [x.failure.kind for x in client.failures]
+    assert kinds.count("proc_failed") == 1
+
+
+def test_failure_before_attach_is_delivered_after_it(cluster: Cluster) -> None:
+    cluster.start_controller()
+    client = cluster.client()
+    pid = client.ask(client.worker(3), FakeQuery()).pid
+    os.kill(pid, signal.SIGKILL)
+    cluster.wait_snapshot(
+        lambda s: s["worlds"].get("worker", {}).get("procs", {}).get("worker[3]", {}).get("health")
+        != "Alive", 5, "worker[3] reported")
+    time.sleep(0.5)
+    client.attach()
+    client.wait_for(lambda: bool(proc_failures(client)), 5, "the queued Failure")
+    assert proc_failures(client)[0].rank == 3
+
+
+def test_failed_worker_actor_is_reported(cluster: Cluster) -> None:
+    cluster.start_controller()
+    client = cluster.client()
+    client.attach()
+    client.tell(FakeConfig(panic=True), dest=client.worker(2))
+    client.wait_for(lambda: bool(proc_failures(client)), 5, "a Failure")
+    f = proc_failures(client)[0]
+    assert f.kind == "actor_failed" and f.rank == 2
+    assert "__test_panic called" in f.message
+
+
+def test_lost_system_is_reported_and_controller_exits_1(cluster: Cluster) -> None:
+    ctl = cluster.start_controller()
+    client = cluster.client()
+    client.attach()
+    cluster.system.kill()
+    client.wait_for(lambda: any(f.failure.kind == "system_lost" for f in client.failures), 10,
+                    "system_lost Failure")
+    assert ctl.wait(10) == 1
+    assert "lost contact with system" in last_line(ctl.stderr())
+
+
+# --------------------------------------------------------------------------- progress (44–47, 53)
+
+
+def test_stall_warning_then_stuck_failure(cluster: Cluster) -> None:
+    cluster.start_controller("--operation-timeout-in-sec", "1",
+                             "--worker-progress-check-interval-in-sec", "0.5",
+                             "--fail-on-worker-timeout")
+    client = cluster.client()
+    client.attach()
+    client.tell(FakeConfig(hang_from=1), dest=client.worker(0))
+    client.ask(client.worker(0), FakeQuery())  # the config is applied
+    client.tell(Node(seq=0, defs=[1], label="first_op"))
+    client.tell(Node(seq=1, uses=[1], label="train_step"))
+    t0 = time.monotonic()
+    client.wait_for(lambda: any(f.failure.kind == "stuck" for f in client.failures), 15,
+                    "a stuck Failure")
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 8, took
+    warns = [lg for lg in client.logs if lg.level == "warn"]
+    assert len(warns) == 1
+    lines = warns[0].message.splitlines()
+    assert lines[0] == "ranks 0 have operations that have not completed after 1 seconds"
+    assert lines[1].startswith("rank 0 (worker[0], pid ")
+    assert "executing s1 fake_op on stream main" in lines[1]
+    assert "rank 0 stack (via in-process):" in warns[0].message
+    assert "on_request_status" in warns[0].message or "Thread" in warns[0].message
+    stuck = [f.failure for f in client.failures if f.failure.kind == "stuck"]
+    assert len(stuck) == 1
+    assert stuck[0].ranks == [0] and stuck[0].expected_seq == 1
+    assert stuck[0].message.startswith("workers stuck: ranks 0 have operations")
+    assert "crashed" not in stuck[0].message
+    assert not client.results  # no Result because of the stall
+    # idle afterwards: no second report
+    time.sleep(2.0)
+    assert len([lg for lg in client.logs if lg.level == "warn"]) == 1
+    assert len([f for f in client.failures if f.failure.kind == "stuck"]) == 1
+
+
+def test_prompt_probes_produce_no_messages(cluster: Cluster) -> None:
+    cluster.start_controller("--operation-timeout-in-sec", "1",
+                             "--worker-progress-check-interval-in-sec", "0.5")
+    client = cluster.client()
+    client.attach()
+    client.tell(Node(seq=0, defs=[1]))
+    time.sleep(2.5)
+    for rank in range(4):
+        received = client.ask(client.worker(rank), FakeQuery()).received
+        assert ("RequestStatus", 0, True) in received
+        assert received.count(("RequestStatus", 0, True)) == 1  # never probed twice
+    assert not client.logs and not client.failures and not client.results
+
+
+# --------------------------------------------------------------------------- the real worker
+
+
+def test_real_worker_actor(env: dict[str, str]) -> None:
+    from palatine.actor import lookup_actor_type
+
+    if lookup_actor_type("palatine.worker.WorkerActor") is None:
+        pytest.skip("palatine.worker.WorkerActor is not available yet")
+    c = Cluster({**env, "PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": ""})
+    try:
+        ctl = c.start_controller()
+        snap = c.snapshot()
+        assert snap["worlds"]["worker"]["status"] == "Live"
+        assert snap["worlds"]["controller"]["status"] == "Live"
+        client = c.client()
+        assert isinstance(client.attach(), AttachReply)
+        for rank in range(4):
+            entry = psutil.Process(snap["worlds"]["worker"]["procs"][f"worker[{rank}]"]["pid"])
+            assert entry.is_running()
+        client.tell(Detach())
+        assert ctl.wait(15) == 0
+    finally:
+        c.close()
+
+
+def test_real_workers_stall_report_names_the_function_and_its_stack(env: dict[str, str]) -> None:
+    from palatine.actor import lookup_actor_type
+    from palatine.worker.messages import CreateStream
+    from palatine.worker.values import dumps_args
+
+    if lookup_actor_type("palatine.worker.WorkerActor") is None:
+        pytest.skip("palatine.worker.WorkerActor is not available yet")
+    c = Cluster({**env, "PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": ""})
+    try:
+        c.start_controller("--operation-timeout-in-sec", "2",
+                           "--worker-progress-check-interval-in-sec", "0.5",
+                           "--fail-on-worker-timeout")
+        client = c.client()
+        client.attach()
+        client.tell(Send(ranks=ALL, message=Serialized.of(CreateStream(id=0, name="main", default=True))))
+        call = CallFunction(seq=0, results=[1], function=FunctionPath("controller_fakes.sleepy"),
+                            args=dumps_args((8,), {}), stream=0)
+        client.tell(Node(seq=0, defs=[1], label="controller_fakes.sleepy"))
+        client.tell(Send(ranks=ALL, message=Serialized.of(call)))
+        t0 = time.monotonic()
+        client.wait_for(lambda: any(lg.level == "warn" for lg in client.logs), 15, "a stall warning")
+        took = time.monotonic() - t0
+        assert 2.0 <= took <= 6.0, took
+        warn = next(lg for lg in client.logs if lg.level == "warn")
+        lines = warn.message.splitlines()
+        assert lines[0] == "ranks 0, 1, 2, 3 have operations that have not completed after 2 seconds"
+        assert "executing s0 " in lines[1] and "sleepy" in lines[1] and "on stream main" in lines[1]
+        assert 'in sleepy' in warn.message  # a frame of the sleeping function
+        client.wait_for(lambda: any(f.failure.kind == "stuck" for f in client.failures), 5,
+                        "the stuck Failure")
+        stuck = next(f.failure for f in client.failures if f.failure.kind == "stuck")
+        assert stuck.ranks == [0, 1, 2, 3] and stuck.expected_seq == 0
+        assert stuck.stacks is not None and "sleepy" in stuck.stacks[0]
+    finally:
+        c.close()
