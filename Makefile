@@ -12,11 +12,11 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[torch,test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/actors.py
+	$(PY) -m palatine demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

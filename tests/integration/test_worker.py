@@ -689,10 +689,10 @@ async def test_borrow_moves_a_value_between_streams() -> None:
 
 async def test_exit_lets_queued_work_finish_then_stops_the_actor() -> None:
     async def body(ctl: Ctl) -> None:
-        ctl.send(call(0, "time.sleep", 0.3), fetch(1, "after sleep"), Exit(error=None))
-        assert await ctl.fetched(1, timeout=5.0) == "after sleep"
         inst = ctl.procs[0].instance(ctl.workers[0])
         assert inst is not None
+        ctl.send(call(0, "time.sleep", 0.3), fetch(1, "after sleep"), Exit(error=None))
+        assert await ctl.fetched(1, timeout=5.0) == "after sleep"
         assert await asyncio.wait_for(asyncio.shield(inst.terminal), 5.0) == "stopped"
         assert ctl.failures == []
 

@@ -21,6 +21,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("palatine.cli.serve", "run system/host/controller roles on JSON-lines requests"),
     "snapshot": ("palatine.cli.snapshot", "print the worlds and procs of a running system"),
     "stop": ("palatine.cli.stop", "stop worlds (or everything) of a running system"),
+    "demo": ("palatine.demo", "train a small model data-parallel on a local mesh"),
 }
 
 

@@ -86,6 +86,12 @@ class ClientActor(Actor):
         if self.session is not None:
             self.session.fail(device_exception(msg.failure))
 
+    def handle_undeliverable(self, returned: Any) -> None:
+        s = self.session
+        if s is not None and (s.detached or s.closed or s.failure is not None):
+            return  # the controller going away after Detach (or a failure) is expected
+        super().handle_undeliverable(returned)
+
 
 class _Pending:
     __slots__ = ("future", "site", "label")

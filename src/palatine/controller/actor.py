@@ -135,6 +135,10 @@ class ControllerActor(Actor):
         self._dropped: dict[str, list[float]] = {}
         self._timers: list[asyncio.TimerHandle] = []
         self._worlds_stop_requested = False
+        # Probes of the newest seq wait until the client's next message (its Send), §5.
+        self._settled = True
+        self._node_at = 0.0
+        self._deferred: list[SendProbe] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -241,9 +245,7 @@ class ControllerActor(Actor):
             if t is Schedule:
                 self._schedule(ins.delay_s, ins.timer)  # type: ignore[union-attr]
             elif t is SendProbe:
-                probe = RequestStatus(seq=ins.seq, controller=True)  # type: ignore[union-attr]
-                self._cast(_REQUEST_STATUS_TID, ENC_MSGPACK, encode_message(probe),
-                           normalize(ins.ranks, self.n))  # type: ignore[union-attr]
+                self._probe(ins)  # type: ignore[arg-type]
             elif t is Fail:
                 self._fail(ins.failure)  # type: ignore[union-attr]
             elif t is Warn:
@@ -257,6 +259,30 @@ class ControllerActor(Actor):
                 self._spawn(self._stall_report(ins))  # type: ignore[arg-type]
             else:
                 log.error("unknown instruction %r", ins)
+
+    def _probe(self, probe: SendProbe) -> None:
+        """Cast ``RequestStatus{seq, controller: true}``, unless it would overtake a Send.
+
+        A Node is followed by the Send that executes it. A probe of the newest seq cast
+        between the two would reach the workers before the command and be answered at
+        once ("passed s") although ``s`` has not even started. Such a probe waits until
+        the client's next Send or Node has been handled (or one check interval).
+        """
+        max_seq = self.history.max_seq
+        if not self._settled and max_seq is not None and probe.seq >= max_seq:
+            self._deferred.append(probe)
+            return
+        msg = RequestStatus(seq=probe.seq, controller=True)
+        self._cast(_REQUEST_STATUS_TID, ENC_MSGPACK, encode_message(msg),
+                   normalize(probe.ranks, self.n))
+
+    def _settle(self) -> None:
+        """The client moved past its last Node: deferred probes may go out now."""
+        self._settled = True
+        if self._deferred:
+            deferred, self._deferred = self._deferred, []
+            for probe in deferred:
+                self._probe(probe)
 
     def _fail(self, failure: DeviceFailure) -> None:
         self.mesh_failed = True
@@ -372,6 +398,7 @@ class ControllerActor(Actor):
         """Record the invocation; eager error Results; arm the deadline, maybe probe."""
         if not self._from_client("Node"):
             return
+        self._settle()
         try:
             reports = self.history.add_invocation(msg.seq, msg.uses, msg.defs, msg.label)
         except ValueError as e:
@@ -379,8 +406,10 @@ class ControllerActor(Actor):
             return
         if reports:
             self._results(reports)
+        self._settled = False
+        now = self._node_at = self._now()
         assert self.progress is not None
-        out = self.progress.on_node(self._now())
+        out = self.progress.on_node(now)
         if out:
             self._execute(out)
 
@@ -395,10 +424,11 @@ class ControllerActor(Actor):
         if not self._from_client("Send"):
             return
         ranks = self._rank_set(msg.ranks)
-        if ranks is None:
-            return
-        m = msg.message
-        self._cast(m.type_id, m.encoding, m.data, ranks)
+        if ranks is not None:
+            m = msg.message
+            self._cast(m.type_id, m.encoding, m.data, ranks)
+        if not self._settled:
+            self._settle()
 
     def _rank_set(self, slices: list[Slice]) -> RankSet | None:
         """The normalized union of ``slices``; None (with a Log) when it is invalid."""
@@ -484,6 +514,8 @@ class ControllerActor(Actor):
     def on_check_worker_progress(self, msg: CheckWorkerProgress) -> None:
         if self.client_state != "attached" or self.progress is None:
             return  # no checks without a client; nothing is rescheduled after it ended
+        if not self._settled and self._now() - self._node_at >= self.params.worker_progress_check_interval_s:
+            self._settle()  # a Node without a Send: its probe must not wait forever
         self._execute(self.progress.check(
             self._now(), client_attached=True, mesh_failed=self.mesh_failed
         ))
