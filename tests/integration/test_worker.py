@@ -691,10 +691,12 @@ async def test_exit_lets_queued_work_finish_then_stops_the_actor() -> None:
     async def body(ctl: Ctl) -> None:
         inst = ctl.procs[0].instance(ctl.workers[0])
         assert inst is not None
-        ctl.send(call(0, "time.sleep", 0.3), fetch(1, "after sleep"), Exit(error=None))
+        ctl.send(call(0, "time.sleep", 0.3), fetch(1, "after sleep"), Exit(error="client ended"))
+        ctl.send(fetch(2, "ignored: sent after Exit"))
         assert await ctl.fetched(1, timeout=5.0) == "after sleep"
         assert await asyncio.wait_for(asyncio.shield(inst.terminal), 5.0) == "stopped"
         assert ctl.failures == []
+        assert ctl.rec.fetched(2, 0) is None
 
     await with_workers(1, body)
 
@@ -816,3 +818,431 @@ async def test_errors_and_fetches_always_precede_the_status_covering_them() -> N
         assert n_status == len(statuses)
 
     await with_workers(1, body, streams=((0, "main"), (1, "side")))
+
+
+# --------------------------------------------------------------------------- without torch
+
+NO_TORCH_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.modules["torch"] = None  # as if torch were not installed
+    import asyncio, json, os
+    from palatine.testing.procs import proc_cluster
+    from palatine.worker import WorkerActor
+    from palatine.worker.messages import (
+        CreateStream, FetchResult, FunctionPath, Reduce, RemoteFunctionFailed, RequestStatus,
+        SendValue, Status, WorkerParams, CallFunction, Ok,
+    )
+    from palatine.worker.values import dumps_args, loads_value
+
+    async def main():
+        got = []
+        async with proc_cluster(1) as (procs, client):
+            for cls in (Status, RemoteFunctionFailed, FetchResult):
+                client.mailbox.bind_handler(cls.__palatine_type_id__, lambda m, e: got.append(m))
+            params = WorkerParams(world_size=1, rank=0, device_index=None, controller_actor=client.id)
+            w = await procs[0].spawn("worker", WorkerActor, params)
+            no_args = dumps_args((), {})
+            for cmd in (
+                CreateStream(id=0, name="main", default=True),
+                SendValue(seq=0, function=FunctionPath("os.getpid"), args=no_args, stream=0),
+                CallFunction(seq=1, results=[1], function=FunctionPath("torch.ones"), args=dumps_args((2,), {}), stream=0),
+                Reduce(seq=2, result=2, value=1, mesh=9, dims=["x"], stream=0),
+                RequestStatus(seq=2),
+            ):
+                client.mailbox.tell(w, cmd)
+            for _ in range(500):
+                if any(type(m) is Status for m in got):
+                    break
+                await asyncio.sleep(0.01)
+        out = []
+        for m in got:
+            if type(m) is FetchResult:
+                out.append(["fetch", m.seq, loads_value(m.value.value) if type(m.value) is Ok else None])
+            elif type(m) is RemoteFunctionFailed:
+                out.append(["failed", m.seq, m.error.message])
+            else:
+                out.append(["status", m.seq])
+        print(json.dumps({"pid": os.getpid(), "got": out, "torch": sys.modules.get("torch") is not None}))
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_without_torch_python_functions_work_and_torch_paths_fail() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCH_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        cwd=os.getcwd(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["torch"] is False
+    assert out["got"] == [
+        ["fetch", 0, out["pid"]],
+        ["failed", 1, "torch is not installed on worker rank 0"],
+        ["failed", 2, "torch is not installed on worker rank 0"],
+        ["status", 3],
+    ]
+
+
+# --------------------------------------------------------------------------- collectives (gloo, 4 processes)
+
+
+class LoopThread:
+    """A private event loop on a thread for the module's system and fake controller."""
+
+    def __init__(self) -> None:
+        from palatine.runtime import new_event_loop
+
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, fn: Callable[[], Coroutine[Any, Any, Any]], timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(fn(), self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def _start_worker_proc(world: str, rank: int, addr: str, env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
+    with open(log_path, "wb") as errf:
+        return subprocess.Popen(
+            [sys.executable, "-m", "palatine", "worker", "--proc-id", f"{world}[{rank}]", "--bootstrap-addr", addr],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=errf,
+            env=env,
+            start_new_session=True,
+        )
+
+
+def _wait_ready(p: subprocess.Popen[bytes], timeout: float, log_path: str) -> None:
+    import select
+
+    assert p.stdout is not None
+    fd = p.stdout.fileno()
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([fd], [], [], 0.05)
+        if r:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            buf += chunk
+            if b'"ready"' in buf:
+                return
+        elif p.poll() is not None:
+            break
+    with open(log_path, errors="replace") as f:
+        raise RuntimeError(f"worker printed no ready line (exit {p.poll()}):\n{f.read()[-3000:]}")
+
+
+class Gang:
+    """Four ``palatine worker`` processes with WorkerActors spawned through their agents,
+    collectives initialised; the test process plays the controller."""
+
+    N = 4
+    WORLD = "cw"
+    MESH_2X2 = 1  # names host, proc
+    MESH_1D = 2  # names proc
+    CTX = 3
+
+    def __init__(self, tmp: str) -> None:
+        self.tmp = tmp
+        self.lt = LoopThread()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.rec = Recorder()
+        self.system: SystemHandle = self.lt.run(lambda: System.serve(any_addr("unix")))
+        self.client: SystemClient = self.lt.run(lambda: System(self.system.addr).attach(timeout_s=10))
+        self.lt.run(self._bind)
+        self._seq = itertools.count(10)
+        self._ref = itertools.count(100)
+        self.workers = [WorldId(self.WORLD).proc(r).actor("worker") for r in range(self.N)]
+
+    async def _bind(self) -> None:
+        self.rec.bind(self.client.client)
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env.update(token_env(resolve_token()))
+        env["PALATINE_COLLECTIVE_TIMEOUT"] = "30"
+        addr = str(self.system.addr)
+        logs = [os.path.join(self.tmp, f"worker{r}.log") for r in range(self.N)]
+        for r in range(self.N):
+            self.procs.append(_start_worker_proc(self.WORLD, r, addr, env, logs[r]))
+        for p, lp in zip(self.procs, logs, strict=True):
+            _wait_ready(p, 30.0, lp)
+        self.lt.run(self._spawn, timeout=60)
+        self.send(
+            CreateStream(id=0, name="main", default=True),
+            CreateDeviceMesh(result=self.MESH_2X2, names=["host", "proc"], ranks=Slice(0, [2, 2], [2, 1])),
+            CreateDeviceMesh(result=self.MESH_1D, names=["proc"], ranks=Slice(0, [4], [1])),
+        )
+        s = self.seq()
+        self.send(fetch_call(s, open_store), ranks=[0])
+        store_addr = self.fetched(s, 0)
+        assert isinstance(store_addr, str) and store_addr.startswith("127.0.0.1:")
+        s = self.seq()
+        self.send(BackendNetworkInit(seq=s, result=self.CTX, store_addr=store_addr, stream=0))
+        self.status(timeout=30.0)
+        assert not self.rec.of(RemoteFunctionFailed), self.rec.of(RemoteFunctionFailed)
+
+    async def _spawn(self) -> None:
+        async def one(r: int) -> None:
+            params = WorkerParams(
+                world_size=self.N, rank=r, device_index=None, controller_actor=self.client.client.id
+            )
+            msg = Spawn(
+                actor_type="palatine.worker.WorkerActor",
+                actor_name="worker",
+                params=msgspec.msgpack.encode(params),
+                params_encoding="msgpack",
+            )
+            agent = WorldId(self.WORLD).proc(r).actor("proc")
+            got = await self.client.mailbox.ask(agent, msg, 60.0)
+            assert isinstance(got, Spawned) and got.rank == r
+
+        await asyncio.gather(*(one(r) for r in range(self.N)))
+
+    def seq(self) -> int:
+        return next(self._seq)
+
+    def ref(self) -> int:
+        return next(self._ref)
+
+    def send(self, *cmds: Message, ranks: Sequence[int] | None = None) -> None:
+        async def go() -> None:
+            for r in range(self.N) if ranks is None else ranks:
+                for cmd in cmds:
+                    self.client.mailbox.tell(self.workers[r], cmd)
+
+        self.lt.run(go)
+
+    def wait(self, pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+        return self.lt.run(lambda: until(pred, timeout, what), timeout + 5)
+
+    def status(self, timeout: float = 10.0) -> None:
+        s = self.seq()
+        self.send(RequestStatus(seq=s))
+        self.wait(
+            lambda: {r for r, m in self.rec.snapshot() if type(m) is Status and m.seq == s + 1} == set(range(self.N)),
+            timeout,
+            f"Status {s + 1}",
+        )
+
+    def result(self, seq: int, rank: int, timeout: float = 10.0) -> FetchResult:
+        return self.wait(lambda: self.rec.fetched(seq, rank), timeout, f"FetchResult s{seq} from rank {rank}")  # type: ignore[no-any-return]
+
+    def fetched(self, seq: int, rank: int, timeout: float = 10.0) -> Any:
+        m = self.result(seq, rank, timeout)
+        if isinstance(m.value, Err):
+            raise AssertionError(f"fetch s{seq} on rank {rank} failed: {m.value.error.message}")
+        return loads_value(m.value.value)
+
+    def fetch_all(self, ref: int, timeout: float = 10.0) -> list[Any]:
+        s = self.seq()
+        self.send(fetch(s, Ref(ref)))
+        return [self.fetched(s, r, timeout) for r in range(self.N)]
+
+    def make(self, fn: Callable[..., Any], *args: Any) -> int:
+        """Run cloudpickled ``fn(*args)`` on every rank; the result's ref."""
+        ref = self.ref()
+        self.send(call(self.seq(), fn, *args, results=[ref], by_value=True))
+        return ref
+
+    def reduce(self, value: int, dims: Sequence[str], mesh: int = MESH_1D, **kw: Any) -> tuple[int, int]:
+        ref, s = self.ref(), self.seq()
+        self.send(Reduce(seq=s, result=ref, value=value, mesh=mesh, dims=list(dims), stream=0, **kw))
+        return ref, s
+
+    def close(self) -> None:
+        try:
+            self.send(Exit(error=None))
+            time.sleep(0.3)
+            self.lt.run(lambda: self.system.stop(2.0), timeout=15)
+        except Exception:  # noqa: BLE001 - killing below anyway
+            pass
+        try:
+            self.lt.run(self.client.close, timeout=10)
+        except Exception:  # noqa: BLE001 - the system is gone already
+            pass
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait(5)
+            if p.stdout is not None:
+                p.stdout.close()
+        self.lt.close()
+
+
+@pytest.fixture(scope="module")
+def gang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gang]:
+    import cloudpickle
+
+    # The worker processes cannot import this test module: ship its functions by value.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    g = Gang(str(tmp_path_factory.mktemp("gang")))
+    try:
+        g.start()
+        yield g
+    finally:
+        g.close()
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+def _rank_tensor(m: Any) -> Any:
+    return torch.tensor([float(m.rank("proc"))])
+
+
+def _rank_offset_arange(m: Any) -> Any:
+    return torch.arange(4.0) + 10 * m.rank("proc")
+
+
+@pytest.mark.timeout(120)
+def test_reduce_ops_across_four_gloo_workers(gang: Gang) -> None:
+    x = gang.make(_rank_tensor, Ref(Gang.MESH_1D))
+    expected = {"sum": [6.0], "avg": [1.5], "max": [3.0], "min": [0.0], "product": [0.0]}
+    for op, want in expected.items():
+        ref, _ = gang.reduce(x, ["proc"], op=op)
+        assert [t.tolist() for t in gang.fetch_all(ref)] == [want] * 4, op
+    ref, _ = gang.reduce(x, ["proc"], op="stack")
+    assert [t.tolist() for t in gang.fetch_all(ref)] == [[[0.0], [1.0], [2.0], [3.0]]] * 4
+    y = gang.make(_rank_offset_arange, Ref(Gang.MESH_1D))
+    ref, _ = gang.reduce(y, ["proc"], op="sum", scatter=True)
+    assert [t.tolist() for t in gang.fetch_all(ref)] == [[60.0], [64.0], [68.0], [72.0]]
+    ref, _ = gang.reduce(y, ["proc"], op="stack", scatter=True)
+    assert [t.tolist() for t in gang.fetch_all(ref)] == [
+        [float(i), 10.0 + i, 20.0 + i, 30.0 + i] for i in range(4)
+    ]
+    s = gang.seq()
+    gang.send(fetch_call(s, "palatine.worker.collectives.backend_name"), ranks=[0])
+    assert gang.fetched(s, 0) == "gloo"
+    assert gang.rec.of(RemoteFunctionFailed) == []
+
+
+@pytest.mark.timeout(120)
+def test_reduce_over_each_dim_of_a_2x2_mesh(gang: Gang) -> None:
+    x = gang.make(_rank_tensor, Ref(Gang.MESH_1D))  # rank r holds [r]
+    ref, _ = gang.reduce(x, ["proc"], mesh=Gang.MESH_2X2)
+    assert [t.item() for t in gang.fetch_all(ref)] == [1.0, 1.0, 5.0, 5.0]
+    ref, _ = gang.reduce(x, ["host"], mesh=Gang.MESH_2X2)
+    assert [t.item() for t in gang.fetch_all(ref)] == [2.0, 4.0, 2.0, 4.0]
+    ref, _ = gang.reduce(x, ["host", "proc"], mesh=Gang.MESH_2X2)
+    assert [t.item() for t in gang.fetch_all(ref)] == [6.0] * 4
+
+
+@pytest.mark.timeout(120)
+def test_reduce_in_place_and_into_out(gang: Gang) -> None:
+    x = gang.make(_rank_tensor, Ref(Gang.MESH_1D))
+    ref, _ = gang.reduce(x, ["proc"], in_place=True)
+    assert [t.item() for t in gang.fetch_all(x)] == [6.0] * 4
+    assert [t.item() for t in gang.fetch_all(ref)] == [6.0] * 4
+    out = gang.make(lambda: torch.zeros(1))
+    src = gang.make(_rank_tensor, Ref(Gang.MESH_1D))
+    ref, _ = gang.reduce(src, ["proc"], op="max", out=out)
+    assert [t.item() for t in gang.fetch_all(out)] == [3.0] * 4
+    bad_out = gang.make(lambda: torch.zeros(2))
+    before = len(gang.rec.of(RemoteFunctionFailed))
+    _ref, s = gang.reduce(src, ["proc"], out=bad_out)
+    gang.status()
+    fails = [m for m in gang.rec.of(RemoteFunctionFailed)[before:] if m.seq == s]
+    assert len(fails) == 4
+    assert "reduce out tensor has shape [2] but the result has shape [1]" in fails[0].error.message
+
+
+def _fail_on_rank_1(m: Any) -> Any:
+    if m.rank("proc") == 1:
+        raise ValueError("input failed on rank 1")
+    return torch.ones(1)
+
+
+@pytest.mark.timeout(120)
+def test_reduce_whose_input_failed_on_one_rank_completes_everywhere(gang: Gang) -> None:
+    before = len(gang.rec.of(RemoteFunctionFailed))
+    x_seq = gang.seq()
+    x = gang.ref()
+    gang.send(call(x_seq, _fail_on_rank_1, Ref(Gang.MESH_1D), results=[x], by_value=True))
+    t0 = time.monotonic()
+    ref, red_seq = gang.reduce(x, ["proc"])
+    s = gang.seq()
+    gang.send(fetch(s, Ref(ref)))
+    results = [gang.result(s, r, timeout=5.0) for r in range(4)]
+    assert time.monotonic() - t0 < 5.0
+    for r, m in enumerate(results):
+        assert isinstance(m.value, Err), r
+    assert results[1].value.error.message == "input failed on rank 1"
+    assert results[1].value.error.seq == x_seq
+    assert "failed on rank 1" in results[0].value.error.message
+    assert results[0].value.error.seq == x_seq
+    gang.status()
+    fails = gang.rec.of(RemoteFunctionFailed)[before:]
+    assert [(m.seq, m.error.rank) for m in fails] == [(x_seq, 1)]
+    # With a factory the failed rank takes part with zeros; peers keep a value.
+    ref, _ = gang.reduce(x, ["proc"], factory=Factory(size=[1], dtype="float32"))
+    s = gang.seq()
+    gang.send(fetch(s, Ref(ref)))
+    got = [gang.result(s, r, timeout=5.0) for r in range(4)]
+    assert isinstance(got[1].value, Err) and got[1].value.error.seq == x_seq
+    assert [loads_value(got[r].value.value).item() for r in (0, 2, 3)] == [3.0] * 3
+    # The mesh is still usable.
+    y = gang.make(_rank_tensor, Ref(Gang.MESH_1D))
+    ref, _ = gang.reduce(y, ["proc"])
+    assert [t.item() for t in gang.fetch_all(ref)] == [6.0] * 4
+
+
+def _shape_by_rank(m: Any) -> Any:
+    return torch.ones(1 + m.rank("proc") % 2)
+
+
+@pytest.mark.timeout(120)
+def test_inconsistent_reduce_inputs_are_a_user_error_on_every_rank(gang: Gang) -> None:
+    before = len(gang.rec.of(RemoteFunctionFailed))
+    x = gang.make(_shape_by_rank, Ref(Gang.MESH_1D))
+    _ref, s = gang.reduce(x, ["proc"])
+    gang.status()
+    fails = [m for m in gang.rec.of(RemoteFunctionFailed)[before:] if m.seq == s]
+    assert sorted(m.error.rank for m in fails) == [0, 1, 2, 3]
+    assert "reduce inputs differ across ranks" in fails[0].error.message
+    y = gang.make(_rank_tensor, Ref(Gang.MESH_1D))
+    ref, _ = gang.reduce(y, ["proc"])
+    assert [t.item() for t in gang.fetch_all(ref)] == [6.0] * 4
+
+
+def _all_reduce_rank(pg: Any, m: Any) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(m.rank("proc"))])
+    dist.all_reduce(t, group=pg)
+    return float(t.item())
+
+
+@pytest.mark.timeout(120)
+def test_process_groups_in_remote_functions(gang: Gang) -> None:
+    pg1, pg2, sub = gang.ref(), gang.ref(), gang.ref()
+    gang.send(
+        CreateProcessGroup(seq=gang.seq(), result=pg1, mesh=Gang.MESH_1D, dims=["proc"], stream=0),
+        CreateProcessGroup(seq=gang.seq(), result=pg2, mesh=Gang.MESH_1D, dims=[], stream=0),
+        CreateProcessGroup(seq=gang.seq(), result=sub, mesh=Gang.MESH_2X2, dims=["proc"], stream=0),
+    )
+    total = gang.make(_all_reduce_rank, Ref(pg1), Ref(Gang.MESH_1D))
+    assert gang.fetch_all(total) == [6.0] * 4
+    per_host = gang.make(_all_reduce_rank, Ref(sub), Ref(Gang.MESH_1D))
+    assert gang.fetch_all(per_host) == [1.0, 1.0, 5.0, 5.0]
+    distinct = gang.make(lambda a, b: a is not b and a.size() == b.size() == 4, Ref(pg1), Ref(pg2))
+    assert gang.fetch_all(distinct) == [True] * 4
+    world = gang.make(lambda g: g.size(), Ref(Gang.CTX))
+    assert gang.fetch_all(world) == [4] * 4
+    assert gang.rec.of(RemoteFunctionFailed) == [] or all(
+        m.seq < min(gang.rec.of(RemoteFunctionFailed), key=lambda x: x.seq).seq + 10**9
+        for m in gang.rec.of(RemoteFunctionFailed)
+    )

@@ -109,6 +109,9 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(32)}
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Several workers share this machine's cores: one intra-op thread pool per core.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, hosts * procs_per_host)))
     if cuda:
         import torch
 

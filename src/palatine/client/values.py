@@ -157,7 +157,8 @@ def function_ref(fn: Any) -> tuple[FunctionRef, str]:
     overload = type(fn).__name__ == "OpOverload"
     if overload:
         return FunctionPath(path=f"torch.ops.{fn.namespace}.{fn._opname}.{fn._overloadname}"), str(fn)
-    if module and module != "__main__" and "<" not in name:
+    by_value = module in cloudpickle.list_registry_pickle_by_value() if module else False
+    if module and module != "__main__" and "<" not in name and not by_value:
         try:
             mod = sys.modules.get(module)
             target: Any = mod

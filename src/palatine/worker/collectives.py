@@ -469,7 +469,8 @@ def _collective(torch: Any, dist: Any, ctx: Any, cmd: Reduce, t: Any, group: Any
 
             return _try_native(ctx.backend, "all_to_all", a2a, a2a_emulated)
         inp = t.contiguous()
-        gathered = torch.empty((n, *inp.shape), dtype=inp.dtype, device=inp.device)
+        flat = inp.reshape(-1)
+        gathered = torch.empty(n * flat.numel(), dtype=inp.dtype, device=inp.device)
 
         def gather_emulated() -> Any:
             parts = [torch.empty_like(inp) for _ in range(n)]
@@ -477,8 +478,9 @@ def _collective(torch: Any, dist: Any, ctx: Any, cmd: Reduce, t: Any, group: Any
             return torch.stack(parts)
 
         def gather() -> Any:
-            dist.all_gather_into_tensor(gathered, inp, group=group)
-            return gathered
+            # The concatenated output form: every backend accepts it.
+            dist.all_gather_into_tensor(gathered, flat, group=group)
+            return gathered.view(n, *inp.shape)
 
         return _try_native(ctx.backend, "all_gather_into_tensor", gather, gather_emulated)
     if cmd.scatter:

@@ -1,0 +1,142 @@
+"""The client on a real local mesh of 4 workers (40-worker-client.md §5, client items)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import cloudpickle
+import pytest
+
+from palatine import DeviceException, RemoteException, StuckWorkersException, fetch, inspect, local_mesh, remote
+from palatine.client.mesh import DeviceMesh
+
+pytestmark = pytest.mark.timeout(120)
+
+# Workers cannot import this test module: ship its functions by value.
+cloudpickle.register_pickle_by_value(__import__("sys").modules[__name__])
+
+
+def divide(a: float, b: float) -> float:
+    return a / b
+
+
+def fail_on_rank(r: int, bad: int) -> int:
+    if r == bad:
+        raise ZeroDivisionError("division by zero on purpose")
+    return r
+
+
+def plus_one(x: int) -> int:
+    return x + 1
+
+
+def tensor_of(rank: int) -> object:
+    import torch
+
+    return torch.full((3,), float(rank + 1))
+
+
+def all_reduce_sum(t: object, pg: object) -> object:
+    import torch.distributed as dist
+
+    dist.all_reduce(t, group=pg)  # type: ignore[arg-type]
+    return t
+
+
+def spin(seconds: float) -> str:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return "done"
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[DeviceMesh]:
+    m = local_mesh(hosts=1, procs_per_host=4, startup_timeout_in_sec=60)
+    try:
+        yield m
+    finally:
+        m.shutdown()
+
+
+def test_remote_calls_and_fetches_on_four_workers(mesh: DeviceMesh) -> None:
+    with mesh.activate():
+        pid = remote(os.getpid)()
+        r = mesh.rank("proc")
+        y = remote(lambda a, b: a * b)(r, 10)
+        assert fetch(y, shard={"host": 0, "proc": 2}).result(timeout=30) == 20
+        pids = [inspect(pid, shard={"host": 0, "proc": p}) for p in range(4)]
+        assert len(set(pids)) == 4 and os.getpid() not in pids
+        z = remote(plus_one)(y)
+        assert [inspect(z, shard=i) for i in range(4)] == [1, 11, 21, 31]
+        assert inspect({"a": [r, 5]}, shard=3) == {"a": [3, 5]}
+
+
+def test_user_error_on_one_rank_has_both_tracebacks_and_independents_survive(mesh: DeviceMesh) -> None:
+    with mesh.activate():
+        r = mesh.rank("proc")
+        bad = remote(fail_on_rank)(r, 1)  # issued here
+        dependent = remote(plus_one)(bad)
+        fine = remote(plus_one)(r)
+        with pytest.raises(RemoteException) as ei:
+            fetch(bad, shard=0).result(timeout=30)  # failed on rank 1: failed as a whole
+        e = ei.value
+        assert e.rank == 1 and e.world == "worker"
+        assert "ZeroDivisionError" in e.exc_type
+        assert "fail_on_rank" in e.traceback and "raise ZeroDivisionError" in e.traceback
+        assert "test_client.py" in e.client_traceback and "bad = remote(fail_on_rank)" in str(e)
+        assert "failed at s" in str(e) and "on rank 1 of world worker" in str(e)
+        with pytest.raises(RemoteException) as dep:
+            fetch(dependent, shard=2).result(timeout=30)
+        assert dep.value.caused_by == e.caused_by
+        assert any("which depends on" in n for n in getattr(dep.value, "__notes__", []))
+        assert fetch(fine, shard=2).result(timeout=30) == 3
+
+
+def test_all_reduce_across_four_workers(mesh: DeviceMesh) -> None:
+    with mesh.activate():
+        t = remote(tensor_of)(mesh.rank("proc"))
+        summed = remote(all_reduce_sum)(t, mesh.process_group())
+        for rank in range(4):
+            assert inspect(summed, shard=rank).tolist() == [10.0, 10.0, 10.0]
+        reduced = remote(tensor_of)(mesh.rank("proc")).reduce("proc", op="sum")
+        assert inspect(reduced, shard=0).tolist() == [10.0, 10.0, 10.0]
+
+
+def test_sigkilled_worker_raises_device_exception_fast() -> None:
+    with local_mesh(hosts=1, procs_per_host=4, startup_timeout_in_sec=60) as m:
+        pids = [inspect(remote(os.getpid)(), shard=p) for p in range(4)]
+        pending = fetch(remote(spin)(30.0), shard=0)
+        t0 = time.monotonic()
+        os.kill(pids[2], signal.SIGKILL)
+        with pytest.raises(DeviceException) as ei:
+            pending.result(timeout=10)
+        took = time.monotonic() - t0
+        e = ei.value
+        assert took < 1.0, f"took {took:.2f} s"
+        assert e.kind == "proc_failed"
+        assert e.rank == 2 and e.exit_signal == 9 and e.pid == pids[2]
+        assert "SIGKILL" in str(e) and "worker[2]" in str(e)
+        with pytest.raises(DeviceException):
+            remote(os.getpid)()  # the session is failed: later calls raise at once
+
+
+def test_stuck_worker_fails_with_rank_op_and_stack(caplog: pytest.LogCaptureFixture) -> None:
+    with local_mesh(
+        hosts=1,
+        procs_per_host=4,
+        operation_timeout_in_sec=1.0,
+        worker_progress_check_interval_in_sec=0.3,
+        fail_on_worker_timeout=True,
+        startup_timeout_in_sec=60,
+    ) as m:
+        ranks = m.rank("proc")
+        stuck = remote(lambda r: spin(60.0) if r == 3 else "ok")(ranks)
+        with caplog.at_level(logging.WARNING, logger="palatine"), pytest.raises(StuckWorkersException) as ei:
+            fetch(stuck, shard=0).result(timeout=30)
+        text = str(ei.value)
+        assert "3" in text and "spin" in text
