@@ -81,10 +81,15 @@ METRICS: dict[str, tuple[str, bool, Target]] = {
     "spawn_4_to_first_call_s": ("s", False, Target("≤ 0.5 s", 0.5)),
     "controller_invocations_per_s": ("calls/s", True, Target("≥ 20,000/s", 20_000)),
     "fetch_roundtrip_ms": ("ms", False, Target("≤ 1 ms", 1.0)),
+    # The client API's start-up and SIGKILL detection (bench/controller_bench.py); the
+    # goals have no start-up target for it (spawn_4_to_first_call_s is the actor API's).
+    "local_mesh_4_to_first_fetch_s": ("s", False, Target("none in the goals (recorded)")),
     "detect_sigkill_s": ("s", False, Target("≤ 0.5 s", 0.5)),
     # The same fault seen by the system (snapshot shows the proc Exited, signal 9);
     # bench/system_bench.py. detect_sigkill_s above is measured from the actor caller.
     "detect_sigkill_system_s": ("s", False, Target("≤ 0.5 s", 0.5)),
+    # The same fault seen by a client's pending fetch (DeviceException); controller_bench.py.
+    "detect_sigkill_client_s": ("s", False, Target("≤ 0.5 s", 0.5)),
     "detect_sigstop_s": ("s", False, Target("≤ heartbeat timeout + 1 interval")),
     "detect_hang_s": ("s", False, Target("≤ operation_timeout + check interval, with the stack")),
     "system_1k_procs_cpu": ("% of one core", False, Target("≤ 10 % of one core", 10.0)),
@@ -564,13 +569,53 @@ def render_markdown(res: dict[str, Any]) -> str:
         "exec'd workers; one worker SIGKILLed; time until a snapshot (polled every 5 ms) shows "
         "it `Exited` with signal 9.",
         "",
+        "palatine's client-API metrics (`bench/controller_bench.py`; `local_mesh(hosts=1, "
+        "procs_per_host=4)`: real system, host and controller processes and 4 exec'd workers, "
+        "the client in the benchmark process; the no-op is "
+        "`remote(\"palatine.client.functions.identity\")`):",
+        "",
+        "* `controller_invocations_per_s`: N no-op remote calls on all 4 ranks (each result "
+        "discarded), then one `fetch` of the last value, which completes only after every "
+        "earlier call has completed on every rank; N / (first issue → fetch returned), N sized "
+        "so a repetition takes about 1 s. The extras split a repetition into issuing and "
+        "draining and give each process's CPU time per 1,000 calls.",
+        "* `fetch_roundtrip_ms`: `fetch(remote(identity)(i), shard=0).result()` one at a time "
+        "on the same mesh (ms per round trip).",
+        "* `local_mesh_4_to_first_fetch_s`: `local_mesh` (4 workers) + the first remote call "
+        "+ its fetch returning, from a running interpreter with palatine imported "
+        "(`local_mesh_s`: the part inside `local_mesh`).",
+        "* `detect_sigkill_client_s`: on that fresh mesh, a long call (`time.sleep`) on rank 0 "
+        "fetched; rank 2's worker SIGKILLed; time until the pending fetch raises "
+        "`palatine.DeviceException` (capped at 30 s).",
+        "",
         "Loops run about 0.5 s per repetition after a warm-up; the value is the median of the "
         "repetitions (all of them are in the results file). The other metrics and their "
         "targets are those of the project's goals; their programs are `bench/system_bench.py` "
         "and `bench/controller_bench.py`.",
         "",
     ]
+    lines += _where_time_goes(metrics)
     return "\n".join(lines)
+
+
+# Profiles of the metrics that are far from their targets (py-spy on the controller and a
+# worker, cProfile on the client's issuing thread, psutil CPU per process), written by
+# hand when the profile was taken; BENCHMARKS.md shows them under the current numbers.
+WHERE_TIME_GOES: dict[str, list[str]] = {}
+
+
+def _where_time_goes(metrics: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for metric, paras in WHERE_TIME_GOES.items():
+        e = metrics.get(metric)
+        if not e or not paras:
+            continue
+        now = _cell(e.get("palatine"), e["unit"])
+        out += [f"### `{metric}` (now {now}; target {e['target']})", ""]
+        out += [f"* {p}" for p in paras] + [""]
+    if out:
+        out = ["## Where the time goes", ""] + out
+    return out
 
 
 _STD_KEYS = {"metric", "impl", "value", "unit", "higher_is_better", "reps", "version", "error",

@@ -198,7 +198,7 @@ class OncePort(StreamPort):
 class Pending(Port):
     """A request awaiting one reply; fails on return, peer death, deadline or stop."""
 
-    __slots__ = ("future", "dest", "what", "timeout_s", "timer")
+    __slots__ = ("future", "dest", "what", "timeout_s", "timer", "sink")
 
     def __init__(
         self,
@@ -217,6 +217,38 @@ class Pending(Port):
         self.timer: asyncio.TimerHandle | None = (
             loop.call_later(timeout_s, self._expire) if math.isfinite(timeout_s) else None
         )
+        # A thread-safe future completed synchronously with ours (saves a loop turn
+        # for callers blocked in another thread): (future, transform or None).
+        self.sink: tuple[Any, Callable[[Any], Any] | None] | None = None
+
+    def set_sink(self, fut: Any, transform: Callable[[Any], Any] | None = None) -> None:
+        """Also complete ``fut`` (a `palatine.Future`) the moment this request completes."""
+        self.sink = (fut, transform)
+        f = self.future
+        if f.done():  # completed before the sink was attached
+            if f.exception() is not None:
+                fut.set_exception(f.exception())
+            else:
+                value = f.result()
+                fut.set_result(value if transform is None else transform(value))
+
+    def _resolve(self, value: Any) -> None:
+        self.future.set_result(value)
+        sink = self.sink
+        if sink is not None:
+            fut, transform = sink
+            if transform is None:
+                fut.set_result(value)
+            else:
+                try:
+                    fut.set_result(transform(value))
+                except Exception as e:  # noqa: BLE001 - surfaced to the waiter
+                    fut.set_exception(e)
+
+    def _reject(self, exc: BaseException) -> None:
+        self.future.set_exception(exc)
+        if self.sink is not None:
+            self.sink[0].set_exception(exc)
 
     def _finish(self) -> bool:
         if self.future.done():
@@ -237,14 +269,14 @@ class Pending(Port):
         if self._finish():
             to_exc = getattr(type(value), "to_error", None)
             if to_exc is not None:
-                self.future.set_exception(to_exc(value))
+                self._reject(to_exc(value))
             else:
-                self.future.set_result(value)
+                self._resolve(value)
         return None
 
     def fail(self, exc: BaseException) -> None:
         if self._finish():
-            self.future.set_exception(exc)
+            self._reject(exc)
 
     def returned(self, env: Envelope) -> None:
         reason = "; ".join(env.errors or ()) or "returned"
@@ -312,9 +344,9 @@ class Gather(Pending):
             if len(self.errors) > 1:
                 ranks = ", ".join(str(r) for r in sorted(self.errors))
                 first.add_note(f"{self.what} failed on ranks {ranks}")
-            self.future.set_exception(first)
+            self._reject(first)
         else:
-            self.future.set_result(self.results)
+            self._resolve(self.results)
 
     def deliver(self, env: Envelope) -> str | None:
         if self.future.done():

@@ -240,7 +240,7 @@ class ActorRef:
                 None, None, bufs,
             )
             mb.proc.post(env)
-            return p.future
+            return p
 
         return runtime.call(go)
 
@@ -386,7 +386,7 @@ class ActorMesh:
                 g._complete()
             else:
                 self._cast(mb, method, args, kwargs, g.id)
-            return g.future
+            return g
 
         return runtime.call(go, lambda res: ValueMesh(dims, ranks, [res[r] for r in ranks]))
 
@@ -401,7 +401,7 @@ class ActorMesh:
             _self_call_check(mb, dest)
             p = mb.pending(dest, f"call {method}", timeout_s)
             self._cast(mb, method, args, kwargs, p.id)
-            return p.future
+            return p
 
         return runtime.call(go)
 

@@ -140,7 +140,7 @@ def post(fn: Callable[[], Any]) -> None:
 
 
 def call(
-    fn: Callable[[], asyncio.Future[Any] | Future[Any]],
+    fn: Callable[[], Any],
     transform: Callable[[Any], T] | None = None,
 ) -> Future[T]:
     """Run ``fn`` on the loop thread; its (asyncio or palatine) future becomes ours."""
@@ -155,6 +155,10 @@ def call(
             return
         if isinstance(inner, Future):
             inner.add_done_callback(lambda f: _copy(f, out, transform))
+        elif hasattr(inner, "set_sink"):  # a mailbox request: completes `out` directly
+            out._afut = inner.future
+            out._transform = transform
+            inner.set_sink(out, transform)
         else:
             out.chain(inner, transform)
 

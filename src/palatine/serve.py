@@ -34,17 +34,17 @@ from palatine.errors import ConfigError, JoinError
 from palatine.ids import WorldId, is_host_world
 
 __all__ = [
-    "SystemCommand",
-    "HostCommand",
     "ControllerCommand",
-    "RunRequest",
     "ExitRequest",
+    "HostCommand",
     "InvalidRequest",
-    "parse_request",
+    "RunRequest",
+    "SystemCommand",
     "finished_line",
-    "run_system",
+    "parse_request",
     "run_host",
     "run_role",
+    "run_system",
     "serve",
 ]
 
@@ -137,7 +137,9 @@ def parse_request(line: bytes | str) -> RunRequest | ExitRequest:
     if obj == "Exit":
         return ExitRequest()
     if not isinstance(obj, dict) or len(obj) != 1:
-        raise InvalidRequest('expected {"Run": {"System"|"Host"|"Controller": {...}}} or {"Exit": []}')
+        raise InvalidRequest(
+            'expected {"Run": {"System"|"Host"|"Controller": {...}}} or {"Exit": []}'
+        )
     ((tag, body),) = obj.items()
     if tag == "Exit":
         if body not in ([], None, {}):
@@ -158,7 +160,7 @@ def parse_request(line: bytes | str) -> RunRequest | ExitRequest:
     except msgspec.ValidationError as e:
         raise InvalidRequest(f"Run.{role}: {e}") from None
     _check(role, cmd)
-    return RunRequest(role, cmd)  # type: ignore[arg-type]
+    return RunRequest(role, cmd)
 
 
 def finished_line(error: str | None) -> bytes:
@@ -232,7 +234,9 @@ async def run_host(cmd: HostCommand, stop: asyncio.Event, on_ready: OnReady) -> 
     return None
 
 
-async def _run_controller(cmd: ControllerCommand, stop: asyncio.Event, on_ready: OnReady) -> str | None:
+async def _run_controller(
+    cmd: ControllerCommand, stop: asyncio.Event, on_ready: OnReady
+) -> str | None:
     from palatine.controller.bootstrap import run_controller
 
     try:

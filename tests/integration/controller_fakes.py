@@ -34,7 +34,14 @@ from palatine.worker.messages import (
 )
 
 __all__ = [
-    "FakeWorker", "FakeConfig", "FakeQuery", "FakeState", "LoopThread", "TestClient", "sleepy",
+    "FakeConfig",
+    "FakeQuery",
+    "FakeState",
+    "FakeWorker",
+    "LoopThread",
+    "SlowWorker",
+    "TestClient",
+    "sleepy",
 ]
 
 FAKE_WORKER_TYPE = "controller_fakes.FakeWorker"
@@ -105,8 +112,11 @@ class FakeWorker(Actor):
     def on_progress_query(self, msg: ProgressQuery) -> WorkerProgress:
         executing = None
         if self.hang_from is not None:
-            executing = ExecutingOp(seq=self.hang_from, function="fake_op",
-                                    running_for_s=time.monotonic() - self.hang_since)
+            executing = ExecutingOp(
+                seq=self.hang_from,
+                function="fake_op",
+                running_for_s=time.monotonic() - self.hang_since,
+            )
         stream = StreamProgress(id=0, name="main", executing=executing)
         return WorkerProgress(rank=self.params.rank, pid=os.getpid(), streams=[stream])
 
@@ -124,6 +134,16 @@ class FakeWorker(Actor):
     @handler
     def on_fake_query(self, msg: FakeQuery) -> FakeState:
         return FakeState(params=self.params, pid=os.getpid(), received=list(self.received))
+
+
+class SlowWorker(FakeWorker):
+    """A fake worker whose ``init`` on rank 2 takes 3 s (a spawn that does not acknowledge)."""
+
+    __palatine_name__ = "controller_fakes.SlowWorker"
+
+    async def init(self) -> None:
+        if self.params.rank == 2:
+            await asyncio.sleep(3.0)
 
 
 class LoopThread:
@@ -169,6 +189,7 @@ class TestClient:
         self.events: list[tuple[float, Any]] = []
         mb = self.sys.mailbox
         for cls, sink in ((Result, self.results), (Log, self.logs), (Failure, self.failures)):
+
             def on(payload: Any, env: Any, sink: list[Any] = sink) -> None:
                 sink.append(payload)
                 self.events.append((time.monotonic(), payload))
@@ -213,6 +234,6 @@ class TestClient:
     def close(self) -> None:
         try:
             self.lt.run(lambda: self.sys.close(), timeout=5)
-        except Exception:  # noqa: BLE001 - the system may be gone
+        except Exception:  # noqa: BLE001, S110 - the system may be gone
             pass
         self.lt.close()

@@ -25,6 +25,7 @@ import psutil
 import pytest
 from controller_fakes import FAKE_WORKER_TYPE, FakeConfig, FakeQuery, TestClient
 
+from palatine.client.procs import RoleProcess, palatine_cmd
 from palatine.controller.messages import (
     AttachRejected,
     AttachReply,
@@ -34,7 +35,6 @@ from palatine.controller.messages import (
     Send,
     Serialized,
 )
-from palatine.client.procs import RoleProcess, palatine_cmd
 from palatine.worker.messages import CallFunction, FunctionPath, Pickled, RequestStatus, Slice
 
 pytestmark = pytest.mark.timeout(90)
@@ -54,8 +54,15 @@ class Cluster:
         self.clients: list[TestClient] = []
         addr = f"unix:@palatine-ctl-{secrets.token_hex(4)}"
         self.system = self._role(
-            ["system", "--system-addr", addr, "--supervision-update-timeout-in-sec", "3",
-             "--world-eviction-timeout-in-sec", "2"]
+            [
+                "system",
+                "--system-addr",
+                addr,
+                "--supervision-update-timeout-in-sec",
+                "3",
+                "--world-eviction-timeout-in-sec",
+                "2",
+            ]
         )
         self.addr = self.system.addr
         self.hosts = [self.start_host(h) for h in range(hosts)]
@@ -67,15 +74,37 @@ class Cluster:
 
     def start_host(self, rank: int) -> RoleProcess:
         return self._role(
-            ["host", "--system-addr", self.addr, "--host-world", "hostworker", "--host-rank",
-             str(rank), "--supervision-update-interval-in-sec", "0.5"]
+            [
+                "host",
+                "--system-addr",
+                self.addr,
+                "--host-world",
+                "hostworker",
+                "--host-rank",
+                str(rank),
+                "--supervision-update-interval-in-sec",
+                "0.5",
+            ]
         )
 
     def controller_args(self, *extra: str, program: bool = True) -> list[str]:
-        args = ["controller", "--worker-world", "worker", "--system-addr", self.addr,
-                "--world-size", "4", "--num-procs-per-host", "2", "--is-cpu-worker",
-                "--supervision-query-interval-in-sec", "0.5",
-                "--supervision-update-interval-in-sec", "0.5", *extra]
+        args = [
+            "controller",
+            "--worker-world",
+            "worker",
+            "--system-addr",
+            self.addr,
+            "--world-size",
+            "4",
+            "--num-procs-per-host",
+            "2",
+            "--is-cpu-worker",
+            "--supervision-query-interval-in-sec",
+            "0.5",
+            "--supervision-update-interval-in-sec",
+            "0.5",
+            *extra,
+        ]
         if program:
             args += ["--program", PROGRAM]
         return args
@@ -85,8 +114,11 @@ class Cluster:
 
     def popen(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         p = subprocess.Popen(
-            [*palatine_cmd(), *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env={**os.environ, **self.env, **(env or {})},
+            [*palatine_cmd(), *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **self.env, **(env or {})},
             start_new_session=True,
         )
         self.popens.append(p)
@@ -100,7 +132,11 @@ class Cluster:
     def snapshot(self) -> dict[str, Any]:
         out = subprocess.run(
             [*palatine_cmd(), "snapshot", "--system-addr", self.addr, "--json"],
-            capture_output=True, text=True, timeout=30, env={**os.environ, **self.env},
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, **self.env},
         )
         assert out.returncode == 0, out.stderr
         return dict(json.loads(out.stdout))
@@ -183,7 +219,10 @@ def proc_failures(client: TestClient) -> list[Any]:
     ("extra", "expected"),
     [
         (["--extra-proc-labels", "foo"], "invalid KEY=value: no '=' found in 'foo'"),
-        (["--world-size", "4", "--controller-actor-id", "controller[1].root"], "controller-actor-id"),
+        (
+            ["--world-size", "4", "--controller-actor-id", "controller[1].root"],
+            "controller-actor-id",
+        ),
         (["--world-size", "4", "--controller-actor-id", "controller[0].root[2]"], "pid 0"),
         (["--world-size", "4", "--controller-actor-id", "hostc[0].root"], "reserved"),
         (["--world-size", "4", "--controller-actor-id", "controller[0].comm"], "reserved"),
@@ -193,11 +232,18 @@ def proc_failures(client: TestClient) -> list[Any]:
     ],
 )
 def test_usage_errors_exit_2(extra: list[str], expected: str) -> None:
-    args = [*palatine_cmd(), "controller", "--worker-world", "worker", "--system-addr",
-            "unix:@nowhere", *extra]
+    args = [
+        *palatine_cmd(),
+        "controller",
+        "--worker-world",
+        "worker",
+        "--system-addr",
+        "unix:@nowhere",
+        *extra,
+    ]
     if "--world-size" not in extra and extra:
         args += ["--world-size", "4"]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(args, check=False, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2, out.stderr
     assert expected in out.stderr
 
@@ -209,19 +255,25 @@ def test_bootstrap_labels_params_and_ready_line(cluster: Cluster) -> None:
     t0 = time.monotonic()
     ctl = cluster.start_controller("--extra-proc-labels", "k=v=3", "team=ml")
     assert time.monotonic() - t0 < 15
-    assert ctl.ready is not None and ctl.ready["role"] == "controller" and ctl.ready["pid"] == ctl.pid
+    assert (
+        ctl.ready is not None and ctl.ready["role"] == "controller" and ctl.ready["pid"] == ctl.pid
+    )
     snap = cluster.snapshot()
     w = snap["worlds"]["worker"]
     assert w["status"] == "Live"
-    assert w["labels"] == {"world.palatine.dev/worker": "1",
-                           "world.palatine.dev/controllerActorId": "controller[0].root"}
+    assert w["labels"] == {
+        "world.palatine.dev/worker": "1",
+        "world.palatine.dev/controllerActorId": "controller[0].root",
+    }
     assert w["host_procs"] == ["hostworker[0]", "hostworker[1]"]
     x = snap["worlds"]["controller"]
     assert x["status"] == "Live"
     assert list(x["procs"]) == ["controller[0]"]
     assert x["procs"]["controller[0]"]["labels"] == {
-        "proc.palatine.dev/role": "controller", "proc.palatine.dev/workerWorld": "worker",
-        "k": "v=3", "team": "ml",
+        "proc.palatine.dev/role": "controller",
+        "proc.palatine.dev/workerWorld": "worker",
+        "k": "v=3",
+        "team": "ml",
     }
     assert x["procs"]["controller[0]"]["addr"] == ctl.addr
     client = cluster.client()
@@ -241,8 +293,9 @@ def test_no_workers_times_out_with_hint(env: dict[str, str]) -> None:
     c = Cluster(env, hosts=0)
     try:
         t0 = time.monotonic()
-        p = c.popen(c.controller_args(program=False),
-                    env={"PALATINE_CONTROLLER_WORLD_READY_TIMEOUT": "2"})
+        p = c.popen(
+            c.controller_args(program=False), env={"PALATINE_CONTROLLER_WORLD_READY_TIMEOUT": "2"}
+        )
         code, err = communicate(p, 20)
         took = time.monotonic() - t0
         assert code == 1, err
@@ -266,8 +319,11 @@ def test_worker_exiting_at_start_fails_fast(cluster: Cluster) -> None:
     assert time.monotonic() - t0 < 10
     line = last_line(err)
     assert "worker proc worker[" in line and "exited with code 1 during startup" in line, line
-    cluster.wait_snapshot(lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
-                          10, "worlds removed after the failed bootstrap")
+    cluster.wait_snapshot(
+        lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
+        10,
+        "worlds removed after the failed bootstrap",
+    )
 
 
 def test_existing_world_is_an_error(cluster: Cluster) -> None:
@@ -281,15 +337,19 @@ def test_existing_world_is_an_error(cluster: Cluster) -> None:
 
 
 def test_unknown_worker_actor_type_fails_naming_the_rank(cluster: Cluster) -> None:
-    p = cluster.popen(cluster.controller_args(),
-                      env={"PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": "no.such.Worker"})
+    p = cluster.popen(
+        cluster.controller_args(), env={"PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": "no.such.Worker"}
+    )
     code, err = communicate(p, 40)
     assert code == 1, err
     line = last_line(err)
     assert "cannot spawn worker actor worker on worker[" in line
     assert "not registered" in line
-    cluster.wait_snapshot(lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
-                          10, "worlds removed after the failed bootstrap")
+    cluster.wait_snapshot(
+        lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
+        10,
+        "worlds removed after the failed bootstrap",
+    )
 
 
 # --------------------------------------------------------------------------- stopping (14, 15, 21, 22)
@@ -299,15 +359,22 @@ def test_sigterm_exits_0_and_removes_both_worlds(cluster: Cluster) -> None:
     ctl = cluster.start_controller()
     ctl.signal(signal.SIGTERM)
     assert ctl.wait(15) == 0
-    cluster.wait_snapshot(lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
-                          10, "both worlds gone")
+    cluster.wait_snapshot(
+        lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
+        10,
+        "both worlds gone",
+    )
 
 
 def test_palatine_stop_of_controller_world_exits_0(cluster: Cluster) -> None:
     ctl = cluster.start_controller()
     out = subprocess.run(
         [*palatine_cmd(), "stop", "--system-addr", cluster.addr, "--world", "controller"],
-        capture_output=True, text=True, timeout=30, env={**os.environ, **cluster.env},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **cluster.env},
     )
     assert out.returncode == 0, out.stderr
     assert ctl.wait(15) == 0
@@ -319,8 +386,11 @@ def test_detach_stops_worlds_and_exits_0(cluster: Cluster) -> None:
     assert isinstance(client.attach(), AttachReply)
     client.tell(Detach())
     assert ctl.wait(10) == 0
-    cluster.wait_snapshot(lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
-                          5, "both worlds gone")
+    cluster.wait_snapshot(
+        lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
+        5,
+        "both worlds gone",
+    )
 
 
 def test_silent_client_is_lost(cluster: Cluster) -> None:
@@ -332,8 +402,11 @@ def test_silent_client_is_lost(cluster: Cluster) -> None:
     assert ctl.wait(10) == 1
     assert time.monotonic() - t0 < 7
     assert "lost" in last_line(ctl.stderr())
-    cluster.wait_snapshot(lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
-                          5, "both worlds gone")
+    cluster.wait_snapshot(
+        lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
+        5,
+        "both worlds gone",
+    )
 
 
 # --------------------------------------------------------------------------- attach, results, casts
@@ -344,30 +417,46 @@ def test_attach_nodes_sends_and_results(cluster: Cluster) -> None:
     client = cluster.client()
     reply = client.attach()
     assert isinstance(reply, AttachReply)
-    assert (reply.world_size, reply.num_procs_per_host, str(reply.worker_world), reply.worker_name) == (
-        4, 2, "worker", "worker")
+    assert (
+        reply.world_size,
+        reply.num_procs_per_host,
+        str(reply.worker_world),
+        reply.worker_name,
+    ) == (4, 2, "worker", "worker")
     other = cluster.client()
     rejected = other.attach()
     assert isinstance(rejected, AttachRejected)
     assert str(client.id) in rejected.message
     # a Node from the stranger is dropped; the controller keeps working
     other.tell(Node(seq=0, defs=[1]))
-    call = CallFunction(seq=0, results=[1], function=FunctionPath("os.getpid"),
-                        args=Pickled(b""), stream=0)
+    call = CallFunction(
+        seq=0, results=[1], function=FunctionPath("os.getpid"), args=Pickled(b""), stream=0
+    )
     client.tell(Node(seq=0, defs=[1], label="os.getpid"))
     client.tell(Send(ranks=ALL, message=Serialized.of(call)))
     client.tell(Node(seq=1, uses=[1]))
-    client.tell(Send(ranks=[Slice(2, [2], [1])], message=Serialized.of(
-        CallFunction(seq=1, results=[], function=FunctionPath("f"), args=Pickled(b""), stream=0))))
+    client.tell(
+        Send(
+            ranks=[Slice(2, [2], [1])],
+            message=Serialized.of(
+                CallFunction(
+                    seq=1, results=[], function=FunctionPath("f"), args=Pickled(b""), stream=0
+                )
+            ),
+        )
+    )
     client.tell(Send(ranks=[Slice(9, [1], [1])], message=Serialized.of(call)))
     client.tell(Send(ranks=ALL, message=Serialized.of(RequestStatus(seq=1))))
     client.wait_for(lambda: len(client.results) >= 2, 10, "two Results")
     assert [(r.seq, r.result) for r in client.results] == [(0, None), (1, None)]
-    assert any(lg.level == "error" and "rank 9 outside worker world worker of size 4" in lg.message
-               for lg in client.logs)
+    assert any(
+        lg.level == "error" and "rank 9 outside worker world worker of size 4" in lg.message
+        for lg in client.logs
+    )
     for rank in range(4):
-        got = [(k, s) for k, s, ctl in client.ask(client.worker(rank), FakeQuery()).received
-               if not ctl]
+        got = [
+            (k, s) for k, s, ctl in client.ask(client.worker(rank), FakeQuery()).received if not ctl
+        ]
         expected = [("CallFunction", 0)] + ([("CallFunction", 1)] if rank >= 2 else [])
         assert got == [*expected, ("RequestStatus", 1)], (rank, got)
     # a rejected (non-increasing) Node yields a Log(error), no Result
@@ -408,8 +497,13 @@ def test_failure_before_attach_is_delivered_after_it(cluster: Cluster) -> None:
     pid = client.ask(client.worker(3), FakeQuery()).pid
     os.kill(pid, signal.SIGKILL)
     cluster.wait_snapshot(
-        lambda s: s["worlds"].get("worker", {}).get("procs", {}).get("worker[3]", {}).get("health")
-        != "Alive", 5, "worker[3] reported")
+        lambda s: (
+            s["worlds"].get("worker", {}).get("procs", {}).get("worker[3]", {}).get("health")
+            != "Alive"
+        ),
+        5,
+        "worker[3] reported",
+    )
     time.sleep(0.5)
     client.attach()
     client.wait_for(lambda: bool(proc_failures(client)), 5, "the queued Failure")
@@ -432,8 +526,11 @@ def test_lost_system_is_reported_and_controller_exits_1(cluster: Cluster) -> Non
     client = cluster.client()
     client.attach()
     cluster.system.kill()
-    client.wait_for(lambda: any(f.failure.kind == "system_lost" for f in client.failures), 10,
-                    "system_lost Failure")
+    client.wait_for(
+        lambda: any(f.failure.kind == "system_lost" for f in client.failures),
+        10,
+        "system_lost Failure",
+    )
     assert ctl.wait(10) == 1
     assert "lost contact with system" in last_line(ctl.stderr())
 
@@ -442,9 +539,13 @@ def test_lost_system_is_reported_and_controller_exits_1(cluster: Cluster) -> Non
 
 
 def test_stall_warning_then_stuck_failure(cluster: Cluster) -> None:
-    cluster.start_controller("--operation-timeout-in-sec", "1",
-                             "--worker-progress-check-interval-in-sec", "0.5",
-                             "--fail-on-worker-timeout")
+    cluster.start_controller(
+        "--operation-timeout-in-sec",
+        "1",
+        "--worker-progress-check-interval-in-sec",
+        "0.5",
+        "--fail-on-worker-timeout",
+    )
     client = cluster.client()
     client.attach()
     client.tell(FakeConfig(hang_from=1), dest=client.worker(0))
@@ -452,8 +553,9 @@ def test_stall_warning_then_stuck_failure(cluster: Cluster) -> None:
     client.tell(Node(seq=0, defs=[1], label="first_op"))
     client.tell(Node(seq=1, uses=[1], label="train_step"))
     t0 = time.monotonic()
-    client.wait_for(lambda: any(f.failure.kind == "stuck" for f in client.failures), 15,
-                    "a stuck Failure")
+    client.wait_for(
+        lambda: any(f.failure.kind == "stuck" for f in client.failures), 15, "a stuck Failure"
+    )
     took = time.monotonic() - t0
     assert 1.0 <= took < 8, took
     warns = [lg for lg in client.logs if lg.level == "warn"]
@@ -477,8 +579,9 @@ def test_stall_warning_then_stuck_failure(cluster: Cluster) -> None:
 
 
 def test_prompt_probes_produce_no_messages(cluster: Cluster) -> None:
-    cluster.start_controller("--operation-timeout-in-sec", "1",
-                             "--worker-progress-check-interval-in-sec", "0.5")
+    cluster.start_controller(
+        "--operation-timeout-in-sec", "1", "--worker-progress-check-interval-in-sec", "0.5"
+    )
     client = cluster.client()
     client.attach()
     client.tell(Node(seq=0, defs=[1]))
@@ -524,29 +627,165 @@ def test_real_workers_stall_report_names_the_function_and_its_stack(env: dict[st
         pytest.skip("palatine.worker.WorkerActor is not available yet")
     c = Cluster({**env, "PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": ""})
     try:
-        c.start_controller("--operation-timeout-in-sec", "2",
-                           "--worker-progress-check-interval-in-sec", "0.5",
-                           "--fail-on-worker-timeout")
+        c.start_controller(
+            "--operation-timeout-in-sec",
+            "2",
+            "--worker-progress-check-interval-in-sec",
+            "0.5",
+            "--fail-on-worker-timeout",
+        )
         client = c.client()
         client.attach()
-        client.tell(Send(ranks=ALL, message=Serialized.of(CreateStream(id=0, name="main", default=True))))
-        call = CallFunction(seq=0, results=[1], function=FunctionPath("controller_fakes.sleepy"),
-                            args=dumps_args((8,), {}), stream=0)
+        client.tell(
+            Send(ranks=ALL, message=Serialized.of(CreateStream(id=0, name="main", default=True)))
+        )
+        call = CallFunction(
+            seq=0,
+            results=[1],
+            function=FunctionPath("controller_fakes.sleepy"),
+            args=dumps_args((8,), {}),
+            stream=0,
+        )
         client.tell(Node(seq=0, defs=[1], label="controller_fakes.sleepy"))
         client.tell(Send(ranks=ALL, message=Serialized.of(call)))
         t0 = time.monotonic()
-        client.wait_for(lambda: any(lg.level == "warn" for lg in client.logs), 15, "a stall warning")
+        client.wait_for(
+            lambda: any(lg.level == "warn" for lg in client.logs), 15, "a stall warning"
+        )
         took = time.monotonic() - t0
         assert 2.0 <= took <= 6.0, took
         warn = next(lg for lg in client.logs if lg.level == "warn")
         lines = warn.message.splitlines()
-        assert lines[0] == "ranks 0, 1, 2, 3 have operations that have not completed after 2 seconds"
+        assert (
+            lines[0] == "ranks 0, 1, 2, 3 have operations that have not completed after 2 seconds"
+        )
         assert "executing s0 " in lines[1] and "sleepy" in lines[1] and "on stream main" in lines[1]
-        assert 'in sleepy' in warn.message  # a frame of the sleeping function
-        client.wait_for(lambda: any(f.failure.kind == "stuck" for f in client.failures), 5,
-                        "the stuck Failure")
+        assert "in sleepy" in warn.message  # a frame of the sleeping function
+        client.wait_for(
+            lambda: any(f.failure.kind == "stuck" for f in client.failures), 5, "the stuck Failure"
+        )
         stuck = next(f.failure for f in client.failures if f.failure.kind == "stuck")
         assert stuck.ranks == [0, 1, 2, 3] and stuck.expected_seq == 0
         assert stuck.stacks is not None and "sleepy" in stuck.stacks[0]
+    finally:
+        c.close()
+
+
+def test_spawn_timeout_names_the_missing_rank_and_cleans_up(cluster: Cluster) -> None:
+    t0 = time.monotonic()
+    p = cluster.popen(
+        cluster.controller_args(),
+        env={
+            "PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": "controller_fakes.SlowWorker",
+            "PALATINE_CONTROLLER_SPAWN_TIMEOUT": "1",
+        },
+    )
+    code, err = communicate(p, 30)
+    assert code == 1, err
+    line = last_line(err)
+    assert "did not acknowledge their spawn within 1 s: missing ranks 2 of world worker" in line
+    assert time.monotonic() - t0 < 15
+    cluster.wait_snapshot(
+        lambda s: "worker" not in s["worlds"] and "controller" not in s["worlds"],
+        10,
+        "worlds removed after the spawn timeout",
+    )
+
+
+def test_sends_to_alternating_subsets_arrive_in_order(cluster: Cluster) -> None:
+    cluster.start_controller()
+    client = cluster.client()
+    client.attach()
+    subsets = [ALL, [Slice(0, [2], [2])], [Slice(1, [2], [1]), Slice(2, [2], [1])]]
+    members = [{0, 1, 2, 3}, {0, 2}, {1, 2, 3}]
+
+    def issue() -> None:
+        tell = client.sys.mailbox.tell
+        for seq in range(1000):
+            call = CallFunction(
+                seq=seq, results=[], function=FunctionPath("f"), args=Pickled(b""), stream=0
+            )
+            tell(client.controller, Node(seq=seq))
+            tell(client.controller, Send(ranks=subsets[seq % 3], message=Serialized.of(call)))
+
+    client.lt.call(issue, timeout=30)
+    expected = {r: [s for s in range(1000) if r in members[s % 3]] for r in range(4)}
+
+    def got(rank: int) -> list[int]:
+        received = client.ask(client.worker(rank), FakeQuery()).received
+        return [s for kind, s, _ in received if kind == "CallFunction"]
+
+    client.wait_for(lambda: all(len(got(r)) >= len(expected[r]) for r in range(4)), 20, "casts")
+    for rank in range(4):
+        assert got(rank) == expected[rank], rank
+        # probes travel the same path: each arrives after the command of its seq
+        received = client.ask(client.worker(rank), FakeQuery()).received
+        for i, (kind, seq, ctl) in enumerate(received):
+            if kind == "RequestStatus" and ctl and seq in expected[rank]:
+                assert ("CallFunction", seq, False) in received[:i], (rank, seq)
+
+
+def test_history_through_the_actor(cluster: Cluster) -> None:
+    """Item 23: the test client also plays the workers' replies (Status, failures, fetches)."""
+    from palatine.controller.messages import Introspect
+    from palatine.worker.messages import (
+        FetchResult,
+        Ok,
+        RemoteFunctionFailed,
+        Status,
+        WorkerError,
+    )
+
+    cluster.start_controller()
+    client = cluster.client()
+    client.attach()
+    client.tell(Node(seq=0, defs=[0]))
+    client.tell(Node(seq=1, uses=[0], defs=[1, 2]))
+    client.tell(Node(seq=20, defs=[3, 4]))
+    for rank in range(4):
+        client.tell(Status(seq=0, rank=rank))
+    err = WorkerError(
+        seq=1,
+        rank=2,
+        world="worker",
+        proc_id="worker[2]",
+        host="h",
+        pid=1,
+        stream="main",
+        function="f",
+        exc_type="ValueError",
+        message="some failure happened!",
+    )
+    client.tell(RemoteFunctionFailed(seq=1, error=err))
+    for rank in range(4):
+        client.tell(Status(seq=2, rank=rank))
+    client.tell(FetchResult(seq=20, value=Ok(Pickled(b"42"))))
+    client.wait_for(lambda: len(client.results) >= 2, 10, "two Results")
+    time.sleep(0.3)
+    assert len(client.results) == 2  # s20's value waits for every rank to pass it
+    for rank in range(4):
+        client.tell(Status(seq=21, rank=rank))
+    client.wait_for(lambda: len(client.results) >= 3, 10, "three Results")
+    r0, r1, r20 = sorted(client.results, key=lambda r: r.seq)  # s1's error is eager
+    assert (r0.seq, r0.result) == (0, None)
+    assert r1.seq == 1 and r1.result.error.caused_by == 1
+    assert r1.result.error.error.message == "some failure happened!"
+    assert r20.seq == 20 and r20.result.value.data == b"42"
+    state = client.ask(client.controller, Introspect())
+    assert state.client_state == "attached" and state.history.live_invocations == 0
+    # a Status naming a rank outside the world is dropped; the controller keeps working
+    client.tell(Status(seq=30, rank=9))
+    assert client.ask(client.controller, Introspect()).history.frontiers == [21, 21, 21, 21]
+
+
+def test_sigterm_during_bootstrap_exits_0_and_cleans_up(env: dict[str, str]) -> None:
+    c = Cluster(env, hosts=0)
+    try:
+        p = c.popen(c.controller_args())
+        c.wait_snapshot(lambda s: "worker" in s["worlds"], 15, "the worker world upserted")
+        p.send_signal(signal.SIGTERM)
+        code, err = communicate(p, 15)
+        assert code == 0, err
+        c.wait_snapshot(lambda s: "worker" not in s["worlds"], 10, "worker world removed")
     finally:
         c.close()

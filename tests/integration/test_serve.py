@@ -36,8 +36,12 @@ class Server:
         self.resp_r, resp_w = os.pipe()
         self.popen = subprocess.Popen(
             [*palatine_cmd(), "serve", str(req_r), str(resp_w)],
-            pass_fds=(req_r, resp_w), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env={**os.environ, **env}, start_new_session=True,
+            pass_fds=(req_r, resp_w),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **env},
+            start_new_session=True,
         )
         os.close(req_r)
         os.close(resp_w)
@@ -58,7 +62,9 @@ class Server:
         while b"\n" not in buf:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"no line within {timeout_s} s; stderr:\n{self.stderr()[-3000:]}")
+                raise AssertionError(
+                    f"no line within {timeout_s} s; stderr:\n{self.stderr()[-3000:]}"
+                )
             r, _, _ = select.select([fd], [], [], min(left, 0.1))
             if r:
                 chunk = os.read(fd, 65536)
@@ -136,16 +142,28 @@ def server(env: dict[str, str]) -> Iterator[Server]:
 
 def stop_system(addr: str, env: dict[str, str]) -> None:
     out = subprocess.run(
-        [*palatine_cmd(), "stop", "--system-addr", addr], capture_output=True, text=True,
-        timeout=30, env={**os.environ, **env},
+        [*palatine_cmd(), "stop", "--system-addr", addr],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **env},
     )
     assert out.returncode == 0, out.stderr
 
 
 def test_run_system_then_stop_finishes_with_null(server: Server, env: dict[str, str]) -> None:
-    server.send({"Run": {"System": {"system_addr": "unix:",
-                                    "supervision_update_timeout_in_sec": 20,
-                                    "world_eviction_timeout_in_sec": 10}}})
+    server.send(
+        {
+            "Run": {
+                "System": {
+                    "system_addr": "unix:",
+                    "supervision_update_timeout_in_sec": 20,
+                    "world_eviction_timeout_in_sec": 10,
+                }
+            }
+        }
+    )
     ready = server.ready()
     assert ready["role"] == "system" and ready["pid"] == server.popen.pid
     assert ready["addr"].startswith("unix:@")
@@ -155,7 +173,9 @@ def test_run_system_then_stop_finishes_with_null(server: Server, env: dict[str, 
     assert server.wait(10) == 0
 
 
-def test_malformed_lines_are_answered_and_serving_continues(server: Server, env: dict[str, str]) -> None:
+def test_malformed_lines_are_answered_and_serving_continues(
+    server: Server, env: dict[str, str]
+) -> None:
     server.send("this is not json")
     error = server.finished()
     assert error is not None and error.startswith("invalid request: ")
@@ -164,15 +184,35 @@ def test_malformed_lines_are_answered_and_serving_continues(server: Server, env:
         ({"Run": {"Worker": {}}}, "unknown role"),
         ({"Run": {"System": {}}}, "system_addr"),
         ({"Run": {"System": {"system_addr": "unix:", "bogus": 1}}}, "unknown field `bogus`"),
-        ({"Run": {"Host": {"system_addr": "unix:@x", "host_world": "hw", "host_rank": "0"}}}, "host_rank"),
+        (
+            {"Run": {"Host": {"system_addr": "unix:@x", "host_world": "hw", "host_rank": "0"}}},
+            "host_rank",
+        ),
         ({"Run": {"System": {"system_addr": "nope:1"}}}, "nope:1"),
-        ({"Run": {"Host": {"system_addr": "unix:@x", "host_world": "workers", "host_rank": 0}}}, "host"),
-        ({"Run": {"Controller": {"worker_world": "w", "system_addr": "unix:@x", "world_size": 4,
-                                 "controller_actor_id": "controller[1].root"}}}, "controller-actor-id"),
+        (
+            {"Run": {"Host": {"system_addr": "unix:@x", "host_world": "workers", "host_rank": 0}}},
+            "host",
+        ),
+        (
+            {
+                "Run": {
+                    "Controller": {
+                        "worker_world": "w",
+                        "system_addr": "unix:@x",
+                        "world_size": 4,
+                        "controller_actor_id": "controller[1].root",
+                    }
+                }
+            },
+            "controller-actor-id",
+        ),
     ]:
         server.send(bad)
         error = server.finished()
-        assert error is not None and error.startswith("invalid request: ") and where in error, (bad, error)
+        assert error is not None and error.startswith("invalid request: ") and where in error, (
+            bad,
+            error,
+        )
     # a valid Run still works, with a float and omitted defaulted fields
     server.send({"Run": {"System": {"system_addr": "unix:", "world_eviction_timeout_in_sec": 0.5}}})
     ready = server.ready()
@@ -199,14 +239,22 @@ def test_two_runs_on_the_same_fixed_address(server: Server, env: dict[str, str])
         assert server.finished() is None
 
 
-def test_request_during_a_run_is_refused_and_exit_stops_the_run(server: Server, env: dict[str, str]) -> None:
+def test_request_during_a_run_is_refused_and_exit_stops_the_run(
+    server: Server, env: dict[str, str]
+) -> None:
     server.send({"Run": {"System": {"system_addr": "unix:"}}})
     addr = server.ready()["addr"]
     server.send({"Run": {"System": {"system_addr": "unix:"}}})
     assert server.finished() == "invalid request: a Run is already in progress"
     # the active run is unaffected
-    snap = subprocess.run([*palatine_cmd(), "snapshot", "--system-addr", addr, "--json"],
-                          capture_output=True, text=True, timeout=30, env={**os.environ, **env})
+    snap = subprocess.run(
+        [*palatine_cmd(), "snapshot", "--system-addr", addr, "--json"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **env},
+    )
     assert snap.returncode == 0, snap.stderr
     t0 = time.monotonic()
     server.send({"Exit": []})
@@ -223,22 +271,41 @@ def test_sigterm_stops_the_run_and_writes_finished(server: Server) -> None:
     assert server.wait(10) == 0
 
 
-def test_failed_controller_bootstrap_gives_the_cli_message(server: Server, env: dict[str, str]) -> None:
+def test_failed_controller_bootstrap_gives_the_cli_message(
+    server: Server, env: dict[str, str]
+) -> None:
     system = RoleProcess(["system", "--system-addr", "unix:"], env)
     try:
-        fields = {"worker_world": "worker", "system_addr": system.addr, "world_size": 4,
-                  "supervision_update_interval_in_sec": 0.5, "extra_proc_labels": [["k", "v"]]}
+        fields = {
+            "worker_world": "worker",
+            "system_addr": system.addr,
+            "world_size": 4,
+            "supervision_update_interval_in_sec": 0.5,
+            "extra_proc_labels": [["k", "v"]],
+        }
         s2 = Server({**env, "PALATINE_CONTROLLER_WORLD_READY_TIMEOUT": "1.5"})
         try:
             s2.send({"Run": {"Controller": fields}})
             error = s2.finished(20)
             assert error is not None
-            assert error.startswith("worker world worker did not become Live within 1.5 s: "
-                                    "0 of 4 procs joined")
+            assert error.startswith(
+                "worker world worker did not become Live within 1.5 s: 0 of 4 procs joined"
+            )
             cli = subprocess.run(
-                [*palatine_cmd(), "controller", "--worker-world", "worker", "--system-addr",
-                 system.addr, "--world-size", "4"],
-                capture_output=True, text=True, timeout=30,
+                [
+                    *palatine_cmd(),
+                    "controller",
+                    "--worker-world",
+                    "worker",
+                    "--system-addr",
+                    system.addr,
+                    "--world-size",
+                    "4",
+                ],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=30,
                 env={**os.environ, **env, "PALATINE_CONTROLLER_WORLD_READY_TIMEOUT": "1.5"},
             )
             assert cli.returncode == 1
@@ -255,19 +322,50 @@ def test_controller_run_serves_until_exit(server: Server, env: dict[str, str]) -
     system = RoleProcess(["system", "--system-addr", "unix:"], env)
     hosts: list[RoleProcess] = []
     try:
-        hosts = [RoleProcess(["host", "--system-addr", system.addr, "--host-world", "hostworker",
-                              "--host-rank", str(h)], env) for h in range(2)]
-        server.send({"Run": {"Controller": {
-            "worker_world": "worker", "system_addr": system.addr, "world_size": 4,
-            "num_procs_per_host": 2, "program": f"{sys.executable} -m palatine worker",
-            "is_cpu_worker": True, "supervision_update_interval_in_sec": 0.5,
-            "supervision_query_interval_in_sec": 0.5, "extra_proc_labels": None,
-        }}})
+        hosts = [
+            RoleProcess(
+                [
+                    "host",
+                    "--system-addr",
+                    system.addr,
+                    "--host-world",
+                    "hostworker",
+                    "--host-rank",
+                    str(h),
+                ],
+                env,
+            )
+            for h in range(2)
+        ]
+        server.send(
+            {
+                "Run": {
+                    "Controller": {
+                        "worker_world": "worker",
+                        "system_addr": system.addr,
+                        "world_size": 4,
+                        "num_procs_per_host": 2,
+                        "program": f"{sys.executable} -m palatine worker",
+                        "is_cpu_worker": True,
+                        "supervision_update_interval_in_sec": 0.5,
+                        "supervision_query_interval_in_sec": 0.5,
+                        "extra_proc_labels": None,
+                    }
+                }
+            }
+        )
         ready = server.ready(30)
         assert ready["role"] == "controller"
-        snap = json.loads(subprocess.run(
-            [*palatine_cmd(), "snapshot", "--system-addr", system.addr, "--json"],
-            capture_output=True, text=True, timeout=30, env={**os.environ, **env}).stdout)
+        snap = json.loads(
+            subprocess.run(
+                [*palatine_cmd(), "snapshot", "--system-addr", system.addr, "--json"],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env={**os.environ, **env},
+            ).stdout
+        )
         assert snap["worlds"]["worker"]["status"] == "Live"
         assert snap["worlds"]["controller"]["status"] == "Live"
         server.send({"Exit": []})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from palatine.controller.bootstrap import (
+from palatine.controller.startup import (
     ControllerCommand,
     ControllerTimeouts,
     parse_key_val,
@@ -16,7 +16,11 @@ from palatine.errors import ConfigError
 
 
 def cmd(**kw: object) -> ControllerCommand:
-    base: dict[str, object] = {"worker_world": "worker", "system_addr": "unix:@sys", "world_size": 4}
+    base: dict[str, object] = {
+        "worker_world": "worker",
+        "system_addr": "unix:@sys",
+        "world_size": 4,
+    }
     base.update(kw)
     return ControllerCommand(**base)  # type: ignore[arg-type]
 
@@ -84,8 +88,12 @@ def test_invalid_inputs_are_usage_errors(kw: dict[str, object], fragment: str) -
 
 
 def test_valid_custom_ids_and_labels() -> None:
-    c = cmd(controller_actor_id="ctl[0].boss", worker_name="trainer", program="palatine worker",
-            extra_proc_labels=[("k", "v=3"), ("team", "ml")])
+    c = cmd(
+        controller_actor_id="ctl[0].boss",
+        worker_name="trainer",
+        program="palatine worker",
+        extra_proc_labels=[("k", "v=3"), ("team", "ml")],
+    )
     validate_command(c)
     assert proc_labels(c) == {
         "proc.palatine.dev/role": "controller",
@@ -109,12 +117,14 @@ def test_world_label_names_the_actor_without_pid() -> None:
 def test_timeouts_from_env() -> None:
     t = ControllerTimeouts.from_env({})
     assert (t.world_ready_s, t.spawn_s, t.stall_report_s, t.client_liveness_s) == (300, 120, 5, 30)
-    t = ControllerTimeouts.from_env({
-        "PALATINE_CONTROLLER_WORLD_READY_TIMEOUT": "2",
-        "PALATINE_CONTROLLER_SPAWN_TIMEOUT": "0.5",
-        "PALATINE_STALL_REPORT_TIMEOUT": "1.5",
-        "PALATINE_CLIENT_LIVENESS_TIMEOUT": "3",
-    })
+    t = ControllerTimeouts.from_env(
+        {
+            "PALATINE_CONTROLLER_WORLD_READY_TIMEOUT": "2",
+            "PALATINE_CONTROLLER_SPAWN_TIMEOUT": "0.5",
+            "PALATINE_STALL_REPORT_TIMEOUT": "1.5",
+            "PALATINE_CLIENT_LIVENESS_TIMEOUT": "3",
+        }
+    )
     assert (t.world_ready_s, t.spawn_s, t.stall_report_s, t.client_liveness_s) == (2, 0.5, 1.5, 3)
     with pytest.raises(ConfigError, match="PALATINE_CONTROLLER_SPAWN_TIMEOUT"):
         ControllerTimeouts.from_env({"PALATINE_CONTROLLER_SPAWN_TIMEOUT": "soon"})

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from palatine.controller.bootstrap import (
+from palatine.controller.startup import (
     ControllerCommand,
     WaitState,
-    _records,
     format_ranks,
     inspect_worker_world,
     not_live_text,
     poll_delay,
     startup_failure_text,
+    worker_records,
 )
 from palatine.ids import ProcId
 from palatine.system.messages import ProcEntry, WorldSnapshot
@@ -21,20 +21,32 @@ from palatine.system.messages import ProcEntry, WorldSnapshot
 
 def entry(**kw: Any) -> ProcEntry:
     base: dict[str, Any] = {
-        "labels": {}, "addr": "unix:/tmp/x.sock", "pid": 812, "host": "node3", "health": "Alive",
-        "exit_code": None, "exit_signal": None, "failed_actors": [],
+        "labels": {},
+        "addr": "unix:/tmp/x.sock",
+        "pid": 812,
+        "host": "node3",
+        "health": "Alive",
+        "exit_code": None,
+        "exit_signal": None,
+        "failed_actors": [],
     }
     base.update(kw)
     return ProcEntry(**base)
 
 
-def world(status: str, procs: dict[str, ProcEntry], hosts: list[str] | None = None) -> WorldSnapshot:
+def world(
+    status: str, procs: dict[str, ProcEntry], hosts: list[str] | None = None
+) -> WorldSnapshot:
     return WorldSnapshot(status=status, labels={}, host_procs=hosts or [], procs=procs)  # type: ignore[arg-type]
 
 
 def cmd(**kw: Any) -> ControllerCommand:
-    base: dict[str, Any] = {"worker_world": "W", "system_addr": "unix:@sys", "world_size": 4,
-                            "num_procs_per_host": 2}
+    base: dict[str, Any] = {
+        "worker_world": "W",
+        "system_addr": "unix:@sys",
+        "world_size": 4,
+        "num_procs_per_host": 2,
+    }
     base.update(kw)
     return ControllerCommand(**base)
 
@@ -46,7 +58,9 @@ def test_absent_world_is_waiting_with_every_rank_missing() -> None:
 
 
 def test_partial_world_counts_joined_ranks() -> None:
-    s = inspect_worker_world("W", 4, world("Unhealthy", {"W[0]": entry(), "W[2]": entry()}, ["hostW[0]"]))
+    s = inspect_worker_world(
+        "W", 4, world("Unhealthy", {"W[0]": entry(), "W[2]": entry()}, ["hostW[0]"])
+    )
     assert s.present and not s.live and s.joined == 2 and s.missing == [1, 3]
     assert s.host_procs == ["hostW[0]"]
 
@@ -57,11 +71,14 @@ def test_live_world() -> None:
 
 
 def test_dead_proc_fails_at_once_lowest_rank_first() -> None:
-    snap = world("Unhealthy", {
-        "W[0]": entry(),
-        "W[3]": entry(health="Exited", exit_signal=9),
-        "W[2]": entry(health="Exited", exit_code=1),
-    })
+    snap = world(
+        "Unhealthy",
+        {
+            "W[0]": entry(),
+            "W[3]": entry(health="Exited", exit_signal=9),
+            "W[2]": entry(health="Exited", exit_code=1),
+        },
+    )
     s = inspect_worker_world("W", 4, snap)
     assert s.failed_rank == 2
     assert s.failure == (
@@ -74,17 +91,25 @@ def test_failure_texts() -> None:
         "worker proc W[1] was killed by signal 9 (SIGKILL) during startup (host h, pid 5); "
         "see its stderr"
     )
-    assert startup_failure_text(
-        "W[1]", "Exited", None, None, "cannot execute 'x': No such file or directory", "h", None
-    ) == "worker proc W[1] could not be started (host h): cannot execute 'x': No such file or directory"
+    assert (
+        startup_failure_text(
+            "W[1]", "Exited", None, None, "cannot execute 'x': No such file or directory", "h", None
+        )
+        == "worker proc W[1] could not be started (host h): cannot execute 'x': No such file or directory"
+    )
     assert "stopped sending heartbeats during startup" in startup_failure_text(
-        "W[1]", "Expired", None, None, "", "", 3)
-    assert "lost its connection" in startup_failure_text("W[1]", "ConnectionFailure", None, None, "", "", 3)
+        "W[1]", "Expired", None, None, "", "", 3
+    )
+    assert "lost its connection" in startup_failure_text(
+        "W[1]", "ConnectionFailure", None, None, "", "", 3
+    )
 
 
 def test_failed_rank_that_never_joined_is_reported() -> None:
-    snap = world("Unhealthy", {"W[1]": entry(addr="", pid=None, health="Exited",
-                                             reason="cannot execute 'nope'")})
+    snap = world(
+        "Unhealthy",
+        {"W[1]": entry(addr="", pid=None, health="Exited", reason="cannot execute 'nope'")},
+    )
     s = inspect_worker_world("W", 2, snap)
     assert s.failed_rank == 1 and "could not be started" in (s.failure or "")
 
@@ -98,13 +123,18 @@ def test_format_ranks() -> None:
 
 
 def test_timeout_message_without_program_hints_at_palatine_worker() -> None:
-    text = not_live_text(cmd(), WaitState(present=True, live=False, joined=1, missing=[1, 2, 3],
-                                          host_procs=[]), 300.0)
+    text = not_live_text(
+        cmd(),
+        WaitState(present=True, live=False, joined=1, missing=[1, 2, 3], host_procs=[]),
+        300.0,
+    )
     assert text.startswith(
         "worker world W did not become Live within 300 s: 1 of 4 procs joined (missing ranks 1-3)"
     )
-    assert "start each worker with 'palatine worker --world-id W --proc-id W[r] " \
-           "--bootstrap-addr unix:@sys'" in text
+    assert (
+        "start each worker with 'palatine worker --world-id W --proc-id W[r] "
+        "--bootstrap-addr unix:@sys'" in text
+    )
     assert "\n" not in text
 
 
@@ -131,10 +161,12 @@ def test_poll_period() -> None:
 
 
 def test_records_keep_pid_host_and_host_proc() -> None:
-    snap = world("Live", {"W[0]": entry(host_proc="hostW[0]"), "W[1]": entry(pid=9, host_proc=None)})
-    recs = _records("W", 3, snap)
+    snap = world(
+        "Live", {"W[0]": entry(host_proc="hostW[0]"), "W[1]": entry(pid=9, host_proc=None)}
+    )
+    recs = worker_records("W", 3, snap)
     assert [r.rank for r in recs] == [0, 1]
     assert recs[0].host_proc == ProcId.parse("hostW[0]") and recs[0].pid == 812
     assert recs[0].host == "node3" and recs[0].addr == "unix:/tmp/x.sock"
     assert recs[1].host_proc is None and recs[1].pid == 9
-    assert _records("W", 2, None) == []
+    assert worker_records("W", 2, None) == []

@@ -34,33 +34,70 @@ def test_run_system_with_defaults() -> None:
     req = parse_request(line({"Run": {"System": {"system_addr": "unix:"}}}))
     assert isinstance(req, RunRequest) and req.role == "System"
     assert req.command == SystemCommand(system_addr="unix:")
-    assert (req.command.supervision_update_timeout_in_sec, req.command.world_eviction_timeout_in_sec) == (20, 10)
+    assert (
+        req.command.supervision_update_timeout_in_sec,
+        req.command.world_eviction_timeout_in_sec,
+    ) == (20, 10)
 
 
 def test_run_host_accepts_floats_and_ints() -> None:
-    req = parse_request(line({"Run": {"Host": {"system_addr": "tcp:127.0.0.1:5000", "host_world": "hostw",
-                                               "host_rank": 1, "supervision_update_interval_in_sec": 0.5}}}))
+    req = parse_request(
+        line(
+            {
+                "Run": {
+                    "Host": {
+                        "system_addr": "tcp:127.0.0.1:5000",
+                        "host_world": "hostw",
+                        "host_rank": 1,
+                        "supervision_update_interval_in_sec": 0.5,
+                    }
+                }
+            }
+        )
+    )
     assert isinstance(req, RunRequest)
-    assert req.command == HostCommand(system_addr="tcp:127.0.0.1:5000", host_world="hostw", host_rank=1,
-                                      supervision_update_interval_in_sec=0.5)
+    assert req.command == HostCommand(
+        system_addr="tcp:127.0.0.1:5000",
+        host_world="hostw",
+        host_rank=1,
+        supervision_update_interval_in_sec=0.5,
+    )
 
 
 def test_run_controller_full_shape_of_the_interface_doc() -> None:
     fields = {
-        "worker_world": "worker", "system_addr": "unix:@s", "controller_actor_id": "controller[0].root",
-        "world_size": 4, "num_procs_per_host": 8, "worker_name": "worker", "program": None,
-        "supervision_query_interval_in_sec": 2, "supervision_update_interval_in_sec": 2,
-        "worker_progress_check_interval_in_sec": 10, "operation_timeout_in_sec": 120,
-        "operations_per_worker_progress_request": 100, "fail_on_worker_timeout": False,
-        "is_cpu_worker": False, "extra_proc_labels": [["k", "v"]],
+        "worker_world": "worker",
+        "system_addr": "unix:@s",
+        "controller_actor_id": "controller[0].root",
+        "world_size": 4,
+        "num_procs_per_host": 8,
+        "worker_name": "worker",
+        "program": None,
+        "supervision_query_interval_in_sec": 2,
+        "supervision_update_interval_in_sec": 2,
+        "worker_progress_check_interval_in_sec": 10,
+        "operation_timeout_in_sec": 120,
+        "operations_per_worker_progress_request": 100,
+        "fail_on_worker_timeout": False,
+        "is_cpu_worker": False,
+        "extra_proc_labels": [["k", "v"]],
     }
     req = parse_request(line({"Run": {"Controller": fields}}))
     assert isinstance(req, RunRequest) and isinstance(req.command, ControllerCommand)
     assert req.command.extra_proc_labels == [("k", "v")]
-    minimal = parse_request(line({"Run": {"Controller": {"worker_world": "w", "system_addr": "unix:@s",
-                                                         "world_size": 2}}}))
+    minimal = parse_request(
+        line(
+            {
+                "Run": {
+                    "Controller": {"worker_world": "w", "system_addr": "unix:@s", "world_size": 2}
+                }
+            }
+        )
+    )
     assert isinstance(minimal, RunRequest)
-    assert minimal.command == ControllerCommand(worker_world="w", system_addr="unix:@s", world_size=2)
+    assert minimal.command == ControllerCommand(
+        worker_world="w", system_addr="unix:@s", world_size=2
+    )
 
 
 @pytest.mark.parametrize(
@@ -77,17 +114,68 @@ def test_run_controller_full_shape_of_the_interface_doc() -> None:
         (line({"Run": {"System": {"system_addr": "unix:", "x": 1}}}), "unknown field `x`"),
         (line({"Run": {"System": {"system_addr": 5}}}), "$.system_addr"),
         (line({"Run": {"System": {"system_addr": "carrier-pigeon:1"}}}), "carrier-pigeon"),
-        (line({"Run": {"System": {"system_addr": "unix:", "world_eviction_timeout_in_sec": 0}}}), "> 0"),
-        (line({"Run": {"Host": {"system_addr": "unix:@s", "host_world": "w", "host_rank": 0}}}),
-         "must start with 'host'"),
-        (line({"Run": {"Host": {"system_addr": "unix:@s", "host_world": "hostw", "host_rank": -1}}}),
-         "host_rank"),
-        (line({"Run": {"Controller": {"worker_world": "w", "system_addr": "unix:@s", "world_size": 0}}}),
-         "--world-size"),
-        (line({"Run": {"Controller": {"worker_world": "w", "system_addr": "unix:@s", "world_size": 2,
-                                      "fail_on_worker_timeout": 1}}}), "fail_on_worker_timeout"),
-        (line({"Run": {"Controller": {"worker_world": "w", "system_addr": "unix:@s", "world_size": 2,
-                                      "extra_proc_labels": [["k"]]}}}), "extra_proc_labels"),
+        (
+            line({"Run": {"System": {"system_addr": "unix:", "world_eviction_timeout_in_sec": 0}}}),
+            "> 0",
+        ),
+        (
+            line({"Run": {"Host": {"system_addr": "unix:@s", "host_world": "w", "host_rank": 0}}}),
+            "must start with 'host'",
+        ),
+        (
+            line(
+                {
+                    "Run": {
+                        "Host": {"system_addr": "unix:@s", "host_world": "hostw", "host_rank": -1}
+                    }
+                }
+            ),
+            "host_rank",
+        ),
+        (
+            line(
+                {
+                    "Run": {
+                        "Controller": {
+                            "worker_world": "w",
+                            "system_addr": "unix:@s",
+                            "world_size": 0,
+                        }
+                    }
+                }
+            ),
+            "--world-size",
+        ),
+        (
+            line(
+                {
+                    "Run": {
+                        "Controller": {
+                            "worker_world": "w",
+                            "system_addr": "unix:@s",
+                            "world_size": 2,
+                            "fail_on_worker_timeout": 1,
+                        }
+                    }
+                }
+            ),
+            "fail_on_worker_timeout",
+        ),
+        (
+            line(
+                {
+                    "Run": {
+                        "Controller": {
+                            "worker_world": "w",
+                            "system_addr": "unix:@s",
+                            "world_size": 2,
+                            "extra_proc_labels": [["k"]],
+                        }
+                    }
+                }
+            ),
+            "extra_proc_labels",
+        ),
     ],
 )
 def test_invalid_requests_say_what_and_where(raw: bytes, fragment: str) -> None:

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import os
 import sys
 from typing import Any
 
 from palatine.cli.role import ready_line, run_role
 
-__all__ = ["add_arguments", "run", "parse_label", "watch_lifeline"]
-
-log = logging.getLogger(__name__)
+__all__ = ["add_arguments", "parse_label", "run"]
 
 
 def parse_label(text: str) -> tuple[str, str]:
@@ -34,28 +30,64 @@ def parse_label(text: str) -> tuple[str, str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-world", required=True, help="name of the worker world W")
     p.add_argument("--system-addr", required=True, help="address of the system")
-    p.add_argument("--controller-actor-id", default="controller[0].root",
-                   help="id of the controller actor (default controller[0].root)")
+    p.add_argument(
+        "--controller-actor-id",
+        default="controller[0].root",
+        help="id of the controller actor (default controller[0].root)",
+    )
     p.add_argument("--world-size", type=int, required=True, help="number of worker procs")
     p.add_argument("--num-procs-per-host", type=int, default=8, help="placement unit (default 8)")
     p.add_argument("--worker-name", default="worker", help="worker actor name (default worker)")
-    p.add_argument("--program", default=None,
-                   help="command hosts run per worker proc (default: workers join by themselves)")
-    p.add_argument("--supervision-query-interval-in-sec", type=float, default=2.0,
-                   help="how often the system is polled for failed workers (default 2)")
-    p.add_argument("--supervision-update-interval-in-sec", type=float, default=2.0,
-                   help="heartbeat interval of the controller proc (default 2)")
-    p.add_argument("--worker-progress-check-interval-in-sec", type=float, default=10.0,
-                   help="how often worker progress is checked (default 10)")
-    p.add_argument("--operation-timeout-in-sec", type=float, default=120.0,
-                   help="stall allowed before workers are reported stuck (default 120)")
-    p.add_argument("--operations-per-worker-progress-request", type=int, default=100,
-                   help="ops issued between progress probes (default 100)")
-    p.add_argument("--fail-on-worker-timeout", action="store_true",
-                   help="also fail the mesh when workers are stuck")
+    p.add_argument(
+        "--program",
+        default=None,
+        help="command hosts run per worker proc (default: workers join by themselves)",
+    )
+    p.add_argument(
+        "--supervision-query-interval-in-sec",
+        type=float,
+        default=2.0,
+        help="how often the system is polled for failed workers (default 2)",
+    )
+    p.add_argument(
+        "--supervision-update-interval-in-sec",
+        type=float,
+        default=2.0,
+        help="heartbeat interval of the controller proc (default 2)",
+    )
+    p.add_argument(
+        "--worker-progress-check-interval-in-sec",
+        type=float,
+        default=10.0,
+        help="how often worker progress is checked (default 10)",
+    )
+    p.add_argument(
+        "--operation-timeout-in-sec",
+        type=float,
+        default=120.0,
+        help="stall allowed before workers are reported stuck (default 120)",
+    )
+    p.add_argument(
+        "--operations-per-worker-progress-request",
+        type=int,
+        default=100,
+        help="ops issued between progress probes (default 100)",
+    )
+    p.add_argument(
+        "--fail-on-worker-timeout",
+        action="store_true",
+        help="also fail the mesh when workers are stuck",
+    )
     p.add_argument("--is-cpu-worker", action="store_true", help="workers use the CPU")
-    p.add_argument("--extra-proc-labels", type=parse_label, nargs="+", action="extend",
-                   default=None, metavar="KEY=VALUE", help="extra labels of the controller proc")
+    p.add_argument(
+        "--extra-proc-labels",
+        type=parse_label,
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="KEY=VALUE",
+        help="extra labels of the controller proc",
+    )
 
 
 def command_from_args(args: argparse.Namespace) -> Any:
@@ -95,38 +127,9 @@ def run(args: argparse.Namespace) -> int:
     return run_role(lambda stop: serve_controller(cmd, stop))
 
 
-def watch_lifeline(stop: asyncio.Event) -> None:
-    """Set ``stop`` when ``PALATINE_LIFELINE_FD`` reads EOF (the launcher went away)."""
-    text = os.environ.get("PALATINE_LIFELINE_FD")
-    if not text:
-        return
-    try:
-        fd = int(text)
-        os.set_blocking(fd, False)
-    except (ValueError, OSError) as e:
-        log.warning("ignoring PALATINE_LIFELINE_FD=%r: %s", text, e)
-        return
-    loop = asyncio.get_running_loop()
-
-    def readable() -> None:
-        try:
-            data = os.read(fd, 4096)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            loop.remove_reader(fd)
-            log.info("lifeline closed; stopping")
-            stop.set()
-
-    loop.add_reader(fd, readable)
-
-
 async def serve_controller(cmd: Any, stop: asyncio.Event) -> int:
     from palatine.controller.bootstrap import BootstrapError, run_controller
 
-    watch_lifeline(stop)
     try:
         code, why = await run_controller(
             cmd, stop, lambda addr: ready_line("controller", addr), main_proc=True

@@ -27,15 +27,15 @@ def run(args: argparse.Namespace) -> int:
         try:
             os.fstat(fd)
         except OSError as e:
-            print(f"palatine serve: error: {name} {fd} is not an open file descriptor: {e}",
-                  file=sys.stderr)
+            print(
+                f"palatine serve: error: {name} {fd} is not an open file descriptor: {e}",
+                file=sys.stderr,
+            )
             return 2
     return run_role(lambda stop: _serve(args, stop))
 
 
 async def _serve(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    from palatine.cli.controller import watch_lifeline
     from palatine.serve import serve
 
-    watch_lifeline(stop)
     return await serve(args.read_fd, args.write_fd, stop, ready_line)

@@ -8,13 +8,15 @@ It owns the one attached client and three cores that never do I/O:
 
 Each handler feeds its message to a core and executes the returned instructions
 (`palatine.controller.messages`). Handlers never wait for a remote reply: supervision
-queries, subscriptions, progress queries and stack dumps run as tasks whose outcome is
-posted back to the actor as a message. Handlers catch their own errors; messages from
+queries, subscriptions and the stall report's progress queries and stack dumps
+(`palatine.controller.stalls`) run as tasks whose outcome is posted back to the actor as
+a message. Handlers catch their own errors; messages from
 strangers, out-of-range ranks and bad Sends are dropped with a rate-limited warning.
 
 Client commands (`Send`) and the controller's own probes are cast, undecoded, to the gang
 ``W.<worker_name>`` through one fan-out tree rooted in this actor's mailbox, so every
-worker receives them in send order (§5).
+worker receives them in send order (§5). A probe of the newest seq waits for the client's
+next message, so it never overtakes the Send that executes that seq.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from palatine.controller.messages import (
     ClientState,
     ControllerParams,
     DebuggerMessage,
-    DeviceFailure,
     Detach,
+    DeviceFailure,
     DropRefs,
     Fail,
     Failure,
@@ -53,7 +55,6 @@ from palatine.controller.messages import (
     LogLine,
     Node,
     QueryWorldState,
-    RankStallData,
     RemoteFunctionFailed,
     RequestStacks,
     Result,
@@ -66,13 +67,11 @@ from palatine.controller.messages import (
     Warn,
 )
 from palatine.controller.progress import ProgressMonitor
+from palatine.controller.stalls import collect_stall_report
 from palatine.controller.supervision import PendingFailures, SupervisionMonitor
-from palatine.errors import CallTimeout
 from palatine.ids import SYSTEM_ACTOR, ActorId, GangId, PortId
 from palatine.system.messages import (
     ProcFailed,
-    StackDump,
-    StackTrace,
     Stop,
     Subscribe,
     SystemStopping,
@@ -82,14 +81,18 @@ from palatine.system.messages import (
 )
 from palatine.wire.codec import Message, encode_message
 from palatine.wire.envelope import ENC_MSGPACK, Envelope
-from palatine.worker.messages import ProgressQuery, RequestStatus, Slice, WorkerProgress
+from palatine.worker.messages import RequestStatus, Slice
 
-__all__ = ["ControllerActor", "CheckClient"]
+__all__ = ["CheckClient", "ControllerActor"]
 
 log = logging.getLogger(__name__)
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-           "error": logging.ERROR}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 _DROP_LOG_PERIOD_S = 10.0
 _RANKSET_CACHE = 1024
 _REQUEST_STATUS_TID = RequestStatus.__palatine_type_id__
@@ -219,12 +222,14 @@ class ControllerActor(Actor):
 
     def _worker_ok(self, what: str, rank: int) -> bool:
         if self.client_state != "attached":
-            self._drop(f"early-{what}", f"{what} from worker rank {rank} while no client is attached")
+            self._drop(
+                f"early-{what}", f"{what} from worker rank {rank} while no client is attached"
+            )
             return False
         if not 0 <= rank < self.n:
             self._drop(
-                f"rank-{what}", f"{what} names rank {rank} outside worker world {self.world} "
-                f"of size {self.n}"
+                f"rank-{what}",
+                f"{what} names rank {rank} outside worker world {self.world} of size {self.n}",
             )
             return False
         return True
@@ -240,23 +245,23 @@ class ControllerActor(Actor):
     # ------------------------------------------------------------------ instructions
 
     def _execute(self, out: Iterable[Instruction]) -> None:
+        """Carry out the cores' instructions, in order."""
         for ins in out:
-            t = type(ins)
-            if t is Schedule:
-                self._schedule(ins.delay_s, ins.timer)  # type: ignore[union-attr]
-            elif t is SendProbe:
-                self._probe(ins)  # type: ignore[arg-type]
-            elif t is Fail:
-                self._fail(ins.failure)  # type: ignore[union-attr]
-            elif t is Warn:
-                log.warning("%s", ins.message)  # type: ignore[union-attr]
-                self._to_client(Log(level="warn", message=ins.message, details=ins.details))  # type: ignore[union-attr]
-            elif t is LogLine:
-                log.log(_LEVELS.get(ins.level, logging.INFO), "%s", ins.message)  # type: ignore[union-attr]
-            elif t is QueryWorldState:
+            if isinstance(ins, Schedule):
+                self._schedule(ins.delay_s, ins.timer)
+            elif isinstance(ins, SendProbe):
+                self._probe(ins)
+            elif isinstance(ins, Fail):
+                self._fail(ins.failure)
+            elif isinstance(ins, Warn):
+                log.warning("%s", ins.message)
+                self._to_client(Log(level="warn", message=ins.message, details=ins.details))
+            elif isinstance(ins, LogLine):
+                log.log(_LEVELS.get(ins.level, logging.INFO), "%s", ins.message)
+            elif isinstance(ins, QueryWorldState):
                 self._spawn(self._query_world_state())
-            elif t is RequestStacks:
-                self._spawn(self._stall_report(ins))  # type: ignore[arg-type]
+            elif isinstance(ins, RequestStacks):
+                self._spawn(self._stall_report(ins))
             else:
                 log.error("unknown instruction %r", ins)
 
@@ -273,8 +278,9 @@ class ControllerActor(Actor):
             self._deferred.append(probe)
             return
         msg = RequestStatus(seq=probe.seq, controller=True)
-        self._cast(_REQUEST_STATUS_TID, ENC_MSGPACK, encode_message(msg),
-                   normalize(probe.ranks, self.n))
+        self._cast(
+            _REQUEST_STATUS_TID, ENC_MSGPACK, encode_message(msg), normalize(probe.ranks, self.n)
+        )
 
     def _settle(self) -> None:
         """The client moved past its last Node: deferred probes may go out now."""
@@ -296,8 +302,14 @@ class ControllerActor(Actor):
         if not ranks:
             return
         cast = Cast(
-            origin=self.cx.actor_id, gang=self.gang, gang_size=self.n, ranks=ranks,
-            fanout=self._fanout, type_id=type_id, encoding=encoding, data=data,
+            origin=self.cx.actor_id,
+            gang=self.gang,
+            gang_size=self.n,
+            ranks=ranks,
+            fanout=self._fanout,
+            type_id=type_id,
+            encoding=encoding,
+            data=data,
         )
         cast_envelope(self.cx.mailbox, cast)
 
@@ -309,8 +321,10 @@ class ControllerActor(Actor):
         me = _short_id(self.cx.actor_id)
         if self.client_state != "waiting":
             if self.client_state == "attached":
-                text = (f"controller {me} already has a client attached ({self.client}); "
-                        "a controller serves one client for its lifetime")
+                text = (
+                    f"controller {me} already has a client attached ({self.client}); "
+                    "a controller serves one client for its lifetime"
+                )
             else:
                 what = "has detached" if self.client_state == "detached" else "was lost"
                 text = f"controller {me}: its client {what}; start a new controller"
@@ -322,8 +336,10 @@ class ControllerActor(Actor):
         env = self.cx.env
         if env is not None and env.reply_to is not None:
             reply = AttachReply(
-                world_size=self.n, num_procs_per_host=self.params.num_procs_per_host,
-                worker_world=self.world, worker_name=self.params.worker_name,
+                world_size=self.n,
+                num_procs_per_host=self.params.num_procs_per_host,
+                worker_world=self.world,
+                worker_name=self.params.worker_name,
                 controller_actor_id=self.cx.actor_id,
                 client_liveness_timeout_s=self.params.client_liveness_timeout_s,
             )
@@ -331,8 +347,12 @@ class ControllerActor(Actor):
         log.info("client %s attached", msg.client)
         failures, dropped = self.pending.drain()
         if dropped:
-            self._to_client(Log(level="warn", message=f"{dropped} older failures detected "
-                                "before the attach were dropped"))
+            self._to_client(
+                Log(
+                    level="warn",
+                    message=f"{dropped} older failures detected before the attach were dropped",
+                )
+            )
         for f in failures:
             self._to_client(Failure(failure=f))
         assert self.progress is not None
@@ -358,7 +378,9 @@ class ControllerActor(Actor):
             silent = self._now() - self.last_client_message_at
             limit = self.params.client_liveness_timeout_s
             if silent > limit:
-                self._lose_client(f"nothing received from it for {silent:.1f} s (limit {limit:g} s)")
+                self._lose_client(
+                    f"nothing received from it for {silent:.1f} s (limit {limit:g} s)"
+                )
                 return
         if self.client_state in ("waiting", "attached"):
             self._schedule(self._client_check_period(), CheckClient())
@@ -370,14 +392,19 @@ class ControllerActor(Actor):
                 errors = "; ".join(returned.errors or ()) or "returned"
                 self._lose_client(f"a message to it was returned: {errors}")
             return
-        log.debug("%s: returned message to %s: %s", self.cx.actor_id, returned.dest,
-                  "; ".join(returned.errors or ()))
+        log.debug(
+            "%s: returned message to %s: %s",
+            self.cx.actor_id,
+            returned.dest,
+            "; ".join(returned.errors or ()),
+        )
 
     def _lose_client(self, why: str) -> None:
         self.client_state = "lost"
         self.exit_reason = f"client {self.client} lost: {why}"
-        log.error("%s; stopping worlds %s and %s", self.exit_reason, self.world,
-                  self.cx.actor_id.world)
+        log.error(
+            "%s; stopping worlds %s and %s", self.exit_reason, self.world, self.cx.actor_id.world
+        )
         self._stop_worlds()
 
     def _stop_worlds(self) -> None:
@@ -389,9 +416,13 @@ class ControllerActor(Actor):
     async def _stop_worlds_task(self) -> None:
         worlds = [self.world, self.cx.actor_id.world]
         try:
-            await self.cx.mailbox.ask(SYSTEM_ACTOR, Stop(worlds=worlds, proc_timeout_s=5.0), self._rpc_s)
+            await self.cx.mailbox.ask(
+                SYSTEM_ACTOR, Stop(worlds=worlds, proc_timeout_s=5.0), self._rpc_s
+            )
         except Exception as e:  # noqa: BLE001 - logged; the proc stops itself if the system is gone
-            log.error("cannot ask the system to stop %s and %s: %s", worlds[0], worlds[1], _err_text(e))
+            log.error(
+                "cannot ask the system to stop %s and %s: %s", worlds[0], worlds[1], _err_text(e)
+            )
 
     @handler
     def on_node(self, msg: Node) -> None:
@@ -467,7 +498,9 @@ class ControllerActor(Actor):
     def on_introspect(self, msg: Introspect) -> IntrospectReply:
         sup = self.supervision
         return IntrospectReply(
-            client_state=self.client_state, client=self.client, history=self.history.snapshot(),
+            client_state=self.client_state,
+            client=self.client,
+            history=self.history.snapshot(),
             reported_procs=sorted(sup.reported_procs) if sup else [],
             dead_ranks=sorted(sup.dead_ranks) if sup else [],
             mesh_failed=self.mesh_failed,
@@ -514,11 +547,14 @@ class ControllerActor(Actor):
     def on_check_worker_progress(self, msg: CheckWorkerProgress) -> None:
         if self.client_state != "attached" or self.progress is None:
             return  # no checks without a client; nothing is rescheduled after it ended
-        if not self._settled and self._now() - self._node_at >= self.params.worker_progress_check_interval_s:
+        if (
+            not self._settled
+            and self._now() - self._node_at >= self.params.worker_progress_check_interval_s
+        ):
             self._settle()  # a Node without a Send: its probe must not wait forever
-        self._execute(self.progress.check(
-            self._now(), client_attached=True, mesh_failed=self.mesh_failed
-        ))
+        self._execute(
+            self.progress.check(self._now(), client_attached=True, mesh_failed=self.mesh_failed)
+        )
 
     @handler
     def on_stall_report(self, msg: StallReport) -> None:
@@ -526,63 +562,9 @@ class ControllerActor(Actor):
             self._execute(self.progress.finish_stall_report(msg, self._now()))
 
     async def _stall_report(self, req: RequestStacks) -> None:
-        """Collect progress answers and stacks of the lagging ranks within the bound."""
-        deadline = self._now() + req.timeout_s
-        try:
-            ranks = await asyncio.gather(*(self._rank_stall(r, deadline) for r in req.ranks))
-            data = list(ranks)
-        except Exception as e:  # noqa: BLE001 - the report goes out with what is known
-            log.warning("stall report collection failed: %s", _err_text(e))
-            data = []
-        self._post_self(StallReport(report_id=req.report_id, expected_seq=req.expected_seq, ranks=data))
-
-    async def _rank_stall(self, rank: int, deadline: float) -> RankStallData:
-        (progress, perr), (stack, method, serr) = await asyncio.gather(
-            self._progress_of(rank, deadline), self._stack_of(rank, deadline)
-        )
-        return RankStallData(rank=rank, progress=progress, progress_error=perr, stack=stack,
-                             stack_method=method, stack_error=serr)
-
-    async def _progress_of(self, rank: int, deadline: float) -> tuple[WorkerProgress | None, str | None]:
-        left = deadline - self._now()
-        if left <= 0:
-            return None, None
-        try:
-            reply = await self.cx.mailbox.ask(self.gang.actor(rank), ProgressQuery(), left)
-        except CallTimeout:
-            return None, None
-        except Exception as e:  # noqa: BLE001 - reported in the stall text
-            return None, _err_text(e)
-        return (reply, None) if isinstance(reply, WorkerProgress) else (None, "unexpected reply")
-
-    async def _stack_of(self, rank: int, deadline: float) -> tuple[str | None, str, str | None]:
-        """The proc's own dump first; after half the bound, or on error, its host's."""
-        proc = self.world.proc(rank)
-        half = max(0.01, (deadline - self._now()) / 2)
-        first: str
-        try:
-            st: StackTrace = await self.cx.mailbox.ask(proc.actor("proc"), StackDump(timeout_s=half), half)
-            if st.error is None and st.text.strip():
-                return st.text, st.method or "in-process", None
-            first = st.error or "empty dump"
-        except CallTimeout:
-            first = f"{proc} did not answer within {half:.1f} s"
-        except Exception as e:  # noqa: BLE001
-            first = _err_text(e)
-        record = self._records.get(rank)
-        host = record.host_proc if record is not None else None
-        left = deadline - self._now() - 0.05
-        if host is None or left <= 0.05:
-            return None, "", first
-        try:
-            st = await self.cx.mailbox.ask(
-                host.actor("proc"), StackDump(target=proc, timeout_s=left * 0.9), left
-            )
-        except Exception as e:  # noqa: BLE001
-            return None, "", f"{first}; host {host}: {_err_text(e)}"
-        if st.error is None and st.text.strip():
-            return st.text, st.method, None
-        return None, "", f"{first}; host {host}: {st.error or 'empty dump'}"
+        """Collect the lagging ranks' progress and stacks (bounded); post the outcome."""
+        report = await collect_stall_report(self.cx.mailbox, self.gang, self._records, req)
+        self._post_self(report)
 
     # ------------------------------------------------------------------ supervision (§8)
 
@@ -621,7 +603,9 @@ class ControllerActor(Actor):
         # so WorldGone & co. reach their own handlers through it.
         port = PortId(self.cx.actor_id, ProcFailed.__palatine_type_id__)
         try:
-            reply = await self.cx.mailbox.ask(SYSTEM_ACTOR, Subscribe(world_id=self.world, port=port), self._rpc_s)
+            reply = await self.cx.mailbox.ask(
+                SYSTEM_ACTOR, Subscribe(world_id=self.world, port=port), self._rpc_s
+            )
         except Exception as e:  # noqa: BLE001 - fed back; polling still runs
             self._post_self(SupervisionResult(source="subscribe", error=_err_text(e)))
             return
@@ -629,7 +613,9 @@ class ControllerActor(Actor):
 
     async def _query_world_state(self) -> None:
         try:
-            reply = await self.cx.mailbox.ask(SYSTEM_ACTOR, WorldState(world_id=self.world), self._rpc_s)
+            reply = await self.cx.mailbox.ask(
+                SYSTEM_ACTOR, WorldState(world_id=self.world), self._rpc_s
+            )
         except Exception as e:  # noqa: BLE001 - fed back to the monitor
             self._post_self(SupervisionResult(source="poll", error=_err_text(e)))
             return

@@ -59,7 +59,14 @@ from palatine.worker.messages import (
     WorkerParams,
     WorkerProgress,
 )
-from palatine.worker.stream import Borrow, Countdown, InfrastructureError, OutItem, Stream, WorkerState
+from palatine.worker.stream import (
+    Borrow,
+    Countdown,
+    InfrastructureError,
+    OutItem,
+    Stream,
+    WorkerState,
+)
 from palatine.worker.values import import_torch
 
 __all__ = ["WorkerActor", "exit_timeout_s"]
@@ -85,7 +92,7 @@ class _CommandPort(Port):
     and worker disagree on the protocol, so it is an infrastructure error (§1.5).
     """
 
-    __slots__ = ("sink", "type_name", "on_bad")
+    __slots__ = ("on_bad", "sink", "type_name")
 
     def __init__(
         self,
@@ -154,7 +161,11 @@ class WorkerActor(Actor):
         proc = self.cx.proc
         addr = proc.addr
         store_host = "127.0.0.1"
-        if addr is not None and addr.transport in ("tcp", "tls") and addr.host not in ("", "0.0.0.0", "::"):
+        if (
+            addr is not None
+            and addr.transport in ("tcp", "tls")
+            and addr.host not in ("", "0.0.0.0", "::")
+        ):
             store_host = addr.host
         local_rank = os.environ.get("LOCAL_RANK") or os.environ.get("PALATINE_LOCAL_RANK")
         self.state = WorkerState(
@@ -255,14 +266,18 @@ class WorkerActor(Actor):
             return
         try:
             _ROUTES[type(cmd)](self, cmd)
-        except InfrastructureError:
+        except BaseException:  # any error here fails the actor: stop the streams first
             self._failed = True
             self._abandon()
             raise
 
-    def _stream(self, sid: int, what: str) -> Stream:
+    def _stream(self, sid: int, what: Any) -> Stream:
+        """The stream ``sid`` named by ``what`` (a command, or its description)."""
         s = self.streams.get(sid)
         if s is None:
+            if not isinstance(what, str):
+                seq = getattr(what, "seq", None)
+                what = type(what).__name__ + (f" s{seq}" if seq is not None else "")
             known = ", ".join(str(k) for k in sorted(self.streams)) or "none"
             raise InfrastructureError(
                 f"invalid stream id {sid} in {what} on rank {self.params.rank} (streams: {known})"
@@ -286,7 +301,9 @@ class WorkerActor(Actor):
 
         assert self.state is not None
         if cmd.result in self.state.meshes:
-            raise InfrastructureError(f"duplicate device mesh r{cmd.result} on rank {self.params.rank}")
+            raise InfrastructureError(
+                f"duplicate device mesh r{cmd.result} on rank {self.params.rank}"
+            )
         try:
             view = DeviceMeshView.create(cmd.result, cmd.names, cmd.ranks, self.params.rank)
         except ValueError as e:
@@ -294,15 +311,19 @@ class WorkerActor(Actor):
         self.state.meshes[cmd.result] = view
 
     def _call(self, cmd: CallFunction) -> None:
-        s = self._stream(cmd.stream, f"CallFunction s{cmd.seq}")
+        s = self._stream(cmd.stream, cmd)
         s.post(s.run_call, cmd)
 
     def _send_value(self, cmd: SendValue) -> None:
-        s = self._stream(cmd.stream, f"SendValue s{cmd.seq}")
+        s = self._stream(cmd.stream, cmd)
         s.post(s.run_send_value, cmd)
 
     def _collective(self, cmd: BackendNetworkInit | CreateProcessGroup | Reduce) -> None:
-        s = self._stream(cmd.stream, f"{type(cmd).__name__} s{cmd.seq}")
+        s = self._stream(cmd.stream, cmd)
+        if type(cmd) is BackendNetworkInit:
+            # Collectives on other streams wait for this init instead of racing it.
+            assert self.state is not None
+            self.state.collective_pending = threading.Event()
         s.post(s.run_collective, cmd)
 
     def _request_status(self, cmd: RequestStatus) -> None:
@@ -374,8 +395,11 @@ class WorkerActor(Actor):
     def _exit(self, cmd: Exit) -> None:
         self._exiting = True
         if cmd.error:
-            log.error("worker rank %d: the client's session ended with an error: %s",
-                      self.params.rank, cmd.error)
+            log.error(
+                "worker rank %d: the client's session ended with an error: %s",
+                self.params.rank,
+                cmd.error,
+            )
         for s in self.streams.values():
             s.close(drain=True)
         self.cx.spawn_task(self._finish_exit())
@@ -390,7 +414,10 @@ class WorkerActor(Actor):
         for s in busy:
             log.warning(
                 "worker rank %d: stream %s still busy %g s after Exit: %s",
-                self.params.rank, s.name, limit, _op_text(s),
+                self.params.rank,
+                s.name,
+                limit,
+                _op_text(s),
             )
             s.close(drain=False)
         self._drain()
@@ -401,7 +428,9 @@ class WorkerActor(Actor):
             try:
                 await asyncio.wait_for(asyncio.to_thread(destroy), timeout=10.0)
             except TimeoutError:
-                log.warning("worker rank %d: destroying the process group timed out", self.params.rank)
+                log.warning(
+                    "worker rank %d: destroying the process group timed out", self.params.rank
+                )
         self.cx.stop("exit requested by the client")
 
     # ---------------------------------------------------------------- progress
@@ -517,10 +546,24 @@ def _op_text(s: Stream) -> str:
 
 
 _COMMAND_TYPES: tuple[type[Any], ...] = (
-    CreateStream, CreateDeviceMesh, CallFunction, SendValue, DeleteRefs, RequestStatus,
-    CommandGroup, BackendNetworkInit, CreateProcessGroup, Reduce, BorrowCreate,
-    BorrowFirstUse, BorrowLastUse, BorrowDrop, Exit, SetRefUnitTestsOnly,
-    GetRefUnitTestsOnly, ProgressQuery,
+    CreateStream,
+    CreateDeviceMesh,
+    CallFunction,
+    SendValue,
+    DeleteRefs,
+    RequestStatus,
+    CommandGroup,
+    BackendNetworkInit,
+    CreateProcessGroup,
+    Reduce,
+    BorrowCreate,
+    BorrowFirstUse,
+    BorrowLastUse,
+    BorrowDrop,
+    Exit,
+    SetRefUnitTestsOnly,
+    GetRefUnitTestsOnly,
+    ProgressQuery,
 )
 
 _ROUTES: dict[type[Any], Callable[[WorkerActor, Any], None]] = {

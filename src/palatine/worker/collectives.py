@@ -44,14 +44,14 @@ if TYPE_CHECKING:
     from palatine.worker.stream import Stream, WorkerState
 
 __all__ = [
-    "DeviceMeshView",
     "CollectiveContext",
-    "mesh_rank",
-    "open_store",
+    "DeviceMeshView",
     "backend_name",
     "collective_timeout_s",
-    "run",
     "destroy",
+    "mesh_rank",
+    "open_store",
+    "run",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class DeviceMeshView:
     members ``[0, 1, 2]``.
     """
 
-    __slots__ = ("ref", "names", "sizes", "strides", "offset", "coords", "global_rank")
+    __slots__ = ("coords", "global_rank", "names", "offset", "ref", "sizes", "strides")
 
     def __init__(
         self,
@@ -117,7 +117,9 @@ class DeviceMeshView:
         try:
             return self.names.index(dim)
         except ValueError:
-            raise ValueError(f"unknown dimension {dim!r}; this mesh has {list(self.names)}") from None
+            raise ValueError(
+                f"unknown dimension {dim!r}; this mesh has {list(self.names)}"
+            ) from None
 
     def rank(self, dim: str) -> int:
         """This rank's coordinate along ``dim``."""
@@ -154,7 +156,9 @@ class DeviceMeshView:
         return dict(zip(self.names, self.coords, strict=True))
 
     def __repr__(self) -> str:
-        dims = ", ".join(f"{n}={c}/{s}" for n, c, s in zip(self.names, self.coords, self.sizes, strict=True))
+        dims = ", ".join(
+            f"{n}={c}/{s}" for n, c, s in zip(self.names, self.coords, self.sizes, strict=True)
+        )
         return f"DeviceMeshView(r{self.ref}, rank {self.global_rank}: {dims})"
 
 
@@ -183,7 +187,7 @@ class CollectiveContext:
     world process group.
     """
 
-    __slots__ = ("backend", "store", "palatine_group", "device")
+    __slots__ = ("backend", "device", "palatine_group", "store")
 
     def __init__(self, backend: str, store: Any, group: Any, device: Any) -> None:
         self.backend = backend
@@ -213,7 +217,7 @@ def open_store() -> str:
 
     s = current_stream()
     host = s.worker.store_host if s is not None else "127.0.0.1"
-    store = dist.TCPStore(
+    store = dist.TCPStore(  # type: ignore[attr-defined]
         host,
         0,
         is_master=True,
@@ -270,7 +274,7 @@ def _backend_network_init(stream: Stream, cmd: BackendNetworkInit) -> None:
         )
     host, port = _split_addr(cmd.store_addr)
     timeout = datetime.timedelta(seconds=collective_timeout_s())
-    store = dist.TCPStore(
+    store = dist.TCPStore(  # type: ignore[attr-defined]
         host, port, w.world_size, is_master=False, timeout=timeout, wait_for_workers=False
     )
     kind, uuid = _device_info(w)
@@ -282,9 +286,10 @@ def _backend_network_init(stream: Stream, cmd: BackendNetworkInit) -> None:
     if backend == "nccl" and w.device_index is not None:
         device = torch.device("cuda", w.device_index)
         kwargs["device_id"] = device
+    prefixed = dist.PrefixStore("palatine/pg/", store)  # type: ignore[attr-defined]
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore("palatine/pg/", store),
+        store=prefixed,
         rank=w.rank,
         world_size=w.world_size,
         timeout=timeout,
@@ -331,11 +336,21 @@ def _install_group_namer() -> None:
         _patched = True
 
 
-def _new_group(ranks: list[int], name: str) -> Any:
+def _new_group(ranks: list[int], what: str) -> Any:
+    """A locally synchronised group of ``ranks`` named after the command ``what``.
+
+    Sibling subgroups made by one command (the rows of a mesh) differ in their members,
+    so the members are part of the name.
+    """
+    import hashlib
+
     import torch.distributed as dist
 
     _install_group_namer()
-    _named.name = name
+    members = "_".join(map(str, ranks))
+    if len(members) > 64:
+        members = hashlib.blake2b(members.encode(), digest_size=12).hexdigest()
+    _named.name = f"{what}.{members}"
     try:
         return dist.new_group(
             ranks,
@@ -347,6 +362,10 @@ def _new_group(ranks: list[int], name: str) -> Any:
 
 
 def _context(stream: Stream) -> CollectiveContext | SeqError:
+    """The session's collective context (waiting for an init still running elsewhere)."""
+    pending = stream.worker.collective_pending
+    if pending is not None and not pending.is_set():
+        stream.wait_event(pending)
     ctx = stream.worker.collective
     if ctx is None:
         raise RuntimeError(
@@ -445,12 +464,19 @@ def _all_reduce(dist: Any, ctx: Any, t: Any, op: str, group: Any, n: int) -> Non
             else:
                 t.floor_divide_(n)
 
-        _try_native(ctx.backend, "avg", lambda: dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group), emulate)
+        _try_native(
+            ctx.backend,
+            "avg",
+            lambda: dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group),
+            emulate,
+        )
     else:
         dist.all_reduce(t, op=_torch_op(dist, op), group=group)
 
 
-def _collective(torch: Any, dist: Any, ctx: Any, cmd: Reduce, t: Any, group: Any, n: int, me: int) -> Any:
+def _collective(
+    torch: Any, dist: Any, ctx: Any, cmd: Reduce, t: Any, group: Any, n: int, me: int
+) -> Any:
     """The data collective on ``t`` (already on the communication device)."""
     op = cmd.op
     if op == "stack":
@@ -516,8 +542,18 @@ def _dtypes(torch: Any) -> list[Any]:
     return [
         getattr(torch, n)
         for n in (
-            "float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32",
-            "int64", "bool", "complex64", "complex128",
+            "float32",
+            "float64",
+            "float16",
+            "bfloat16",
+            "int8",
+            "uint8",
+            "int16",
+            "int32",
+            "int64",
+            "bool",
+            "complex64",
+            "complex128",
         )
     ]
 
@@ -542,10 +578,14 @@ def _describe(torch: Any, h: list[int]) -> str:
 
 
 def _fabricate(torch: Any, f: Any) -> Any:
-    return torch.zeros(f.size, dtype=getattr(torch, f.dtype.removeprefix("torch.")), device=f.device)
+    return torch.zeros(
+        f.size, dtype=getattr(torch, f.dtype.removeprefix("torch.")), device=f.device
+    )
 
 
-def _dependent_error(w: WorkerState, cmd: Reduce, grank: int, root: int, bad_input: bool) -> SeqError:
+def _dependent_error(
+    w: WorkerState, cmd: Reduce, grank: int, root: int, bad_input: bool
+) -> SeqError:
     """What a healthy peer stores when another member's reduce input failed (silent)."""
     if bad_input:
         msg = f"reduce s{cmd.seq} failed on rank {grank}: bad input there"
@@ -554,8 +594,16 @@ def _dependent_error(w: WorkerState, cmd: Reduce, grank: int, root: int, bad_inp
         msg = f"the input of reduce s{cmd.seq} failed on rank {grank} (root s{root})"
         seq = root
     werr = WorkerError(
-        seq=seq, rank=grank, world=w.world, proc_id=f"{w.world}[{grank}]", host="", pid=0,
-        stream="", function="reduce", exc_type="palatine.worker.DependentError", message=msg,
+        seq=seq,
+        rank=grank,
+        world=w.world,
+        proc_id=f"{w.world}[{grank}]",
+        host="",
+        pid=0,
+        stream="",
+        function="reduce",
+        exc_type="builtins.RuntimeError",
+        message=msg,
     )
     return SeqError(seq, werr)
 
@@ -581,7 +629,9 @@ def _reduce(stream: Stream, cmd: Reduce) -> None:
     value = stream.refs.get(cmd.value, MISSING)
     out_t: Any = None
     if value is MISSING:
-        problem = LookupError(f"ref r{cmd.value} not found on stream {stream.name} of rank {w.rank}")
+        problem = LookupError(
+            f"ref r{cmd.value} not found on stream {stream.name} of rank {w.rank}"
+        )
     elif type(value) is SeqError:
         dep = value
     elif not isinstance(value, torch.Tensor):
@@ -589,7 +639,9 @@ def _reduce(stream: Stream, cmd: Reduce) -> None:
     if cmd.out is not None and problem is None and dep is None:
         out_t = stream.refs.get(cmd.out, MISSING)
         if out_t is MISSING:
-            problem = LookupError(f"ref r{cmd.out} not found on stream {stream.name} of rank {w.rank}")
+            problem = LookupError(
+                f"ref r{cmd.out} not found on stream {stream.name} of rank {w.rank}"
+            )
         elif type(out_t) is SeqError:
             dep = out_t
         elif not isinstance(out_t, torch.Tensor):
@@ -621,7 +673,9 @@ def _reduce(stream: Stream, cmd: Reduce) -> None:
     key = (cmd.mesh, dims)
     group = w.reduce_groups.get(key)
     if group is None:
-        group = w.reduce_groups[key] = _new_group(members, f"palatine.reduce.s{cmd.seq}.r{cmd.mesh}")
+        group = w.reduce_groups[key] = _new_group(
+            members, f"palatine.reduce.s{cmd.seq}.r{cmd.mesh}"
+        )
     comm_device = ctx.device
 
     if cmd.factory is not None:
@@ -636,7 +690,9 @@ def _reduce(stream: Stream, cmd: Reduce) -> None:
         _bind(stream, cmd, res, value, out_t)
         return
 
-    status = _OK if problem is None and dep is None else (_DEPENDENT if dep is not None else _BAD_INPUT)
+    status = (
+        _OK if problem is None and dep is None else (_DEPENDENT if dep is not None else _BAD_INPUT)
+    )
     hdr = _header(torch, status, dep.seq if dep is not None else -1, value, comm_device)
     parts = [torch.empty_like(hdr) for _ in range(n)]
     dist.all_gather(parts, hdr, group=group)
@@ -660,7 +716,14 @@ def _reduce(stream: Stream, cmd: Reduce) -> None:
 
 
 def _run_data(
-    torch: Any, dist: Any, ctx: CollectiveContext, cmd: Reduce, t: Any, group: Any, n: int, me: int,
+    torch: Any,
+    dist: Any,
+    ctx: CollectiveContext,
+    cmd: Reduce,
+    t: Any,
+    group: Any,
+    n: int,
+    me: int,
     comm_device: Any,
 ) -> Any:
     """Run the collective, staging through the communication device when needed."""

@@ -60,13 +60,13 @@ from palatine.worker.values import (
 )
 
 __all__ = [
-    "InfrastructureError",
-    "WorkerState",
-    "Stream",
-    "Countdown",
-    "Borrow",
-    "OutItem",
     "MISSING",
+    "Borrow",
+    "Countdown",
+    "InfrastructureError",
+    "OutItem",
+    "Stream",
+    "WorkerState",
     "current_stream",
     "worker_info",
 ]
@@ -126,7 +126,7 @@ def worker_info() -> dict[str, Any]:
 class Countdown:
     """A marker passed by every stream; the last arrival runs ``done`` (on its thread)."""
 
-    __slots__ = ("_left", "_lock", "_done")
+    __slots__ = ("_done", "_left", "_lock")
 
     def __init__(self, n: int, done: Callable[[], None]) -> None:
         self._left = n
@@ -144,8 +144,18 @@ class Countdown:
 class Borrow:
     """A value lent from one stream to another (§1.7): slot, readiness, release."""
 
-    __slots__ = ("id", "result", "value_ref", "from_id", "to_id", "value", "ready", "released",
-                 "ready_event", "release_event")
+    __slots__ = (
+        "from_id",
+        "id",
+        "ready",
+        "ready_event",
+        "release_event",
+        "released",
+        "result",
+        "to_id",
+        "value",
+        "value_ref",
+    )
 
     def __init__(self, bid: int, result: int, value_ref: int, from_id: int, to_id: int) -> None:
         self.id = bid
@@ -202,6 +212,7 @@ class WorkerState:
         self.groups: dict[int, Any] = {}
         self.reduce_groups: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.collective: Any = None  # CollectiveContext | SeqError | None
+        self.collective_pending: threading.Event | None = None  # set when an init finished
         self.borrows: dict[int, Borrow] = {}
         self.functions = _FUNCTIONS
         self._emit = emit
@@ -235,8 +246,8 @@ class WorkerState:
         """Drop meshes and groups named by ``refs`` (every stream passed the marker)."""
         for r in refs:
             if self.meshes.pop(r, None) is not None:
-                for key in [k for k in self.reduce_groups if k[0] == r]:
-                    del self.reduce_groups[key]
+                for key in [k for k in list(self.reduce_groups) if k[0] == r]:
+                    self.reduce_groups.pop(key, None)
             self.groups.pop(r, None)
 
     def worker_error(self, seq: int, stream: str, label: str, exc: BaseException) -> WorkerError:
@@ -336,7 +347,7 @@ class Stream:
         except InfrastructureError as e:
             self._abandoned = True
             self.worker.fail(e)
-        except BaseException as e:  # noqa: BLE001 - a worker bug: fail the actor, visibly
+        except BaseException as e:
             self._abandoned = True
             log.exception("stream %s of rank %d crashed", self.name, self.worker.rank)
             self.worker.fail(
@@ -357,7 +368,9 @@ class Stream:
 
         torch.cuda.set_device(w.device_index)
         self.cuda_stream = (
-            torch.cuda.default_stream() if self.default or self.name == "main" else torch.cuda.Stream()
+            torch.cuda.default_stream()
+            if self.default or self.name == "main"
+            else torch.cuda.Stream()  # type: ignore[no-untyped-call]
         )
         torch.cuda.set_stream(self.cuda_stream)
 
@@ -545,8 +558,8 @@ class Stream:
             label = f"reduce({cmd.op}{', scatter' if cmd.scatter else ''})"
         self.current = (seq, label, t0)
         try:
-            if type(cmd) is Reduce:
-                self.check_fresh([cmd.result], seq)
+            if type(cmd) is Reduce and not (cmd.in_place and cmd.result == cmd.value):
+                self.check_fresh([cmd.result], seq)  # an in-place result may rename the input
             try:
                 if not self.worker.torch_available:
                     raise ModuleNotFoundError(
@@ -561,6 +574,8 @@ class Stream:
                 err = self.user_error(seq, label, e, ())
                 self.poison_collective(cmd, err)
         finally:
+            if type(cmd) is BackendNetworkInit and self.worker.collective_pending is not None:
+                self.worker.collective_pending.set()
             self.current = None
             self.last_completed_seq = seq
 
@@ -589,7 +604,7 @@ class Stream:
         if self.cuda_stream is not None:
             import torch
 
-            b.ready_event = torch.cuda.Event()
+            b.ready_event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             b.ready_event.record()
         b.ready.set()
 
@@ -607,7 +622,7 @@ class Stream:
         if self.cuda_stream is not None:
             import torch
 
-            b.release_event = torch.cuda.Event()
+            b.release_event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             b.release_event.record()
         b.released.set()
 

@@ -43,29 +43,29 @@ from typing import Any
 from palatine.worker.messages import Cloudpickle, FunctionPath, FunctionRef, Pickled, WorkerError
 
 __all__ = [
+    "MAX_EXCEPTION_BYTES",
+    "MAX_SOURCE_BYTES",
     "REF_TAG",
     "TEST_PANIC_PATH",
-    "MAX_SOURCE_BYTES",
-    "MAX_EXCEPTION_BYTES",
-    "SeqError",
-    "ref_of",
-    "dumps_args",
-    "dumps_value",
-    "loads_value",
-    "function_ref",
-    "pickle_function",
-    "load_args",
-    "load_value",
-    "dumps_fetched",
     "FunctionCache",
     "ResolvedFunction",
-    "register_sources",
-    "qualified_type_name",
-    "function_label",
+    "SeqError",
+    "dumps_args",
+    "dumps_fetched",
+    "dumps_value",
     "format_user_traceback",
-    "pickle_exception",
-    "user_error_fields",
+    "function_label",
+    "function_ref",
     "import_torch",
+    "load_args",
+    "load_value",
+    "loads_value",
+    "pickle_exception",
+    "pickle_function",
+    "qualified_type_name",
+    "ref_of",
+    "register_sources",
+    "user_error_fields",
 ]
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class SeqError:
     controller (and the user) always see the invocation that actually failed.
     """
 
-    __slots__ = ("seq", "error")
+    __slots__ = ("error", "seq")
 
     def __init__(self, seq: int, error: WorkerError) -> None:
         self.seq = seq
@@ -109,17 +109,18 @@ class SeqError:
 
 # --------------------------------------------------------------------------- tensors
 
-_tensor_type: Any = None
+_tensor_types: tuple[Any, Any] | None = None
 
 
-def _plain_tensor_type() -> Any:
-    """``torch.Tensor`` once torch is imported (no tensors can exist before that)."""
-    global _tensor_type
-    if _tensor_type is None:
+def _torch_tensor_types() -> tuple[Any, Any] | None:
+    """``(torch.Tensor, torch.nn.Parameter)`` once torch is imported (no tensors can
+    exist before that), else None."""
+    global _tensor_types
+    if _tensor_types is None:
         torch = sys.modules.get("torch")
-        if torch is not None:
-            _tensor_type = getattr(torch, "Tensor", None)
-    return _tensor_type
+        if torch is not None and hasattr(torch, "Tensor") and hasattr(torch, "nn"):
+            _tensor_types = (torch.Tensor, torch.nn.Parameter)
+    return _tensor_types
 
 
 def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
@@ -166,7 +167,7 @@ def _reduce_tensor(t: Any, detach: bool) -> Any:
     if nbytes == 0:
         return (_rebuild_tensor, (b"", str(t.dtype), shape, requires_grad))
     raw = (ctypes.c_char * nbytes).from_address(t.data_ptr())
-    raw._palatine_keep = t  # type: ignore[attr-defined]  # the memory must outlive the buffer
+    raw._palatine_keep = t  # the memory must outlive the buffer
     return (_rebuild_tensor, (pickle.PickleBuffer(raw), str(t.dtype), shape, requires_grad))
 
 
@@ -190,9 +191,9 @@ def _persistent_ref(obj: Any) -> tuple[str, int] | None:
 
 
 def _override(obj: Any, detach: bool) -> Any:
-    tt = _plain_tensor_type()
-    if tt is not None and type(obj) is tt:
-        return _reduce_tensor(obj, detach)
+    tt = _torch_tensor_types()
+    if tt is not None and (type(obj) is tt[0] or (detach and type(obj) is tt[1])):
+        return _reduce_tensor(obj, detach)  # a fetched Parameter arrives as its data
     return NotImplemented
 
 
@@ -298,8 +299,9 @@ def function_ref(fn: Callable[..., Any] | str) -> FunctionRef:
 
 def _code_files(fn: Any) -> list[str]:
     code = getattr(fn, "__code__", None)
-    if code is None:
-        code = getattr(getattr(fn, "__call__", None), "__code__", None)
+    if code is None:  # a callable object: its __call__ method
+        call = type(fn).__dict__.get("__call__")
+        code = getattr(call, "__code__", None)
     files: list[str] = []
     stack = [code] if code is not None else []
     while stack:
@@ -339,9 +341,7 @@ class _ArgUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unsupported persistent id {pid!r}")
 
 
-def load_args(
-    p: Pickled, lookup: Callable[[int], Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def load_args(p: Pickled, lookup: Callable[[int], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Unpickle a command's ``(args, kwargs)``, each ref replaced by ``lookup(n)``.
 
     ``lookup`` is called in pickle order, which is argument order; it raises for a
@@ -372,7 +372,7 @@ def dumps_fetched(value: Any) -> Pickled:
     """
     try:
         return _dumps(value, refs=False, detach=True)
-    except Exception as e:  # noqa: BLE001 - any pickling failure is the value's fault
+    except Exception as e:
         tname = qualified_type_name(type(value))
         raise TypeError(
             f"cannot pickle a value of type {tname} for fetch: {type(e).__name__}: {e}"
@@ -495,7 +495,7 @@ class FunctionCache:
                 obj = impl
             if not callable(obj):
                 raise TypeError(f"{type(obj).__name__} object is not callable")
-        except Exception as e:  # noqa: BLE001 - every failure is reported the same way
+        except Exception as e:
             raise ImportError(f"failed to resolve function {path}: {type(e).__name__}: {e}") from e
         return ResolvedFunction(obj, path)
 
@@ -506,7 +506,7 @@ class FunctionCache:
             fn = pickle.loads(ref.data)
             if not callable(fn):
                 raise TypeError(f"{type(fn).__name__} object is not callable")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise ImportError(
                 f"failed to resolve function <cloudpickled function>: {type(e).__name__}: {e}"
             ) from e
@@ -537,11 +537,12 @@ def _restore_filename(fn: Any, sources: dict[str, str]) -> None:
     if not isinstance(code, types.CodeType) or code.co_filename != _DYNAMIC_CODE:
         return
     name = "lambda" if code.co_name == "<lambda>" else code.co_name
+    n = code.co_firstlineno
     matches = []
     for path, text in sources.items():
-        lines = text.splitlines()
-        n = code.co_firstlineno
-        if 0 < n <= len(lines) and name in lines[n - 1]:
+        # co_firstlineno is the first decorator's line for a decorated function.
+        window = text.splitlines()[max(n - 1, 0) : n + 10]
+        if any(name in line for line in window):
             matches.append(path)
     if len(sources) == 1 and not matches:
         matches = list(sources)
