@@ -393,10 +393,11 @@ class Gather(Pending):
 class Mailbox:
     """The port table of one actor or client instance."""
 
-    __slots__ = ("actor_id", "proc", "ports", "_next_port", "state", "__weakref__")
+    __slots__ = ("actor_id", "actor_text", "proc", "ports", "_next_port", "state", "__weakref__")
 
     def __init__(self, actor_id: ActorId, proc: Proc) -> None:
         self.actor_id = actor_id
+        self.actor_text = str(actor_id)  # for headers: formatting ids is not free
         self.proc = proc
         self.ports: dict[int, Port] = {}
         self._next_port = FIRST_EPHEMERAL_PORT

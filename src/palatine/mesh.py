@@ -346,7 +346,7 @@ class ActorMesh:
         if self._size <= fanout:
             # Root step of a tree whose blocks are all single ranks: direct deliveries.
             sender = mb.actor_id
-            origin = str(sender)
+            origin = mb.actor_text
             post = mb.proc.post
             world = self.gang.world
             name = self.gang.name
