@@ -603,7 +603,7 @@ def render_markdown(res: dict[str, Any]) -> str:
 # hand when the profile was taken; BENCHMARKS.md shows them under the current numbers.
 WHERE_TIME_GOES: dict[str, list[str]] = {
     "controller_invocations_per_s": [
-        "Profiled 2026-12-02 (load average 4-7 from other work on the 2 cores). CPU-bound on "
+        "Profiled 2026-12-02 at d319d1e (load average 4-7 from other work on the 2 cores). CPU-bound on "
         "per-message overhead, not one hot spot: 20,000 calls/s on 2 cores leaves 100 µs of CPU "
         "per call for all processes together; measured (`cpu_ms_per_1k_calls`, psutil) client "
         "≈ 70-95 µs, controller ≈ 100-145 µs, the 4 workers together ≈ 90-135 µs, so "
@@ -639,7 +639,7 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "Suggestion (worker/stream.py): hand commands to the stream in batches.",
     ],
     "fetch_roundtrip_ms": [
-        "Profiled 2026-12-02. Latency ≈ CPU here: one round trip costs (psutil, "
+        "Profiled 2026-12-02 at d319d1e. Latency ≈ CPU here: one round trip costs (psutil, "
         "`cpu_ms_per_roundtrip`) client ≈ 0.4-0.5 ms, controller ≈ 0.6-0.9 ms, the 4 workers "
         "together ≈ 1.1-1.4 ms, ≈ 2.1-2.9 ms of CPU on 2 shared cores, for ≈ 20 messages: the "
         "call (`Node`, `Send(CallFunction)`, plus the previous value's drop), the fetch "
@@ -656,7 +656,7 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "`RequestStatus` from the loop thread when the stream has already passed that seq.",
     ],
     "local_mesh_4_to_first_fetch_s": [
-        "Profiled 2026-12-02 (role ready times, DEBUG logs, py-spy). system ready ≈ 0.25-0.5 s, "
+        "Profiled 2026-12-02 at d319d1e (role ready times, DEBUG logs, py-spy). system ready ≈ 0.25-0.5 s, "
         "host ≈ 0.3 s, then `palatine controller` is ready only after ≈ 6-7 s: it waits for the "
         "worker world to be Live, and each worker's `init` awaits `import_torch` (worker/"
         "actor.py) before it reports ready. `import torch` costs ≈ 1.6 s of CPU; 4 at once on 2 "

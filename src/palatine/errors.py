@@ -29,6 +29,7 @@ __all__ = [
     "SystemRequestError",
     "JoinError",
     "StackDumpError",
+    "InfrastructureError",
 ]
 
 
@@ -226,4 +227,13 @@ class StackDumpError(PalatineError):
     """`palatine.debug.dump_external` could not get a stack dump; says why per method tried.
 
     Raised to the host's ``StackDump`` handler, which puts the text in ``StackTrace.error``.
+    """
+
+
+class InfrastructureError(PalatineError):
+    """A broken worker invariant (duplicate ref or stream, unknown stream / borrow /
+    mesh, a rank outside a mesh, an undecodable command, ``__test_panic``, a worker bug).
+
+    Raised inside the worker; it fails the worker actor with its message, which the
+    client sees as ``DeviceException(actor_failed)``. Never sent as a user error.
     """

@@ -31,7 +31,7 @@ def ensure_collectives(mesh: DeviceMesh) -> int:
         root = session.root_mesh
         first = root.slice(**{n: 0 for n in root.names})
         with first.activate():
-            addr_value = remote("palatine.client.functions.open_store")()
+            addr_value = remote("palatine.worker.collectives.open_store")()
         store_addr = fetch(addr_value).result()
         ctx = session.new_ref()
         world = Slice(offset=0, sizes=[session.world_size], strides=[1])
@@ -106,6 +106,8 @@ def reduce(
             raise ValueError(f"dimension {d!r} is not in the value's mesh {mesh.names}")
     if op == "stack" and in_place:
         raise ValueError("op 'stack' cannot be in_place")
+    if scatter and in_place:
+        raise ValueError("scatter and in_place cannot be combined: the result has another shape")
     if op == "stack" and scatter and len(names) > 1:
         raise ValueError("op 'stack' with scatter works over one dimension only")
     if value.dropped_at is not None:

@@ -8,18 +8,16 @@ refs met while pickling are the call's ``uses``.
 
 from __future__ import annotations
 
-import io
 import linecache
 import os
-import pickle
 import sys
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
-
-from palatine.worker.messages import Cloudpickle, FunctionPath, FunctionRef, Pickled
+from palatine.worker.messages import FunctionPath, FunctionRef, Pickled
+from palatine.worker.values import dumps_args, function_label
+from palatine.worker.values import function_ref as worker_function_ref
 
 if TYPE_CHECKING:
     from palatine.client.mesh import DeviceMesh, Stream
@@ -79,6 +77,11 @@ class Handle:
         self.session = session
         self.ref = ref
 
+    @property
+    def __palatine_ref__(self) -> int:
+        """The ref the worker knows this handle by (pickled as ``("ref", n)``)."""
+        return self.ref
+
 
 class RemoteValue(Handle):
     """A value living on the workers of ``mesh`` (one per rank), on ``stream``."""
@@ -122,68 +125,24 @@ class RemoteValue(Handle):
         return reduce(self, dims, op, scatter, in_place, out, like)
 
 
-class _ArgPickler(cloudpickle.CloudPickler):
-    """cloudpickle with client handles replaced by persistent ids ``("ref", n)``."""
-
-    def __init__(self, file: io.BytesIO, check: Callable[[Handle], None], buffers: list[pickle.PickleBuffer]) -> None:
-        super().__init__(file, protocol=5, buffer_callback=buffers.append)
-        self.check = check
-        self.refs: list[int] = []
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, Handle):
-            self.check(obj)
-            self.refs.append(obj.ref)
-            return ("ref", obj.ref)
-        return None
-
-
 def pickle_args(args: Any, check: Callable[[Handle], None]) -> tuple[Pickled, list[int]]:
-    """One pickle of ``args`` with handles as persistent ids; returns it and the refs used."""
-    buf = io.BytesIO()
-    buffers: list[pickle.PickleBuffer] = []
-    p = _ArgPickler(buf, check, buffers)
-    p.dump(args)
-    raw = [bytes(b.raw()) for b in buffers]
-    return Pickled(data=buf.getvalue(), buffers=raw), p.refs
+    """One pickle of ``(args, kwargs)`` with handles as refs; returns it and the refs used."""
+    refs: list[int] = []
+
+    def on_ref(h: Any) -> None:
+        if isinstance(h, Handle):
+            check(h)
+        refs.append(h.__palatine_ref__)
+
+    a, k = args
+    return dumps_args(a, k, on_ref), refs
 
 
 def function_ref(fn: Any) -> tuple[FunctionRef, str]:
-    """How a function travels (path when importable by name, else cloudpickle) and its label."""
+    """How a function travels (path when importable by name, else by value) and its label."""
     if isinstance(fn, str):
         return FunctionPath(path=fn), fn
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-    module = getattr(fn, "__module__", None)
-    overload = type(fn).__name__ == "OpOverload"
-    if overload:
-        return FunctionPath(path=f"torch.ops.{fn.namespace}.{fn._opname}.{fn._overloadname}"), str(fn)
-    by_value = module in cloudpickle.list_registry_pickle_by_value() if module else False
-    if module and module != "__main__" and "<" not in name and not by_value:
-        try:
-            mod = sys.modules.get(module)
-            target: Any = mod
-            for part in name.split("."):
-                target = getattr(target, part)
-            if target is fn:
-                path = f"{module}.{name}"
-                if module.startswith("torch._C"):
-                    path = f"torch.{name}"
-                return FunctionPath(path=path), f"{module}.{name}"
-        except AttributeError:
-            pass
-    data = cloudpickle.dumps(fn, protocol=5)
-    sources: dict[str, str] = {}
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        filename = code.co_filename
-        try:
-            if os.path.getsize(filename) <= 1 << 20:
-                with open(filename, encoding="utf-8", errors="replace") as fh:
-                    sources[filename] = fh.read()
-        except OSError:
-            pass
-    label = name if module in (None, "__main__") else f"{module}.{name}"
-    return Cloudpickle(data=data, sources=sources), label
+    return worker_function_ref(fn), function_label(fn)
 
 
 def format_exc_short(exc: BaseException) -> str:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from palatine.errors import PalatineError
+from palatine.errors import InfrastructureError, PalatineError
 from palatine.ids import ActorId, PortId
 from palatine.wire.codec import encode_message
 from palatine.worker.messages import (
@@ -72,15 +72,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class InfrastructureError(PalatineError):
-    """A broken worker invariant (duplicate ref or stream, unknown stream / borrow /
-    mesh, a rank outside a mesh, an undecodable command, ``__test_panic``, a worker bug).
-
-    Raised inside the worker; it fails the worker actor with its message, which the
-    client sees as ``DeviceException(actor_failed)``. Never sent as a user error.
-    """
 
 
 class _Missing:

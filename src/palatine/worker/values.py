@@ -197,16 +197,29 @@ def _override(obj: Any, detach: bool) -> Any:
     return NotImplemented
 
 
+OnRef = Callable[[Any], None]
+
+
+def _persistent(obj: Any, refs: bool, on_ref: OnRef | None) -> Any:
+    if not refs:
+        return None
+    pid = _persistent_ref(obj)
+    if pid is not None and on_ref is not None:
+        on_ref(obj)
+    return pid
+
+
 class _Pickler(pickle.Pickler):
     """Protocol-5 pickler: handles → ``("ref", n)``, dense tensors out of band."""
 
-    def __init__(self, file: Any, buffer_callback: Any, refs: bool, detach: bool) -> None:
+    def __init__(self, file: Any, buffer_callback: Any, refs: bool, detach: bool, on_ref: OnRef | None = None) -> None:
         super().__init__(file, protocol=5, buffer_callback=buffer_callback)
         self._refs = refs
         self._detach = detach
+        self._on_ref = on_ref
 
     def persistent_id(self, obj: Any) -> Any:
-        return _persistent_ref(obj) if self._refs else None
+        return _persistent(obj, self._refs, self._on_ref)
 
     def reducer_override(self, obj: Any) -> Any:
         return _override(obj, self._detach)
@@ -222,13 +235,16 @@ def _cloud_pickler_type() -> type[Any]:
         import cloudpickle
 
         class _CloudPickler(cloudpickle.CloudPickler):  # type: ignore[misc]
-            def __init__(self, file: Any, buffer_callback: Any, refs: bool, detach: bool) -> None:
+            def __init__(
+                self, file: Any, buffer_callback: Any, refs: bool, detach: bool, on_ref: OnRef | None = None
+            ) -> None:
                 super().__init__(file, protocol=5, buffer_callback=buffer_callback)
                 self._refs = refs
                 self._detach = detach
+                self._on_ref = on_ref
 
             def persistent_id(self, obj: Any) -> Any:
-                return _persistent_ref(obj) if self._refs else None
+                return _persistent(obj, self._refs, self._on_ref)
 
             def reducer_override(self, obj: Any) -> Any:
                 r = _override(obj, self._detach)
@@ -240,29 +256,45 @@ def _cloud_pickler_type() -> type[Any]:
     return _cloud_pickler
 
 
-def _dumps(value: Any, refs: bool, detach: bool) -> Pickled:
-    """Pickle with the stdlib pickler, falling back to cloudpickle (as `codec.dumps`)."""
+def _dumps(value: Any, refs: bool, detach: bool, on_ref: OnRef | None = None) -> Pickled:
+    """Pickle with the stdlib pickler, falling back to cloudpickle (as `codec.dumps`).
+
+    ``on_ref(handle)`` is called for every client handle met (it may raise to refuse it).
+    """
     bufs: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
     data: bytes | None
+    seen: list[Any] = []
     try:
-        _Pickler(f, bufs.append, refs, detach).dump(value)
+        _Pickler(f, bufs.append, refs, detach, seen.append).dump(value)
         data = f.getvalue()
     except (pickle.PicklingError, AttributeError, TypeError):
         data = None
-    if data is None or b"__main__" in data or b"<lambda>" in data or b"<locals>" in data:
+    if data is None or b"__main__" in data or b"<lambda>" in data or b"<locals>" in data or _by_value(data):
         bufs = []
+        seen = []
         f = io.BytesIO()
-        _cloud_pickler_type()(f, bufs.append, refs, detach).dump(value)
+        _cloud_pickler_type()(f, bufs.append, refs, detach, seen.append).dump(value)
         data = f.getvalue()
+    if on_ref is not None:
+        for h in seen:
+            on_ref(h)
     # memoryviews: msgspec encodes them as binary without a copy here; the receiver
     # gets plain bytes.
     return Pickled(data, [b.raw() for b in bufs])  # type: ignore[misc]
 
 
-def dumps_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pickled:
+def dumps_args(args: tuple[Any, ...], kwargs: dict[str, Any], on_ref: OnRef | None = None) -> Pickled:
     """The one pickle of a command's ``(args, kwargs)``, handles as persistent ids."""
-    return _dumps((tuple(args), dict(kwargs)), refs=True, detach=False)
+    return _dumps((tuple(args), dict(kwargs)), refs=True, detach=False, on_ref=on_ref)
+
+
+def _by_value(data: bytes) -> bool:
+    """Whether the pickle names a module registered with cloudpickle to go by value."""
+    import cloudpickle
+
+    mods = cloudpickle.list_registry_pickle_by_value()
+    return bool(mods) and any(m.encode() in data for m in mods)
 
 
 def dumps_value(value: Any) -> Pickled:
@@ -283,11 +315,14 @@ def function_ref(fn: Callable[..., Any] | str) -> FunctionRef:
         return FunctionPath(fn)
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None)
+    if type(fn).__name__ == "OpOverload":
+        return FunctionPath(f"torch.ops.{fn.namespace}.{fn._opname}.{fn._overloadname}")
     if (
         isinstance(module, str)
         and isinstance(qualname, str)
         and module != "__main__"
         and "<" not in qualname
+        and not _registered_by_value(module)
     ):
         obj: Any = sys.modules.get(module)
         for part in qualname.split("."):
@@ -295,6 +330,14 @@ def function_ref(fn: Callable[..., Any] | str) -> FunctionRef:
         if obj is fn:
             return FunctionPath(f"{module}.{qualname}")
     return pickle_function(fn)
+
+
+def _registered_by_value(module: str) -> bool:
+    if "cloudpickle" not in sys.modules:
+        return False
+    import cloudpickle
+
+    return module in cloudpickle.list_registry_pickle_by_value()
 
 
 def _code_files(fn: Any) -> list[str]:
