@@ -16,7 +16,6 @@ from typing import Any, Protocol
 
 import msgspec
 
-from palatine import config
 from palatine.actor import (
     Actor,
     SupervisionEvent,

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from palatine.errors import InfrastructureError, PalatineError
+from palatine.errors import InfrastructureError
 from palatine.ids import ActorId, PortId
 from palatine.wire.codec import encode_message
 from palatine.worker.messages import (
