@@ -14,7 +14,7 @@ from typing import Any
 
 from palatine import config
 from palatine.actor import Actor, handler
-from palatine.ids import ActorId, GangId, PortId
+from palatine.ids import ActorId, GangId, PortId, ProcId
 from palatine.mailbox import Mailbox
 from palatine.wire.codec import Message, encode_message
 from palatine.wire.envelope import ENC_MSGPACK, Envelope
@@ -87,12 +87,12 @@ class Forward(Message, kw_only=True):
     hi: int
 
 
-def _deliver(mb: Mailbox, cast: Cast, rank: int, sender: ActorId) -> None:
-    dest = cast.gang.actor(rank)
+def _deliver(mb: Mailbox, cast: Cast, rank: int, sender: ActorId, origin_text: str | None = None) -> None:
+    dest = ActorId(ProcId(cast.gang.world, rank), cast.gang.name, 0)
     headers: dict[str, str | int] = dict(cast.headers) if cast.headers else {}
     headers["cast_rank"] = rank
     headers["cast_size"] = cast.gang_size
-    headers["cast_origin"] = str(cast.origin)
+    headers["cast_origin"] = origin_text if origin_text is not None else str(cast.origin)
     env = Envelope(
         sender,
         PortId(dest, cast.type_id),
@@ -118,6 +118,13 @@ def _send_block(mb: Mailbox, cast: Cast, lo: int, hi: int) -> None:
 
 def cast_envelope(mb: Mailbox, cast: Cast) -> None:
     """The root step, performed inline by the originator's mailbox."""
+    if cast.gang_size <= cast.fanout:
+        # Every block is a single rank: deliver directly to each selected rank.
+        origin = mb.actor_text if cast.origin == mb.actor_id else str(cast.origin)
+        for a, b in cast.ranks:
+            for r in range(a, b):
+                _deliver(mb, cast, r, cast.origin, origin)
+        return
     for lo, hi in split_blocks(0, cast.gang_size, cast.fanout):
         if _selected(cast.ranks, lo, hi):
             _send_block(mb, cast, lo, hi)

@@ -8,6 +8,7 @@ refs met while pickling are the call's ``uses``.
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import sys
@@ -53,16 +54,22 @@ class IssueSite:
         return f"{os.path.basename(filename)}:{lineno}"
 
 
+@functools.lru_cache(maxsize=4096)
+def _is_ours(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PALATINE_DIR)
+
+
 def capture_site() -> IssueSite | None:
     """The caller's stack without palatine frames (None when capture is off)."""
     if not _CAPTURE:
         return None
     frames: list[tuple[str, int, str]] = []
     f = sys._getframe(1)
+    ours = _is_ours
     while f is not None and len(frames) < 10:
-        filename = f.f_code.co_filename
-        if not os.path.abspath(filename).startswith(_PALATINE_DIR):
-            frames.append((filename, f.f_lineno, f.f_code.co_name))
+        code = f.f_code
+        if not ours(code.co_filename):
+            frames.append((code.co_filename, f.f_lineno, code.co_name))
         f = f.f_back  # type: ignore[assignment]
     frames.reverse()
     return IssueSite(frames)

@@ -221,6 +221,9 @@ class ControllerActor(Actor):
         return False
 
     def _worker_ok(self, what: str, rank: int) -> bool:
+        """Worker replies count only while a client is attached and name a real rank."""
+        if self.client_state in ("detached", "lost"):
+            return False  # stragglers while the worlds stop: expected, not worth a warning
         if self.client_state != "attached":
             self._drop(
                 f"early-{what}", f"{what} from worker rank {rank} while no client is attached"
@@ -533,7 +536,8 @@ class ControllerActor(Actor):
     @handler
     def on_fetch_result(self, msg: FetchResult) -> None:
         if self.client_state != "attached":
-            self._drop("early-FetchResult", "FetchResult while no client is attached")
+            if self.client_state == "waiting":
+                self._drop("early-FetchResult", "FetchResult while no client is attached")
             return
         self.history.set_result(msg.seq, msg.value)
 
