@@ -7,7 +7,7 @@ Run with the project's interpreter::
 Every mesh is ``local_mesh(hosts=1, procs_per_host=4)``: real ``palatine system``,
 ``palatine host`` and ``palatine controller`` processes and 4 exec'd workers, the client
 in this process (the same code paths as a user script). The no-op function is
-``palatine.client.functions.identity``, shipped by import path.
+``palatine.worker.functions.identity``, shipped by import path.
 
 Metrics (targets in 50-goals.md and ``bench/run.py``):
 
@@ -58,7 +58,7 @@ IMPL = "palatine"
 VERSION = metadata.version("palatine")
 
 PROCS = 4
-IDENTITY = "palatine.client.functions.identity"
+IDENTITY = "palatine.worker.functions.identity"
 WARMUP_CALLS = 200
 CALIBRATE_CALLS = 500
 MIN_CALLS, MAX_CALLS = 200, 500_000

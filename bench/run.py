@@ -572,7 +572,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         "palatine's client-API metrics (`bench/controller_bench.py`; `local_mesh(hosts=1, "
         "procs_per_host=4)`: real system, host and controller processes and 4 exec'd workers, "
         "the client in the benchmark process; the no-op is "
-        "`remote(\"palatine.client.functions.identity\")`):",
+        "`remote(\"palatine.worker.functions.identity\")`):",
         "",
         "* `controller_invocations_per_s`: N no-op remote calls on all 4 ranks (each result "
         "discarded), then one `fetch` of the last value, which completes only after every "
@@ -664,7 +664,7 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "on CPU meshes (import it on first use or in the background after ready), or start "
         "workers from a host-side fork server that has torch imported.",
         "The first fetch after `local_mesh` returns costs 0.3-0.65 s, almost all of it the "
-        "first call of `palatine.client.functions.identity`: the workers then import the "
+        "first call of `palatine.worker.functions.identity`: the workers then import the "
         "`palatine.client` package (its `__init__` pulls `local`, `session`, "
         "`controller.messages`, cloudpickle: 16 modules). A first call to `posix.getpid` takes "
         "10 ms and the identity call after it 0.3-0.43 s. Suggestion: move the worker-side "

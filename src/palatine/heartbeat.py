@@ -27,11 +27,11 @@ stopping``, calls ``on_system_lost()`` (the owner stops the proc), and waits
 not and ``exit_process`` is set (the process's main proc), it ends the process with
 status 1, since the owner's loop is evidently blocked.
 
-The sockets are non-blocking and every wait goes through one selector that also
-watches a wake-up socket, so each wait is bounded by a deadline and `stop` interrupts
-any of them (connect, TLS handshake, token handshake, waiting for an ack). From the
-event loop's point of view the connection is still "blocking": the thread owns it and
-no loop is involved.
+The connection is a `palatine.channel.blocking.BlockingConn`: non-blocking sockets
+whose every wait goes through one selector that also watches a wake-up socket, so each
+wait is bounded by a deadline and `stop` interrupts any of them (connect, TLS handshake,
+token handshake, waiting for an ack). From the event loop's point of view the
+connection is still "blocking": the thread owns it and no loop is involved.
 
 On local transport (``local:N``) there is nothing to dial: the owner supplies
 ``post_via_loop``, which the thread calls once per beat (it typically schedules the
@@ -41,26 +41,24 @@ beat on the loop with ``call_soon_threadsafe``).
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import random
-import secrets
-import selectors
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from palatine import config
 from palatine.channel.addr import ChannelAddr, parse
+from palatine.channel.blocking import BlockingConn, LinkLost, Stopped, Waiter, error_text
 from palatine.ids import SYSTEM_ACTOR, ActorId
 from palatine.wire import codec, frames
 from palatine.wire.envelope import ENC_MSGPACK, Envelope
-from palatine.wire.handshake import ClientHandshake, HandshakeError, rejected_reason
+from palatine.wire.handshake import rejected_reason
 
 __all__ = [
     "ACK_TIMEOUT_ENV",
@@ -81,7 +79,6 @@ has no ``heartbeat_ack_timeout_s`` key."""
 
 _STOP_GRACE_S: Final = 2.0  # the "+ 2" of "proc_stop_timeout + 2"
 _JITTER: Final = 0.1
-_RECV_BYTES: Final = 65536
 _WARN_INTERVAL_S: Final = 60.0
 
 
@@ -169,50 +166,6 @@ class HeartbeatSettings:
         return settings
 
 
-class _Stopped(Exception):
-    """`HeartbeatThread.stop` was called: unwind the thread at once."""
-
-
-class _LinkLost(Exception):
-    """The connection failed or ended; ``reason`` says why, ``fatal`` if retrying is futile."""
-
-    def __init__(self, reason: str, *, fatal: bool = False) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.fatal = fatal
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    text = str(exc)
-    return text if text else type(exc).__name__
-
-
-class _Link:
-    """One authenticated connection: its socket, frame parser and session counters."""
-
-    __slots__ = ("acked", "ever_acked", "next_seq", "parser", "session_id", "sock")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.parser = frames.FrameParser(frames.PREAUTH_MAX_FRAME_BYTES)
-        self.session_id = secrets.randbits(64)
-        self.next_seq = 0  # the seq of the next beat on this session
-        self.acked = -1  # highest seq acknowledged
-        self.ever_acked = False
-
-    def buffered(self) -> bool:
-        """True when TLS has decrypted bytes that a select would not report."""
-        return isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-
 class HeartbeatThread:
     """Sends a proc's heartbeats to the system from a daemon thread (20-system.md §2.3).
 
@@ -289,8 +242,8 @@ class HeartbeatThread:
         self._wake_lock = threading.Lock()
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
-        self._selector: selectors.BaseSelector | None = None
-        self._link: _Link | None = None
+        self._waiter: Waiter | None = None
+        self._link: BlockingConn | None = None
         self._update_failed = False
         self._warned: dict[str, float] = {}
         self.last_ok = time.monotonic()
@@ -356,19 +309,18 @@ class HeartbeatThread:
     # -- the thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        selector = selectors.DefaultSelector()
-        self._selector = selector
         assert self._wake_r is not None
-        selector.register(self._wake_r, selectors.EVENT_READ)
+        waiter = Waiter(self._stop, self._wake_r)
+        self._waiter = waiter
         try:
             self._main()
-        except _Stopped:
+        except Stopped:
             pass
         except Exception:
             logger.exception("heartbeat thread to %s failed", self.addr)
         finally:
             self._drop_link()
-            selector.close()
+            waiter.close()
             with self._wake_lock:
                 for s in (self._wake_r, self._wake_w):
                     if s is not None:
@@ -395,16 +347,16 @@ class HeartbeatThread:
                     self._post_local()
                     next_beat = time.monotonic() + self._period()
                 else:
-                    self._wait(None, 0, min(next_beat, loss_at))
+                    self._sleep(min(next_beat, loss_at))
                 continue
             link = self._link
             if link is None:
                 if now < next_connect:
-                    self._wait(None, 0, min(next_connect, loss_at))
+                    self._sleep(min(next_connect, loss_at))
                     continue
                 try:
                     self._link = self._connect(loss_at)
-                except _LinkLost as exc:
+                except LinkLost as exc:
                     self._connect_failed(exc)
                     delay = backoff * self._rng.uniform(1 - _JITTER, 1 + _JITTER)
                     backoff = min(backoff * 2, s.backoff_max_s)
@@ -419,7 +371,7 @@ class HeartbeatThread:
                     self._beat(link, min(now + s.ack_timeout_s, loss_at))
                 else:
                     self._receive(link, min(next_beat, loss_at))
-            except _LinkLost as exc:
+            except LinkLost as exc:
                 self._drop_link()
                 self.last_error = exc.reason
                 if link.ever_acked and not exc.fatal:
@@ -436,7 +388,7 @@ class HeartbeatThread:
                     backoff = min(backoff * 2, s.backoff_max_s)
                     next_connect = time.monotonic() + delay
 
-    def _connect_failed(self, exc: _LinkLost) -> None:
+    def _connect_failed(self, exc: LinkLost) -> None:
         self.last_error = exc.reason
         if exc.fatal:
             self._warn(f"heartbeat connection to system at {self.addr} refused: {exc.reason}")
@@ -493,184 +445,34 @@ class HeartbeatThread:
         try:
             self._post_via_loop()
         except Exception as exc:  # noqa: BLE001 - the owner's callable; reported, retried
-            self.last_error = _describe(exc)
+            self.last_error = error_text(exc)
             self._warn(f"heartbeat to system at {self.addr} could not be posted: {self.last_error}")
             return
         self.last_ok = time.monotonic()
         self.acked_beats += 1
 
-    # -- waiting -------------------------------------------------------------------------------
+    # -- waiting and connecting ----------------------------------------------------------------
 
-    def _wait(self, sock: socket.socket | None, events: int, deadline: float) -> bool:
-        """Wait until ``sock`` is ready for ``events``; False once ``deadline`` passes.
+    def _sleep(self, deadline: float) -> None:
+        """Sleep until ``deadline``; raises `Stopped` as soon as `stop` is called."""
+        assert self._waiter is not None
+        self._waiter.wait(None, 0, deadline)
 
-        With ``sock=None`` it only sleeps until the deadline. Raises `_Stopped` when
-        `stop` is called, whatever it was waiting for.
-        """
-        selector = self._selector
-        assert selector is not None
-        if sock is not None:
-            selector.register(sock, events)
-        try:
-            while True:
-                if self._stop.is_set():
-                    raise _Stopped
-                timeout = deadline - time.monotonic()
-                if timeout <= 0:
-                    return False
-                for key, _ in selector.select(timeout):
-                    if key.fileobj is self._wake_r:
-                        raise _Stopped
-                    if sock is not None:
-                        return True
-        finally:
-            if sock is not None:
-                selector.unregister(sock)
-
-    # -- connecting ----------------------------------------------------------------------------
-
-    def _connect(self, limit: float) -> _Link:
+    def _connect(self, limit: float) -> BlockingConn:
         """Dial (``connect_timeout``), authenticate (``auth_timeout``) and open a fresh
         session; nothing waits past ``limit`` (when the system would be declared lost)."""
+        assert self._waiter is not None
         s = self.settings
-        sock = self._dial(min(time.monotonic() + s.connect_timeout_s, limit))
-        link = _Link(sock)
-        try:
-            self._handshake(link, min(time.monotonic() + s.auth_timeout_s, limit))
-        except BaseException:
-            link.close()
-            raise
-        return link
-
-    def _dial(self, deadline: float) -> socket.socket:
-        addr = self.addr
-        if addr.transport == "unix":
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            target: Any = addr.sockaddr()
-        else:
-            try:
-                infos = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM)
-            except (OSError, UnicodeError) as exc:
-                raise _LinkLost(f"cannot resolve {addr.host}: {_describe(exc)}") from None
-            family, kind, proto, _, target = infos[0]
-            sock = socket.socket(family, kind, proto)
-        try:
-            sock.setblocking(False)
-            err = sock.connect_ex(target)
-            if err == errno.EAGAIN and addr.transport == "unix":
-                # A unix connect never completes later: the listen backlog is full.
-                raise _LinkLost("the system's listen backlog is full")
-            if err in (errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
-                if not self._wait(sock, selectors.EVENT_WRITE, deadline):
-                    raise _LinkLost(
-                        f"connect timeout: no connection within {_fmt(self.settings.connect_timeout_s)} s"
-                    )
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                raise _LinkLost(os.strerror(err))
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ssl is not None:
-                sock = self._tls_handshake(sock, deadline)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-    def _tls_handshake(self, raw: socket.socket, deadline: float) -> socket.socket:
-        assert self._ssl is not None
-        try:
-            sock = self._ssl.wrap_socket(
-                raw, server_hostname=self.addr.host, do_handshake_on_connect=False
-            )
-        except (OSError, ValueError) as exc:
-            raise _LinkLost(f"tls: {_describe(exc)}") from None
-        while True:
-            try:
-                sock.do_handshake()
-                return sock
-            except ssl.SSLWantReadError:
-                ready = self._wait(sock, selectors.EVENT_READ, deadline)
-            except ssl.SSLWantWriteError:
-                ready = self._wait(sock, selectors.EVENT_WRITE, deadline)
-            except ssl.SSLCertVerificationError as exc:
-                raise _LinkLost(
-                    f"tls: {exc.verify_message or _describe(exc)}", fatal=True
-                ) from None
-            except (OSError, ValueError) as exc:
-                raise _LinkLost(f"tls: {_describe(exc)}") from None
-            if not ready:
-                raise _LinkLost("tls handshake timeout")
-
-    def _handshake(self, link: _Link, deadline: float) -> None:
-        """The client side of §2.5, then ``Init`` for a brand-new session at seq 0."""
-        hs = ClientHandshake(self._token)
-        while not hs.done:
-            got = self._read(link, deadline)
-            if not got:
-                raise _LinkLost(
-                    f"handshake timeout: not authenticated within {_fmt(self.settings.auth_timeout_s)} s"
-                )
-            for frame in got:
-                try:
-                    reply = hs.receive(frame)
-                except HandshakeError as exc:
-                    raise _LinkLost(exc.reason, fatal=exc.fatal) from None
-                if reply is not None:
-                    self._send(link, frames.encode_frame(reply), deadline)
-                if hs.done:
-                    break
-        link.parser.limit = self._max_frame
-        self._send(link, frames.encode_frame(frames.Init(link.session_id, 0)), deadline)
-
-    # -- I/O -----------------------------------------------------------------------------------
-
-    def _send(self, link: _Link, data: bytes, deadline: float) -> None:
-        view = memoryview(data)
-        sock = link.sock
-        while view:
-            try:
-                n = sock.send(view)
-            except (BlockingIOError, ssl.SSLWantWriteError):
-                if not self._wait(sock, selectors.EVENT_WRITE, deadline):
-                    raise _LinkLost("send timeout: the system is not reading") from None
-                continue
-            except ssl.SSLWantReadError:
-                if not self._wait(sock, selectors.EVENT_READ, deadline):
-                    raise _LinkLost("send timeout: the system is not reading") from None
-                continue
-            except OSError as exc:
-                raise _LinkLost(_describe(exc)) from None
-            view = view[n:]
-
-    def _read(self, link: _Link, deadline: float) -> list[frames.Frame]:
-        """The frames that arrive before ``deadline`` ([] if none).
-
-        Raises `_LinkLost` on EOF, a socket error or a malformed frame.
-        """
-        sock = link.sock
-        while True:
-            if not link.buffered() and not self._wait(sock, selectors.EVENT_READ, deadline):
-                return []
-            try:
-                data = sock.recv(_RECV_BYTES)
-            except (BlockingIOError, ssl.SSLWantReadError):
-                continue
-            except ssl.SSLWantWriteError:
-                self._wait(sock, selectors.EVENT_WRITE, deadline)
-                continue
-            except OSError as exc:
-                raise _LinkLost(_describe(exc)) from None
-            if not data:
-                if link.parser.at_boundary:
-                    raise _LinkLost("connection closed by the system")
-                raise _LinkLost("connection closed by the system inside a frame")
-            try:
-                got = link.parser.feed(data)
-            except frames.FrameError as exc:
-                raise _LinkLost(f"protocol error: {exc.reason}") from None
-            if got:
-                return got
+        return BlockingConn.connect(
+            self.addr,
+            self._waiter,
+            token=self._token,
+            ssl_context=self._ssl,
+            max_frame_bytes=self._max_frame,
+            connect_timeout_s=s.connect_timeout_s,
+            auth_timeout_s=s.auth_timeout_s,
+            limit=limit,
+        )
 
     def _drop_link(self) -> None:
         link = self._link
@@ -700,7 +502,7 @@ class HeartbeatThread:
             data=data,
         )
 
-    def _beat(self, link: _Link, deadline: float) -> None:
+    def _beat(self, link: BlockingConn, deadline: float) -> None:
         """Send one beat and wait for its ``Ack`` until ``deadline``.
 
         A missing ack is not a connection failure: acks are cumulative, so a late one
@@ -712,9 +514,9 @@ class HeartbeatThread:
         seq = link.next_seq
         head, bufs, _ = frames.encode_message(seq, True, env)
         link.next_seq = seq + 1
-        self._send(link, frames.join_message(head, bufs), deadline)
+        link.send(frames.join_message(head, bufs), deadline)
         while link.acked < seq:
-            got = self._read(link, deadline)
+            got = link.read(deadline)
             if not got:
                 logger.debug(
                     "heartbeat %d to system at %s not acknowledged within %s s",
@@ -725,18 +527,18 @@ class HeartbeatThread:
                 return
             self._on_frames(link, got)
 
-    def _receive(self, link: _Link, deadline: float) -> None:
-        """Between beats: take late acks, and notice EOF (raises `_LinkLost`) at once."""
-        got = self._read(link, deadline)
+    def _receive(self, link: BlockingConn, deadline: float) -> None:
+        """Between beats: take late acks, and notice EOF (raises `LinkLost`) at once."""
+        got = link.read(deadline)
         if got:
             self._on_frames(link, got)
 
-    def _on_frames(self, link: _Link, got: list[frames.Frame]) -> None:
+    def _on_frames(self, link: BlockingConn, got: list[frames.Frame]) -> None:
         for frame in got:
             if type(frame) is frames.Ack:
                 seq = frame.seq
                 if seq >= link.next_seq:
-                    raise _LinkLost(
+                    raise LinkLost(
                         f"protocol error: ack {seq} beyond the last seq sent ({link.next_seq - 1})"
                     )
                 if seq > link.acked:
@@ -745,6 +547,6 @@ class HeartbeatThread:
                     link.ever_acked = True
                     self.last_ok = time.monotonic()
             elif type(frame) is frames.Reject:
-                raise _LinkLost(rejected_reason(frame.reason), fatal=True)
+                raise LinkLost(rejected_reason(frame.reason), fatal=True)
             else:
-                raise _LinkLost(f"protocol error: unexpected {type(frame).__name__} frame")
+                raise LinkLost(f"protocol error: unexpected {type(frame).__name__} frame")

@@ -19,7 +19,8 @@ from palatine import config
 from palatine.actor import handler
 from palatine.agent import MANAGED, ProcAgent, ProcHandle, bootstrap_proc
 from palatine.channel import token as token_mod
-from palatine.children import Child, ChildProcs, child_env, log_path_for, stack_path_for
+from palatine.child_env import child_env, log_path_for, stack_path_for
+from palatine.children import Child, ChildProcs
 from palatine.errors import SpawnError
 from palatine.ids import SYSTEM_ACTOR, ProcId, served_world_of
 from palatine.system.messages import (

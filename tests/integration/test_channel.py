@@ -29,7 +29,9 @@ from palatine.channel import any_addr, dial, serve
 from palatine.channel import token as token_mod
 from palatine.channel.addr import ChannelAddr
 from palatine.channel.base import Rx
-from palatine.channel.net import NetRx, NetTx, dial_net
+from palatine.channel.net import dial_net
+from palatine.channel.net_rx import NetRx
+from palatine.channel.net_tx import NetTx
 from palatine.errors import AddrParseError, ChannelClosed, ConfigError, SendError
 from palatine.ids import ActorId, ProcId
 from palatine.testing.proxy import LossyProxy

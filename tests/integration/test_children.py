@@ -24,9 +24,7 @@ import psutil
 import pytest
 
 from palatine import config
-from palatine.children import (
-    Child,
-    ChildProcs,
+from palatine.child_env import (
     arm_parent_death_signal,
     child_env,
     default_log_dir,
@@ -34,6 +32,7 @@ from palatine.children import (
     log_path_for,
     stack_path_for,
 )
+from palatine.children import Child, ChildProcs
 from palatine.debug import StackDumpError, dump_external, find_pyspy
 
 pytestmark = pytest.mark.timeout(30)
@@ -580,7 +579,7 @@ async def test_no_spawn_after_close(reaper: Reaper) -> None:
 
 GRANDCHILD_ARMS = """
 import time
-from palatine.children import arm_parent_death_signal
+from palatine.child_env import arm_parent_death_signal
 print("armed", arm_parent_death_signal(), flush=True)
 time.sleep(60)
 """
@@ -615,7 +614,7 @@ async def test_parent_death_signal_takes_the_grandchild(reaper: Reaper) -> None:
 async def test_arm_exits_at_once_when_parent_already_changed(reaper: Reaper) -> None:
     procs = reaper.make(echo=False)
     code = """
-        from palatine.children import arm_parent_death_signal
+        from palatine.child_env import arm_parent_death_signal
         arm_parent_death_signal()
         print("still running", flush=True)
     """
@@ -626,7 +625,7 @@ async def test_arm_exits_at_once_when_parent_already_changed(reaper: Reaper) -> 
 
     unset = await procs.spawn(
         "w[1]",
-        py("from palatine.children import arm_parent_death_signal as a; print(a())"),
+        py("from palatine.child_env import arm_parent_death_signal as a; print(a())"),
         {"PALATINE_PARENT_PID": ""},
         None,
     )

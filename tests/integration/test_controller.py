@@ -47,7 +47,10 @@ ALL = [Slice(0, [4], [1])]
 class Cluster:
     """System + two hosts; controllers and clients started by the tests."""
 
-    def __init__(self, env: dict[str, str], hosts: int = 2) -> None:
+    def __init__(
+        self, env: dict[str, str], hosts: int = 2, update_timeout: str = "3", interval: str = "0.5"
+    ) -> None:
+        self.interval = interval
         self.env = env
         self.procs: list[RoleProcess] = []
         self.popens: list[subprocess.Popen[bytes]] = []
@@ -59,7 +62,7 @@ class Cluster:
                 "--system-addr",
                 addr,
                 "--supervision-update-timeout-in-sec",
-                "3",
+                update_timeout,
                 "--world-eviction-timeout-in-sec",
                 "2",
             ]
@@ -83,7 +86,7 @@ class Cluster:
                 "--host-rank",
                 str(rank),
                 "--supervision-update-interval-in-sec",
-                "0.5",
+                self.interval,
             ]
         )
 
@@ -601,7 +604,10 @@ def test_real_worker_actor(env: dict[str, str]) -> None:
 
     if lookup_actor_type("palatine.worker.WorkerActor") is None:
         pytest.skip("palatine.worker.WorkerActor is not available yet")
-    c = Cluster({**env, "PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": ""})
+    # torch is imported while the worker actor is built: allow for GIL-starved heartbeats
+    c = Cluster(
+        {**env, "PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": ""}, update_timeout="20", interval="2"
+    )
     try:
         ctl = c.start_controller()
         snap = c.snapshot()
@@ -625,7 +631,10 @@ def test_real_workers_stall_report_names_the_function_and_its_stack(env: dict[st
 
     if lookup_actor_type("palatine.worker.WorkerActor") is None:
         pytest.skip("palatine.worker.WorkerActor is not available yet")
-    c = Cluster({**env, "PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": ""})
+    # torch is imported while the worker actor is built: allow for GIL-starved heartbeats
+    c = Cluster(
+        {**env, "PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": ""}, update_timeout="20", interval="2"
+    )
     try:
         c.start_controller(
             "--operation-timeout-in-sec",

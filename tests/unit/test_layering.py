@@ -17,7 +17,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (3, ("mailbox", "router")),
     (4, ("actor", "instance", "proc", "comm", "future", "runtime", "supervision_hook")),
     (5, ("mesh",)),
-    (6, ("supervision", "children", "debug", "heartbeat")),
+    (6, ("supervision", "children", "child_env", "debug", "heartbeat")),
     (7, ("system", "agent", "host")),
     (8, ("hostmesh",)),
     (9, ("controller", "worker")),

@@ -1,14 +1,14 @@
-"""The receiving end of a network channel: `NetRx`, its connections and sessions (10-runtime.md §2.4–2.10).
+"""The receiving end of a network channel: `NetRx`, its connections and sessions.
 
-Each connection authenticates (`palatine.wire.handshake`), sends ``Init{session_id,
-next_seq}``, then ``Message`` frames, each delivered if and only if its seq is the
-session's next one. A session outlives its connection (a reconnecting sender resumes
-it) until collected ``2 × message_delivery_timeout`` after its last owner closed. Acks go
-out on ``ack_now``, every ``message_ack_every_n`` messages, after
-``message_ack_interval`` and, best effort, when a connection closes. A full inbound queue
-pauses reading (back-pressure through the socket). A malformed frame closes only its
-connection, with one rate-limited WARNING naming the peer; so does a refused TLS
-handshake (tls connections are accepted by hand for that reason).
+Each connection (10-runtime.md §2.4–2.10) authenticates (`palatine.wire.handshake`),
+sends ``Init{session_id, next_seq}``, then ``Message`` frames, each delivered if and
+only if its seq is the session's next one. A session outlives its connection (a
+reconnecting sender resumes it) until collected ``2 × message_delivery_timeout`` after
+its last owner closed. Acks go out on ``ack_now``, every ``message_ack_every_n``
+messages, after ``message_ack_interval`` and, best effort, when a connection closes. A
+full inbound queue pauses reading (back-pressure through the socket). A malformed frame
+closes only its connection, with one rate-limited WARNING naming the peer; so does a
+refused TLS handshake (tls connections are accepted by hand for that reason).
 
 The sending end is `palatine.channel.net_tx`; what both share, and `serve_net`, live in
 `palatine.channel.net`.
@@ -445,9 +445,8 @@ class NetRx(Rx):
             sock.close()
             host = str(peer[0]) if isinstance(peer, tuple) else "?"
             shown = f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
-            self._warn(
-                host, f"refused connection from {shown}: TLS handshake failed: {describe_error(exc)}"
-            )
+            reason = f"TLS handshake failed: {describe_error(exc)}"
+            self._warn(host, f"refused connection from {shown}: {reason}")
 
     # -- delivery ------------------------------------------------------------------------
 

@@ -1,15 +1,15 @@
-"""The sending end of a network channel: `NetTx` and its client connection (10-runtime.md §2.4–2.8).
+"""The sending end of a network channel: `NetTx` and its client connection.
 
-One random 64-bit session per Tx, seqs from 0, one per post. Posted entries wait in
-``outbox`` until the connection is ready, then move to ``unacked`` as they are written;
-cumulative ``Ack{n}`` frames drop every entry with ``seq <= n``. A lost connection is
-re-established with exponential backoff and ``unacked`` goes back to the front of
-``outbox`` with its seqs unchanged; the resend waits for the receiver's answer to
-``Init`` (an ack of all it has), so a link that keeps breaking still makes progress, and
-the receiver, which drops seqs it already has, sees every message exactly once and in
-order. Every entry carries its post time: when the oldest pending one is older than
-``message_delivery_timeout`` the Tx closes and returns everything still pending, oldest
-first.
+One random 64-bit session per Tx (10-runtime.md §2.4–2.10), seqs from 0, one per post.
+Posted entries wait in ``outbox`` until the connection is ready, then move to
+``unacked`` as they are written; cumulative ``Ack{n}`` frames drop every entry with
+``seq <= n``. A lost connection is re-established with exponential backoff and
+``unacked`` goes back to the front of ``outbox`` with its seqs unchanged; the resend
+waits for the receiver's answer to ``Init`` (an ack of all it has), so a link that keeps
+breaking still makes progress, and the receiver, which drops seqs it already has, sees
+every message exactly once and in order. Every entry carries its post time: when the
+oldest pending one is older than ``message_delivery_timeout`` the Tx closes and returns
+everything still pending, oldest first.
 
 The receiving end is `palatine.channel.net_rx`; what both share, and `dial_net`, live in
 `palatine.channel.net`.
@@ -488,9 +488,8 @@ class NetTx(Tx):
         except TimeoutError:
             if conn.transport is not None:
                 conn.transport.abort()
-            raise TimeoutError(
-                f"handshake timeout: not authenticated within {format_seconds(self._auth_timeout)} s"
-            ) from None
+            limit = format_seconds(self._auth_timeout)
+            raise TimeoutError(f"handshake timeout: not authenticated within {limit} s") from None
         except asyncio.CancelledError:
             if conn.transport is not None:
                 conn.transport.abort()

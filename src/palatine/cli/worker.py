@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from palatine.children import arm_parent_death_signal
+    from palatine.child_env import arm_parent_death_signal
     from palatine.debug import register_faulthandler
 
     arm_parent_death_signal()

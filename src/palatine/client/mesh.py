@@ -192,7 +192,7 @@ class DeviceMesh:
         for d in dims:
             self._dim(d)
         with self.activate():
-            return remote("palatine.client.functions.coordinate")(self.handle(), dims)  # type: ignore[no-any-return]
+            return remote("palatine.worker.functions.coordinate")(self.handle(), dims)  # type: ignore[no-any-return]
 
     def process_group(self, dims: str | tuple[str, ...] | None = None) -> Any:
         """A remote value that is a torch ProcessGroup over ``dims`` (all dims: the mesh)."""

@@ -1,4 +1,4 @@
-"""Small functions the client runs on workers by import path."""
+"""Small functions the client runs on workers by import path (cheap to import there)."""
 
 from __future__ import annotations
 
