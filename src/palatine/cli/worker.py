@@ -24,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
 
     arm_parent_death_signal()
     register_faulthandler()
+    _preload(os.environ.get("PALATINE_PRELOAD", ""))
     proc_text = args.proc_id or os.environ.get("PALATINE_PROC_ID")
     addr = args.bootstrap_addr or os.environ.get("PALATINE_BOOTSTRAP_ADDR")
     if not proc_text or not addr:
@@ -31,6 +32,21 @@ def run(args: argparse.Namespace) -> int:
               "PALATINE_BOOTSTRAP_ADDR)", file=sys.stderr)
         return 2
     return run_role(lambda stop: serve_worker(proc_text, addr, stop))
+
+
+def _preload(modules: str) -> None:
+    """Import heavy modules (``PALATINE_PRELOAD=torch``) before joining.
+
+    A long import holds the GIL for seconds; done after the join it would starve the
+    heartbeat thread and the system could declare a healthy proc lost.
+    """
+    import importlib
+
+    for name in filter(None, (m.strip() for m in modules.split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            print(f"palatine worker: cannot preload {name}: {e}", file=sys.stderr)
 
 
 async def serve_worker(proc_text: str, addr: str, stop: asyncio.Event) -> int:

@@ -112,6 +112,10 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
     if "OMP_NUM_THREADS" not in os.environ:
         # Several workers share this machine's cores: one intra-op thread pool per core.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, hosts * procs_per_host)))
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None and "PALATINE_PRELOAD" not in os.environ:
+        env["PALATINE_PRELOAD"] = "torch"  # tensor workers import it before joining
     if cuda:
         import torch
 
