@@ -75,6 +75,8 @@ class ClientInstance:
         self.mailbox = Mailbox(actor_id, proc)
         self.mailbox.bind_handler(UNDELIVERABLE_TID, self._on_undeliverable, "Undeliverable")
         self.closed = False
+        # Set by owners that are shutting down: returns are expected then (DEBUG, not WARNING).
+        self.quiet_returns = False
 
     @property
     def status(self) -> str:
@@ -85,7 +87,10 @@ class ClientInstance:
 
     def undeliverable(self, returned: Envelope) -> None:
         if not self.mailbox.returned(returned):
-            _warn_undeliverable(self.id, returned)
+            if self.quiet_returns:
+                log.debug("%s: returned during shutdown: %s", self.id, returned.errors)
+            else:
+                _warn_undeliverable(self.id, returned)
 
     def close(self) -> None:
         if not self.closed:

@@ -275,6 +275,7 @@ def shutdown_session(session: Session, local: LocalCluster | None, timeout: floa
             session.send_commands([(whole, Exit(error=str(error) if error is not None else None))])
         session.detach()
         client = session.system_client
+        client.client.quiet_returns = True
 
         async def stop_worlds() -> None:
             worlds = [session.worker_world, session.controller.proc.world.name]
