@@ -46,7 +46,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from typing import Annotated, Any, Self
+from typing import TYPE_CHECKING, Annotated, Any, Self
 
 import msgspec
 
@@ -109,9 +109,10 @@ class _IdBase(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
     _KIND = "id"
 
-    def _key(self) -> tuple[str, int, str, int, int]:
-        """The sort tuple ``(world, rank, name, pid, port)`` with missing parts lowest."""
-        raise NotImplementedError
+    if TYPE_CHECKING:  # each id type defines it
+
+        def _key(self) -> tuple[str, int, str, int, int]:
+            """The sort tuple ``(world, rank, name, pid, port)`` with missing parts lowest."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self)!r})"

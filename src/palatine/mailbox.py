@@ -9,6 +9,7 @@ stopping — nothing waits forever.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import math
@@ -63,7 +64,7 @@ class Undeliverable(Message, array_like=True):
     envelope: Envelope
 
 
-class Port:
+class Port(abc.ABC):
     """A bound port: `deliver` returns None, or an error text for the return path."""
 
     __slots__ = ("mailbox", "index")
@@ -76,8 +77,9 @@ class Port:
     def id(self) -> PortId:
         return PortId(self.mailbox.actor_id, self.index)
 
+    @abc.abstractmethod
     def deliver(self, env: Envelope) -> str | None:
-        raise NotImplementedError
+        """Accept ``env`` (None) or say why not (an error text; the envelope is returned)."""
 
     def returned(self, env: Envelope) -> None:
         """A request that named this port as ``reply_to`` came back undeliverable."""

@@ -600,10 +600,6 @@ def test_prompt_probes_produce_no_messages(cluster: Cluster) -> None:
 
 
 def test_real_worker_actor(env: dict[str, str]) -> None:
-    from palatine.actor import lookup_actor_type
-
-    if lookup_actor_type("palatine.worker.WorkerActor") is None:
-        pytest.skip("palatine.worker.WorkerActor is not available yet")
     # torch is imported while the worker actor is built: allow for GIL-starved heartbeats
     c = Cluster(
         {**env, "PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": ""}, update_timeout="20", interval="2"
@@ -625,12 +621,8 @@ def test_real_worker_actor(env: dict[str, str]) -> None:
 
 
 def test_real_workers_stall_report_names_the_function_and_its_stack(env: dict[str, str]) -> None:
-    from palatine.actor import lookup_actor_type
     from palatine.worker.messages import CreateStream
     from palatine.worker.values import dumps_args
-
-    if lookup_actor_type("palatine.worker.WorkerActor") is None:
-        pytest.skip("palatine.worker.WorkerActor is not available yet")
     # torch is imported while the worker actor is built: allow for GIL-starved heartbeats
     c = Cluster(
         {**env, "PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": ""}, update_timeout="20", interval="2"

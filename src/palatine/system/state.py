@@ -9,6 +9,8 @@ detection paths in `palatine.system.detection`, stop and eviction in
 
 from __future__ import annotations
 
+import abc
+
 import logging
 import time
 from collections.abc import Callable
@@ -54,7 +56,7 @@ def agent_of(proc_id: ProcId) -> ActorId:
     return ActorId(proc_id, "proc", 0)
 
 
-class RegistryState:
+class RegistryState(abc.ABC):
     """Tables and settings of the system's core, with the helpers all its parts share.
 
     Args:
@@ -284,6 +286,7 @@ class RegistryState:
     # Implemented by the mixins (`DetectionMixin`, `StoppingMixin`); declared here so that
     # every part type-checks on its own.
 
+    @abc.abstractmethod
     def _declare(
         self,
         rec: ProcRecord,
@@ -295,27 +298,34 @@ class RegistryState:
         exit_signal: int | None = None,
         stderr_tail: list[str] | None = None,
     ) -> None:
-        raise NotImplementedError
+        """Implemented by the detection / stopping parts of the registry."""
 
+    @abc.abstractmethod
     def _managing_failed(self, rec: ProcRecord, out: list[Instruction]) -> None:
-        raise NotImplementedError
+        """Implemented by the detection / stopping parts of the registry."""
 
+    @abc.abstractmethod
     def _expire(self, now: float, out: list[Instruction]) -> None:
-        raise NotImplementedError
+        """Implemented by the detection / stopping parts of the registry."""
 
+    @abc.abstractmethod
     def _exit_before_join(self, msg: ProcExited, out: list[Instruction]) -> None:
-        raise NotImplementedError
+        """Implemented by the detection / stopping parts of the registry."""
 
+    @abc.abstractmethod
     def _stop_done(self, rec: ProcRecord, out: list[Instruction]) -> None:
-        raise NotImplementedError
+        """Implemented by the detection / stopping parts of the registry."""
 
+    @abc.abstractmethod
     def _begin_shutdown(
         self, proc_timeout_s: float, reason: str, out: list[Instruction]
     ) -> StopAck:
-        raise NotImplementedError
+        """Implemented by the detection / stopping parts of the registry."""
 
+    @abc.abstractmethod
     def _evict(self, world: WorldRecord, now: float, out: list[Instruction]) -> None:
-        raise NotImplementedError
+        """Implemented by the detection / stopping parts of the registry."""
 
+    @abc.abstractmethod
     def _remove_world(self, world: WorldRecord, out: list[Instruction]) -> None:
-        raise NotImplementedError
+        """Implemented by the detection / stopping parts of the registry."""
