@@ -112,6 +112,10 @@ def reduce(
         raise ValueError("op 'stack' with scatter works over one dimension only")
     if value.dropped_at is not None:
         raise TypeError(f"{value!r} was dropped at {value.dropped_at.short()}")
+    if in_place:
+        value.check_mutable("value")
+    if out is not None:
+        out.check_mutable("out")
     ctx = ensure_collectives(mesh)
     handle = mesh.handle()
     result = value.ref if in_place else session.new_ref()

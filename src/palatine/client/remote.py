@@ -22,7 +22,7 @@ from palatine.worker.messages import CallFunction, RequestStatus, SendValue, Sli
 __all__ = ["remote", "RemoteFunction", "fetch", "inspect"]
 
 
-def _checker(mesh: DeviceMesh, stream_id: int | None) -> Callable[[Handle], None]:
+def _checker(mesh: DeviceMesh, stream_id: int | None, stream_name: str = "") -> Callable[[Handle], None]:
     ranks = set(mesh.ranks)
     session = mesh.session
 
@@ -36,7 +36,8 @@ def _checker(mesh: DeviceMesh, stream_id: int | None) -> Callable[[Handle], None
                 raise TypeError(f"{h!r} does not live on every rank of {mesh!r}")
             if stream_id is not None and h.stream.id != stream_id:
                 raise TypeError(
-                    f"{h!r} lives on stream {h.stream.name!r}, not the call's stream"
+                    f"{h!r} lives on stream {h.stream.name!r}, not the call's stream "
+                    f"{stream_name!r}: use value.to_stream(stream)"
                 )
 
     return check
@@ -66,6 +67,7 @@ class RemoteFunction:
             v = bound.arguments.get(name)
             if not isinstance(v, RemoteValue):
                 raise TypeError(f"mutated argument {name!r} must be a remote value, got {type(v).__name__}")
+            v.check_mutable(name)
             out.append(v)
         return out
 
@@ -77,7 +79,7 @@ class RemoteFunction:
         site = capture_site()
         fref, label = self._function()
         mutated = self._mutated(args, kwargs)
-        pickled, uses = pickle_args((args, kwargs), _checker(mesh, stream.id))
+        pickled, uses = pickle_args((args, kwargs), _checker(mesh, stream.id, stream.name))
         results = [session.new_ref() for _ in range(self.returns)]
         mrefs = [v.ref for v in mutated]
         spec = mesh.slice_spec

@@ -35,7 +35,7 @@ from palatine.controller.messages import (
 from palatine.errors import DeviceException, PalatineError, RemoteException, StuckWorkersException
 from palatine.future import Future
 from palatine.ids import ActorId, ProcId
-from palatine.worker.messages import DeleteRefs, Err, Ok, Slice, WorkerError
+from palatine.worker.messages import BorrowDrop, BorrowLastUse, DeleteRefs, Err, Ok, Slice, WorkerError
 from palatine.wire.codec import Message, loads
 
 if TYPE_CHECKING:
@@ -132,13 +132,14 @@ class Session:
         self._seq = itertools.count(1)
         self._ref = itertools.count(1)
         self._stream_ids = itertools.count(1)
+        self._borrow_ids = itertools.count(1)
         self.streams: dict[str, int] = {}
         self.pending: dict[int, _Pending] = {}
         self.root_sites: OrderedDict[int, tuple[IssueSite | None, str]] = OrderedDict()
         self.failure: DeviceException | None = None
         self.closed = False
         self.detached = False
-        self._drops: list[tuple[int, Slice]] = []
+        self._drops: list[tuple[int, Slice, int | None]] = []
         self._drop_lock = threading.Lock()
         self.collective_ref: int | None = None
         self._keepalive: asyncio.TimerHandle | None = None
@@ -148,6 +149,9 @@ class Session:
     # ------------------------------------------------------------ allocation
     def new_ref(self) -> int:
         return next(self._ref)
+
+    def new_borrow(self) -> int:
+        return next(self._borrow_ids)
 
     def check_usable(self) -> None:
         if self.closed:
@@ -198,25 +202,34 @@ class Session:
         runtime.post(go)
 
     # ------------------------------------------------------------ refs lifetime
-    def drop_later(self, ref: int, ranks: Slice) -> None:
-        """Called from finalizers: no I/O here, just queue (flushed on next send / idle)."""
-        with self._drop_lock:
-            self._drops.append((ref, ranks))
+    def drop_later(self, ref: int, ranks: Slice, borrow: int | None = None) -> None:
+        """Called from finalizers: no I/O here, just queue (flushed on next send / idle).
 
-    def _take_drops(self) -> list[tuple[int, Slice]]:
+        ``borrow`` (a borrowed handle's borrow id) releases the borrow instead of
+        deleting the ref: ``BorrowLastUse`` then ``BorrowDrop`` (40-worker-client.md §1.7).
+        """
+        with self._drop_lock:
+            self._drops.append((ref, ranks, borrow))
+
+    def _take_drops(self) -> list[tuple[int, Slice, int | None]]:
         with self._drop_lock:
             drops, self._drops = self._drops, []
         return drops
 
-    def _drop_messages(self, drops: list[tuple[int, Slice]]) -> list[Message]:
+    def _drop_messages(self, drops: list[tuple[int, Slice, int | None]]) -> list[Message]:
         by_slice: dict[tuple[Any, ...], tuple[Slice, list[int]]] = {}
-        for ref, sl in drops:
+        out: list[Message] = []
+        for ref, sl, borrow in drops:
+            if borrow is not None:
+                # the worker unbinds the borrowed ref itself (BorrowLastUse): no DeleteRefs
+                out.append(Send(ranks=[sl], message=Serialized.of(BorrowLastUse(borrow=borrow))))
+                out.append(Send(ranks=[sl], message=Serialized.of(BorrowDrop(borrow=borrow))))
+                continue
             key = (sl.offset, tuple(sl.sizes), tuple(sl.strides))
             by_slice.setdefault(key, (sl, []))[1].append(ref)
-        out: list[Message] = []
         for sl, refs in by_slice.values():
             out.append(Send(ranks=[sl], message=Serialized.of(DeleteRefs(refs=refs))))
-        out.append(DropRefs(refs=[r for r, _ in drops]))
+        out.append(DropRefs(refs=[r for r, _, _ in drops]))
         return out
 
     def flush_drops(self) -> None:

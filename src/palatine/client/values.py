@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from palatine.worker.messages import FunctionPath, FunctionRef, Pickled
+from palatine.worker.messages import BorrowCreate, BorrowFirstUse, FunctionPath, FunctionRef, Pickled
 from palatine.worker.values import dumps_args, function_label
 from palatine.worker.values import function_ref as worker_function_ref
 
@@ -91,38 +91,102 @@ class Handle:
 
 
 class RemoteValue(Handle):
-    """A value living on the workers of ``mesh`` (one per rank), on ``stream``."""
+    """A value living on the workers of ``mesh`` (one per rank), on ``stream``.
 
-    __slots__ = ("mesh", "stream", "seq", "label", "dropped_at")
+    A handle made by `to_stream` is *borrowed* (``borrow`` is its borrow id): it names
+    the source value on another stream, read-only; dropping it releases the borrow
+    (``BorrowLastUse`` on its stream, ``BorrowDrop`` on the source's, §1.7).
+    """
 
-    def __init__(self, session: Session, ref: int, mesh: DeviceMesh, stream: Stream, seq: int, label: str) -> None:
+    __slots__ = ("mesh", "stream", "seq", "label", "dropped_at", "borrow")
+
+    def __init__(
+        self,
+        session: Session,
+        ref: int,
+        mesh: DeviceMesh,
+        stream: Stream,
+        seq: int,
+        label: str,
+        borrow: int | None = None,
+    ) -> None:
         super().__init__(session, ref)
         self.mesh = mesh
         self.stream = stream
         self.seq = seq
         self.label = label
         self.dropped_at: IssueSite | None = None
+        self.borrow = borrow
 
     def __repr__(self) -> str:
         ranks = self.mesh.ranks
         span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"
+        borrowed = " (borrowed)" if self.borrow is not None else ""
         return (
             f"<RemoteValue r{self.ref} on {self.session.worker_world}[{span}] stream "
-            f"{self.stream.name} from s{self.seq} {self.label}>"
+            f"{self.stream.name} from s{self.seq} {self.label}{borrowed}>"
         )
+
+    @property
+    def borrowed(self) -> bool:
+        """True for a handle made by `to_stream` (it may not be passed in ``mutates``)."""
+        return self.borrow is not None
+
+    def check_mutable(self, name: str) -> None:
+        """`TypeError` when this value may not be mutated (argument ``name``): borrowed."""
+        if self.borrow is not None:
+            raise TypeError(
+                f"mutated argument {name!r} is {self!r}, borrowed from another stream with "
+                f"to_stream(): a borrowed value is read-only"
+            )
 
     def drop(self) -> None:
         """Free the worker-side value now (later use raises `TypeError`)."""
         if self.dropped_at is None:
             self.dropped_at = capture_site() or IssueSite([])
-            self.session.drop_later(self.ref, self.mesh.slice_spec)
+            self.session.drop_later(self.ref, self.mesh.slice_spec, self.borrow)
 
     def __del__(self) -> None:
         try:
             if self.dropped_at is None and not self.session.closed:
-                self.session.drop_later(self.ref, self.mesh.slice_spec)
+                self.session.drop_later(self.ref, self.mesh.slice_spec, self.borrow)
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+    def to_stream(self, stream: Stream) -> RemoteValue:
+        """This value, usable on ``stream`` (a borrow, 40-worker-client.md §1.7).
+
+        Issues ``BorrowCreate`` (on this value's stream: snapshot the value, or its
+        error) and ``BorrowFirstUse`` (on ``stream``: wait for the snapshot, bind the new
+        ref) under one Node (defs: the new ref, uses: this one). The result is read-only
+        (not allowed in ``mutates``); dropping it releases the borrow. A value already on
+        ``stream`` is returned as is.
+        """
+        from palatine.client.mesh import Stream as _Stream
+
+        if not isinstance(stream, _Stream):
+            raise TypeError(
+                f"to_stream() takes a Stream (mesh.stream(name)), not {type(stream).__name__}"
+            )
+        session = self.session
+        if stream.session is not session:
+            raise TypeError(f"{stream!r} belongs to another session than {self!r}")
+        if self.dropped_at is not None:
+            raise TypeError(f"{self!r} was dropped at {self.dropped_at.short()}")
+        if stream.id == self.stream.id:
+            return self
+        session.check_usable()
+        site = capture_site()
+        bid = session.new_borrow()
+        result = session.new_ref()
+        spec = self.mesh.slice_spec
+        cmds = [
+            (spec, BorrowCreate(borrow=bid, result=result, value=self.ref,
+                                from_stream=self.stream.id, to_stream=stream.id)),
+            (spec, BorrowFirstUse(borrow=bid)),
+        ]
+        seq = session.issue("to_stream", [result], [self.ref], cmds, site=site)
+        return RemoteValue(session, result, self.mesh, stream, seq, self.label, borrow=bid)
 
     def reduce(self, dims: str | tuple[str, ...], op: str = "sum", scatter: bool = False,
                in_place: bool = False, out: RemoteValue | None = None, like: Any = None) -> RemoteValue:
