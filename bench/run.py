@@ -57,6 +57,8 @@ PROGRAMS = (
     Program("bench/actor_calls.py", None),
     Program("bench/system_bench.py", None),
     Program("bench/controller_bench.py", None),
+    Program("bench/fault_bench.py", None,
+            frozenset({"detect_sigstop_s", "detect_hang_s", "tensor_transfer_GBps"})),
     Program("bench/peers/monarch_actors.py", "torchmonarch", frozenset(PEER_METRICS)),
     Program("bench/peers/ray_actors.py", "ray", frozenset(PEER_METRICS)),
     Program("bench/peers/dask_actors.py", "distributed", frozenset(PEER_METRICS)),
@@ -187,8 +189,7 @@ def _kill_group(proc: subprocess.Popen[str], sig: int) -> None:
 def run_program(prog: Program, args: argparse.Namespace) -> RunOutcome | None:
     impl = prog.peer or OURS
     path = ROOT / prog.path
-    if prog.peer is not None and args.only and prog.metrics is not None \
-            and not (set(args.only) & prog.metrics):
+    if args.only and prog.metrics is not None and not (set(args.only) & prog.metrics):
         return None
     if not path.exists():
         return RunOutcome(prog.path, impl, [], None, 0.0, "program not written yet; skipped", "")
@@ -373,6 +374,12 @@ def summarize(metric: str, records: dict[str, dict[str, Any]]) -> dict[str, Any]
             oks.append(ok)
             checks.append(f"{'≥' if hib else '≤'} {own_target:g} (from the run): "
                           f"{'yes' if ok else 'no'}")
+        # Conditions that are not numbers ("with the stack"): booleans the program checked.
+        requires = ours.get("requires") if ours else None
+        if isinstance(requires, dict):
+            for name, ok in requires.items():
+                oks.append(ok is True)
+                checks.append(f"{name}: {'yes' if ok is True else 'no'}")
         if oks:
             met = all(oks)
     return {
@@ -477,6 +484,14 @@ def _machine_line(m: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _target_cell(e: dict[str, Any]) -> str:
+    """The goal's text, plus the bound it gives at the settings the program used."""
+    own = (e.get("palatine") or {}).get("target_value")
+    if not isinstance(own, (int, float)):
+        return e["target"]
+    return f"{e['target']} (here {'≥' if e['higher_is_better'] else '≤'} {_fmt(own, e['unit'])})"
+
+
 def render_markdown(res: dict[str, Any]) -> str:
     metrics: dict[str, Any] = res["metrics"]
     shown_peers = [p for p in PEERS if any(p in e["peers"] for e in metrics.values())]
@@ -505,7 +520,8 @@ def render_markdown(res: dict[str, Any]) -> str:
         ratio_s = f"{ratio:.2f}× vs {e['best_peer']}" if ratio is not None else "—"
         met = {True: "yes", False: "no", None: "—"}[e["met"]]
         row = [f"`{metric}`", _cell(e["palatine"], unit),
-               *(_cell(e["peers"].get(p), unit) for p in shown_peers), ratio_s, e["target"], met]
+               *(_cell(e["peers"].get(p), unit) for p in shown_peers), ratio_s, _target_cell(e),
+               met]
         lines.append("| " + " | ".join(row) + " |")
         for impl, rec in [(OURS, e["palatine"]), *e["peers"].items()]:
             if not rec:
@@ -588,10 +604,30 @@ def render_markdown(res: dict[str, Any]) -> str:
         "fetched; rank 2's worker SIGKILLed; time until the pending fetch raises "
         "`palatine.DeviceException` (capped at 30 s).",
         "",
+        "palatine's fault-detection and transfer metrics (`bench/fault_bench.py`; the same "
+        "`local_mesh(hosts=1, procs_per_host=4)`; a detection ends the session, so each "
+        "repetition starts a fresh mesh, not timed). Where a target depends on settings, the "
+        "program records them and the bound they give (`target_value`, shown as \"here ≤ …\"):",
+        "",
+        "* `detect_sigstop_s`: `supervision_update_timeout_in_sec=1.0`, "
+        "`supervision_update_interval_in_sec=0.2`; a long `time.sleep` on rank 2 fetched; rank "
+        "2's worker SIGSTOPped (SIGCONTed afterwards); time from the SIGSTOP until the pending "
+        "fetch raises `palatine.DeviceException`. A fetch that has not raised after 20 s "
+        "(client never told) is reported as an error, not a number.",
+        "* `detect_hang_s`: `operation_timeout_in_sec=1.0`, "
+        "`worker_progress_check_interval_in_sec=0.2`, `fail_on_worker_timeout=True`; one call "
+        "on all ranks in which rank 3 spins in a pure-Python busy loop, fetched from rank 0; "
+        "time from issuing the call until `palatine.StuckWorkersException` is raised. Met only "
+        "if the exception also names the rank, the op (the remote function) and has a Python "
+        "stack with frames of the stuck function and its loop (`requires`).",
+        "* `tensor_transfer_GBps`: a 64 MiB float32 tensor made on every rank (not timed), then "
+        "`fetch(t, shard=1).result()` of it repeatedly; 67,108,864 bytes / seconds of one "
+        "fetch / 1e9 (median of ≥ 5 fetches; `cpu_ms_per_fetch` per process).",
+        "",
         "Loops run about 0.5 s per repetition after a warm-up; the value is the median of the "
         "repetitions (all of them are in the results file). The other metrics and their "
-        "targets are those of the project's goals; their programs are `bench/system_bench.py` "
-        "and `bench/controller_bench.py`.",
+        "targets are those of the project's goals; their programs are `bench/system_bench.py`, "
+        "`bench/controller_bench.py` and `bench/fault_bench.py`.",
         "",
     ]
     lines += _where_time_goes(metrics)
@@ -672,6 +708,53 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "client package, or make `palatine.client.__init__` import lazily.",
         "Not in the metric: `mesh.shutdown()` takes 3.5-4.2 s; the host reaps the stopped "
         "workers ≈ 3 s after they report `proc stopped`.",
+    ],
+    "detect_hang_s": [
+        "Measured 2026-12-02 at 4e3bb83: met by the median, but with no margin: repetitions "
+        "range 1.13-1.32 s against a bound of 1.2 s (2 of 5 over in one run). The deadline is "
+        "armed when the controller accepts the call's `Node` (due = then + "
+        "operation_timeout), but it is only looked at by the periodic `CheckWorkerProgress` "
+        "tick (controller/progress.py `check`, every check interval since attach), so the "
+        "report starts anywhere in [due, due + interval], and the stall report (progress "
+        "query + stack dump of the stuck rank) and the `Fail` to the client come on top. "
+        "Suggestion: when a deadline is armed, also schedule a one-shot check at its due "
+        "time, so detection takes ≈ operation_timeout + report collection whatever the "
+        "phase of the periodic tick.",
+    ],
+    "tensor_transfer_GBps": [
+        "Profiled 2026-12-02 at 4e3bb83 (py-spy on the client, the controller and the source "
+        "worker; psutil CPU; the serialization chain replayed in one process). CPU-bound on "
+        "copies: one 64 MiB fetch costs ≈ 0.6-1.3 s wall and ≈ 0.6-0.95 s of CPU (client "
+        "≈ 180-265 ms, controller ≈ 260-450 ms, worker ≈ 160-250 ms; `cpu_ms_per_fetch`). On this box one pass "
+        "over 64 MiB into freshly allocated memory costs 30-55 ms (page faults; 7 ms into "
+        "memory already touched), and the value makes 13 such passes in user space plus 4 "
+        "kernel socket copies (two hops: worker → controller → client). Replayed without "
+        "sockets the chain alone takes ≈ 450-550 ms.",
+        "Where the copies are: `FetchResult` and `Result` are msgpack messages whose `Pickled` "
+        "carries the tensor bytes inline, so the frame layer's out-of-band buffers "
+        "(`Envelope.buffers`, written with `writelines` and parsed as views) are never used. "
+        "Worker (3): `codec.encode_message(FetchResult)` inlines the pickle buffer, "
+        "`frames.encode_message` re-encodes `env.data` inside the header, then `prefix + "
+        "header`. Controller (6): `FrameParser._start_big`/`_fill_big` reassembly into a new "
+        "bytearray (py-spy ≈ 12 % of controller samples), `_decode_body` copies `env.data` out "
+        "(≈ 9 %), `decode_payload` copies `Pickled.buffers` (≈ 8 %), then the `Result` is "
+        "encoded again like the worker did (`encode_message` ≈ 30 %). Client (4): reassembly "
+        "(≈ 17 % of its samples), header decode (≈ 17 %), `Result` decode (≈ 13 %), and "
+        "`_rebuild_tensor` copies the read-only bytes into a bytearray (≈ 13 %).",
+        "Floor here: one unix-socket hop of 64 MiB (`recv_into` a preallocated buffer, 4 MiB "
+        "socket buffers) takes 65-75 ms, 0.9-1.05 GB/s; through the controller "
+        "(store-and-forward, two hops) the floor is ≈ 0.5 GB/s even with no user-space copy.",
+        "Fixes, in order of gain: (1) carry `Pickled.buffers` as `Envelope.buffers` for "
+        "`FetchResult`/`Result` (worker/stream.py, worker/values.py, controller/actor.py "
+        "`_results`): the controller forwards the views without decoding or re-encoding them "
+        "and the client's tensor is built over the writable frame buffer, 13 → ≈ 2 copies; "
+        "(2) receive big frames straight into their buffer with `asyncio.BufferedProtocol` "
+        "(`get_buffer` returns the frame's view; uvloop supports it) and reuse that buffer "
+        "pool instead of a fresh zeroed bytearray per frame; (3) send the value worker → "
+        "client directly and give the controller only the completion, one hop instead of "
+        "two; (4) for procs on one host, pass large buffers through shared memory (a memfd "
+        "sent with SCM_RIGHTS, or `/dev/shm`) and build the tensor over the mapping: one "
+        "copy, several GB/s, the only way past ≈ 1 GB/s on this box.",
     ],
 }
 
