@@ -242,10 +242,6 @@ class ProgressMonitor:
         probe = self.maybe_probe(now)
         if probe is not None:
             out.append(probe)
-        if d is not None and not d.reported and d.due > now:
-            # Check again right when the armed deadline falls due, not up to a whole
-            # interval later: a stall is reported at operation_timeout, plus the stacks.
-            reschedule = Schedule(min(self._interval_s, d.due - now + 0.005), CheckWorkerProgress())
         out.append(reschedule)
         return out
 
