@@ -1554,3 +1554,27 @@ def test_a11_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
             f"(target <= 10 %); labelled snapshot of {n} procs incl. encoding: "
             f"median {1000 * statistics.median(times):.2f} ms (target <= 20 ms)"
         )
+
+
+def test_lost_host_gets_its_children_probed_and_a_silent_child_declared() -> None:
+    """A host and its children die together: each child is decided even when its own
+    connection-lost signal comes late or its probe gets no answer (children die with
+    their host through the parent-death signal)."""
+    h = Harness()
+    h.upsert("w", [2], nph=2)
+    h.joined("hostw[0]", pid_=900)
+    for r in range(2):
+        h.joined(f"w[{r}]", pid_=1000 + r, host_proc="hostw[0]")
+    # The host's connection closes: it is probed at once and refuses.
+    _, instrs = h.run(h.reg.handle_connection_lost(pid("hostw[0]")))
+    (probe,) = [i for i in instrs if isinstance(i, Probe)]
+    _, instrs = h.run(h.reg.handle_probe_result(probe, "refused"))
+    assert h.health("hostw[0]") == "ConnectionFailure"
+    child_probes = {i.proc_id: i for i in instrs if isinstance(i, Probe)}
+    assert set(child_probes) == {pid("w[0]"), pid("w[1]")}
+    h.run(h.reg.handle_probe_result(child_probes[pid("w[0]")], "refused"))
+    h.run(h.reg.handle_probe_result(child_probes[pid("w[1]")], "timeout"))
+    for r in range(2):
+        rec = h.reg.record(pid(f"w[{r}]"))
+        assert rec is not None and rec.health == "ConnectionFailure"
+        assert rec.reason == "connection lost (its host hostw[0] on node1 was lost at the same time)"

@@ -348,19 +348,34 @@ class DetectionMixin(RegistryState):
                 Log(logging.DEBUG, f"{probe.proc_id}: connection dropped but its address answers")
             )
             return None, out
-        if outcome != "refused":
+        host = self._records.get(rec.host_proc) if rec.host_proc is not None else None
+        host_lost = host is not None and not host.alive
+        if outcome != "refused" and not host_lost:
             return None, out  # no verdict: the silence path decides
+        # A timeout while its host is lost is a verdict too: children die with their host.
         if self._expected(rec):
             self._stop_done(rec, out)
             return None, out
-        host = self._records.get(rec.host_proc) if rec.host_proc is not None else None
         if host is not None and not host.alive:
             on = f" on {host.host}" if host.host else ""
             reason = f"connection lost (its host {host.proc_id}{on} was lost at the same time)"
         else:
             reason = f"connection lost; its address {rec.addr} refuses connections"
         self._declare(rec, CONNECTION_FAILURE, reason, out)
+        if rec.kind == "host":
+            self._probe_children_of(rec, out)
         return None, out
+
+    def _probe_children_of(self, host: ProcRecord, out: list[Instruction]) -> None:
+        """A lost host took its children with it (parent-death signal): probe each one now.
+
+        Their own connection-lost signals normally arrive too; this makes the verdict
+        independent of the order (and of a probe that was inconclusive a moment earlier).
+        """
+        for child in list(self._records.values()):
+            if child.host_proc == host.proc_id and child.alive and not child.checking:
+                child.checking = True
+                out.append(Probe(child.proc_id, child.addr, child.incarnation, self.liveness_probe_timeout_s))
 
     def handle_returned(
         self, dest: ActorId | PortId | ProcId, errors: Iterable[str], message: Any = None
