@@ -638,6 +638,22 @@ def render_markdown(res: dict[str, Any]) -> str:
 # worker, cProfile on the client's issuing thread, psutil CPU per process), written by
 # hand when the profile was taken; BENCHMARKS.md shows them under the current numbers.
 WHERE_TIME_GOES: dict[str, list[str]] = {
+    "1_1_actor_calls_sync": [
+        "Profiled 2026-12-02 with py-spy on the caller and the actor's process: both are mostly "
+        "idle (the caller's `palatine-loop` thread in epoll, the user thread waiting on its "
+        "future, the actor's loop in epoll). A blocking call costs four thread wake-ups: user "
+        "thread -> palatine loop thread (send), actor process (handle, reply), loop thread "
+        "(reply), user thread. On this VM one wake-up from idle costs about 60-80 µs, so the "
+        "rate is set by wake-up latency, not CPU: the same program does ~6,000/s when the "
+        "machine is busy (cores never idle) and ~3,400/s when it is quiet. The channel alone, "
+        "single-threaded in each process, does 11,000-21,000 request/reply per second "
+        "(tests/integration/test_channel.py).",
+        "Done: a request completes the caller's future synchronously (no extra loop turn); "
+        "submissions from user threads are coalesced into one loop wake-up; id texts for cast "
+        "headers are cached. Next: let the calling thread write the request itself and receive "
+        "the reply directly (one fewer hop each way), which needs a transport shared between "
+        "threads.",
+    ],
     "controller_invocations_per_s": [
         "Profiled 2026-12-02 at d319d1e (load average 4-7 from other work on the 2 cores). CPU-bound on "
         "per-message overhead, not one hot spot: 20,000 calls/s on 2 cores leaves 100 µs of CPU "
