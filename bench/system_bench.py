@@ -34,13 +34,10 @@ killed (its whole process group) at the end.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
-import select
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +59,7 @@ from palatine import runtime  # noqa: E402
 from palatine.ids import SYSTEM_ACTOR, WorldId  # noqa: E402
 from palatine.supervision import ProcSupervisionState  # noqa: E402
 from palatine.system.messages import Join, SupervisionUpdate  # noqa: E402
+from palatine.client.procs import RoleProcess  # noqa: E402
 from palatine.system.service import System, SystemClient  # noqa: E402
 
 IMPL = "palatine"
@@ -97,74 +95,29 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------------------ role processes
 
 
-class Role:
+class Role(RoleProcess):
     """``palatine <role> ...`` in its own process group; stderr to a temp file."""
 
     def __init__(self, args: list[str]) -> None:
-        self.args = args
-        self.errfile = tempfile.TemporaryFile()
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "palatine", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self.errfile,
-            start_new_session=True,
-        )
-        self.addr = ""
-        try:
-            self._wait_ready(READY_TIMEOUT_S)
-        except BaseException:
-            self.kill()
-            raise
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        assert self.popen.stdout is not None
-        fd = self.popen.stdout.fileno()
-        deadline = time.monotonic() + timeout_s
-        buf = b""
-        while time.monotonic() < deadline:
-            r, _, _ = select.select([fd], [], [], 0.05)
-            if r:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    break
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    try:
-                        obj = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(obj, dict) and obj.get("event") == "ready":
-                        self.addr = str(obj["addr"])
-                        return
-            elif self.popen.poll() is not None:
-                break
-        raise RuntimeError(
-            f"palatine {' '.join(self.args)}: no ready line within {timeout_s:g} s "
-            f"(exit {self.popen.poll()}); stderr:\n{self.stderr_tail()}"
-        )
+        fd, self.errpath = tempfile.mkstemp(prefix="palatine-bench-", suffix=".log")
+        os.close(fd)
+        super().__init__(args, None, READY_TIMEOUT_S, stderr_path=self.errpath)
 
     def stderr_tail(self, n: int = 4000) -> str:
-        self.errfile.seek(0, os.SEEK_END)
-        size = self.errfile.tell()
-        self.errfile.seek(max(0, size - n))
-        return self.errfile.read().decode(errors="replace")
+        try:
+            with open(self.errpath, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - n))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def kill(self) -> None:
+        super().kill()
         try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            os.unlink(self.errpath)
+        except OSError:
             pass
-        try:
-            self.popen.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        self.errfile.close()
 
 
 def _system_addr() -> str:
