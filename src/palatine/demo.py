@@ -165,7 +165,7 @@ def main(args: argparse.Namespace) -> int:
             next_print = 0.1
             for step in range(1, args.steps + 1):
                 loss = step_fn(state)
-                if step % args.log_every == 0 or step == args.steps:
+                if step == 1 or step % args.log_every == 0 or step == args.steps:
                     last_loss = fetch(loss).result()
                     if first_loss is None:
                         first_loss = last_loss
