@@ -515,6 +515,7 @@ def json_enc_hook(obj: Any) -> Any:
     """
     if isinstance(obj, _IdBase):
         return str(obj)
+    # msgspec's hook contract: NotImplementedError means "not a type this hook handles".
     raise NotImplementedError(f"objects of type {type(obj).__name__} are not supported")
 
 
