@@ -16,6 +16,11 @@ actor runtime. It runs on the host's event loop and, for each worker proc:
 * terminates children by process group: SIGTERM, a grace period, SIGKILL, reap, so no
   orphan outlives the host.
 
+With a fork server (`palatine.forkserver`), a ``<python> -m palatine worker`` program is
+forked from an interpreter that has already imported the worker's modules rather than
+executed; the server is the child's parent, reaps it and reports its exit at once, and
+signals go through it. Output, logs, exit reports and termination are the same.
+
 A program that cannot be started (``ENOENT``, ``EACCES``, ...) does not raise: `spawn`
 returns a `Child` in state ``failed`` whose ``exit.reason`` reads ``cannot execute 'x': No
 such file or directory``, and ``on_exit`` is called for it too (with no code, no signal
@@ -32,12 +37,10 @@ executor thread would kill children early. The child side of that contract is
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import inspect
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -45,19 +48,16 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal, Self, TextIO
-
-import msgspec
+from typing import Any, Self, TextIO
 
 from palatine import config
 from palatine.child_env import describe_exit
+from palatine.child_proc import TAIL_LINES, Child, ChildExit, ChildState, PipeReader, write_all
+from palatine.forkserver import ForkedProcess, ForkServer, ForkServerError, fork_server_supported
 
 __all__ = ["TAIL_LINES", "Child", "ChildExit", "ChildProcs", "ChildState", "OnExit"]
 
 log = logging.getLogger(__name__)
-
-#: Output lines kept in memory per child for its exit report.
-TAIL_LINES = 50
 
 #: How long an exit report waits for the child's pipes to reach EOF, so that the last
 #: lines it printed are in the tail. Short: a grandchild holding the pipes open must not
@@ -67,24 +67,11 @@ _DRAIN_TIMEOUT_S = 0.05
 #: How long `ChildProcs.terminate` waits for a SIGKILLed child to be reaped before giving up.
 _KILL_WAIT_S = 5.0
 
-#: A line longer than this without a newline is emitted in pieces (bounds memory).
-_MAX_LINE_BYTES = 64 * 1024
-
-_READ_CHUNK = 64 * 1024
-_READS_PER_WAKEUP = 8
-
-ChildState = Literal["running", "stopping", "exited", "failed"]
-
 #: ``on_exit(child, exit_code, exit_signal, tail)``; may return an awaitable.
-OnExit = Callable[["Child", int | None, int | None, list[str]], Awaitable[None] | None]
+OnExit = Callable[[Child, int | None, int | None, list[str]], Awaitable[None] | None]
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _split_proc_id(proc_id: str) -> str:
-    m = re.fullmatch(r"(.*)\[(\d+)\]", proc_id)
-    return m.group(1) if m else proc_id
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -95,156 +82,6 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
     except PermissionError as e:
         log.warning("cannot send %s to process group %d: %s", signal.Signals(sig).name, pgid, e)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-# --------------------------------------------------------------------------- the child
-
-
-class ChildExit(msgspec.Struct, frozen=True, kw_only=True):
-    """How a child ended (or why it never started).
-
-    ``reason`` is `describe_exit` text, or ``cannot execute 'x': …`` for a failed start
-    (then both code and signal are ``None``). ``requested`` is true when the host asked
-    it to stop (`ChildProcs.terminate`), which the system treats as expected.
-    """
-
-    exit_code: int | None
-    exit_signal: int | None
-    reason: str
-    ended_at: float
-    stderr_tail: list[str]
-    requested: bool = False
-
-
-class Child:
-    """One child process of a host, from spawn to reap.
-
-    ``state`` moves ``running`` -> (``stopping``) -> ``exited``; a program that could not
-    be started is ``failed`` from the outset, with ``pid`` ``None``. ``started_at`` and
-    ``exit.ended_at`` are wall-clock times (``time.time()``). ``tail`` holds the last
-    lines of stdout and stderr together, in arrival order.
-    """
-
-    def __init__(
-        self, proc_id: str, argv: list[str], log_path: Path | None, tail_lines: int
-    ) -> None:
-        self.proc_id = proc_id
-        self.world = _split_proc_id(proc_id)
-        self.argv = list(argv)
-        self.log_path = log_path
-        self.pid: int | None = None
-        self.started_at = time.time()
-        self.state: ChildState = "running"
-        self.exit: ChildExit | None = None
-        self.stop_requested = False
-        self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-        self._done = asyncio.Event()
-        self._popen: subprocess.Popen[bytes] | None = None
-        self._log_fd: int | None = None
-        self._open_streams = 0
-        self._streams_done = asyncio.Event()
-        self._pidfd: int | None = None
-        self._readers: list[_PipeReader] = []
-        self._died_at: float | None = None
-
-    def __repr__(self) -> str:
-        return f"<Child {self.proc_id} pid={self.pid} {self.state}>"
-
-    @property
-    def tail(self) -> list[str]:
-        """The last output lines (stdout and stderr interleaved), oldest first."""
-        return list(self._tail)
-
-    @property
-    def running(self) -> bool:
-        """Whether the process has not been seen to end yet."""
-        return self.state in ("running", "stopping")
-
-    def done(self) -> bool:
-        """Whether the end has been recorded (``exit`` is set)."""
-        return self._done.is_set()
-
-    async def wait(self, timeout_s: float | None = None) -> ChildExit:
-        """Wait until the child's end is recorded; raises `TimeoutError` after ``timeout_s``."""
-        async with asyncio.timeout(timeout_s):
-            await self._done.wait()
-        assert self.exit is not None
-        return self.exit
-
-    def info(self) -> dict[str, Any]:
-        """The snapshot row (``proc_id, pid, state, started_at, exit``) of 20-system.md §2.6."""
-        return {
-            "proc_id": self.proc_id,
-            "pid": self.pid,
-            "state": self.state,
-            "started_at": self.started_at,
-            "exit": None if self.exit is None else self.exit.reason,
-        }
-
-
-class _PipeReader:
-    """Reads one output pipe of a child without blocking the loop; splits it into lines."""
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        fd: int,
-        on_lines: Callable[[list[bytes]], None],
-        on_eof: Callable[[], None],
-    ) -> None:
-        self._loop = loop
-        self._fd = fd
-        self._on_lines = on_lines
-        self._on_eof = on_eof
-        self._partial = b""
-        self._closed = False
-        os.set_blocking(fd, False)
-        loop.add_reader(fd, self._readable)
-
-    def _readable(self) -> None:
-        for _ in range(_READS_PER_WAKEUP):
-            try:
-                data = os.read(self._fd, _READ_CHUNK)
-            except BlockingIOError:
-                return
-            except OSError as e:
-                log.debug("reading a child pipe failed: %s", e)
-                data = b""
-            if not data:
-                self.close()
-                return
-            self._feed(data)
-
-    def _feed(self, data: bytes) -> None:
-        buf = self._partial + data
-        lines = buf.split(b"\n")
-        self._partial = lines.pop()
-        while len(self._partial) > _MAX_LINE_BYTES:
-            lines.append(self._partial[:_MAX_LINE_BYTES])
-            self._partial = self._partial[_MAX_LINE_BYTES:]
-        if lines:
-            self._on_lines(lines)
-
-    def close(self) -> None:
-        """Stop reading, emit an unterminated last line, release the fd (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            self._loop.remove_reader(self._fd)
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
-        if self._partial:
-            partial, self._partial = self._partial, b""
-            self._on_lines([partial])
-        self._on_eof()
 
 
 # --------------------------------------------------------------------------- the owner
@@ -258,8 +95,10 @@ class ChildProcs:
     lines to ``echo_stream`` (``sys.stderr`` at the time of writing when ``None``).
     With ``kill_group_on_exit`` (default), a child's leftover process group is SIGKILLed
     when the child itself dies, so helpers it started do not outlive it. ``use_pidfd``
-    ``None`` picks pidfds when the kernel has them. `aclose` (or ``async with``) terminates
-    every child and waits for the exit callbacks.
+    ``None`` picks pidfds when the kernel has them. ``fork_server`` (shared, not closed
+    here) or `start_fork_server` (owned) forks the workers it accepts instead of executing
+    them (`palatine.forkserver`); everything else works the same for both kinds. `aclose`
+    (or ``async with``) terminates every child and waits for the exit callbacks.
     """
 
     def __init__(
@@ -271,8 +110,11 @@ class ChildProcs:
         kill_group_on_exit: bool = True,
         use_pidfd: bool | None = None,
         tail_lines: int = TAIL_LINES,
+        fork_server: ForkServer | None = None,
     ) -> None:
         self._on_exit = on_exit
+        self._fork_server = fork_server
+        self._owns_fork_server = False
         self._echo = echo
         self._echo_stream = echo_stream
         self._kill_group_on_exit = kill_group_on_exit
@@ -289,6 +131,17 @@ class ChildProcs:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    def start_fork_server(self) -> None:
+        """Start a fork server of our own (closed by `aclose`) unless one was given.
+
+        Call it on the loop early (before the first `spawn`) so the server's imports
+        overlap other start-up work; workers it can fork then start in milliseconds.
+        """
+        if self._fork_server is None and fork_server_supported():
+            self._fork_server = ForkServer()
+            self._owns_fork_server = True
+            self._fork_server.start()
 
     # ------------------------------------------------------------------ queries
 
@@ -344,18 +197,21 @@ class ChildProcs:
         full_env = {**os.environ, **env}
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        popen: subprocess.Popen[bytes] | ForkedProcess | None
         try:
-            # Forked from the loop's thread on purpose (see the module docstring); with
-            # vfork this takes about a millisecond.
-            popen = subprocess.Popen(  # noqa: ASYNC220
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out_w,
-                stderr=err_w,
-                env=full_env,
-                start_new_session=True,
-                close_fds=True,
-            )
+            popen = await self._fork(child, argv, full_env, out_w, err_w)
+            if popen is None:
+                # Forked from the loop's thread on purpose (see the module docstring);
+                # with vfork this takes about a millisecond.
+                popen = subprocess.Popen(  # noqa: ASYNC220
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out_w,
+                    stderr=err_w,
+                    env=full_env,
+                    start_new_session=True,
+                    close_fds=True,
+                )
         except (OSError, ValueError, subprocess.SubprocessError) as e:
             for fd in (out_r, err_r):
                 os.close(fd)
@@ -371,13 +227,76 @@ class ChildProcs:
         child._open_streams = 2
         for fd in (out_r, err_r):
             child._readers.append(
-                _PipeReader(
+                PipeReader(
                     loop, fd, lambda lines: self._emit(child, lines), lambda: self._eof(child)
                 )
             )
-        self._watch(child)
-        log.info("%s: started pid %d: %s", proc_id, popen.pid, " ".join(argv))
+        if isinstance(popen, ForkedProcess):
+            how = "forked"
+            if self._closing:  # the host began to stop while the server was forking
+                self._signal(child, signal.SIGKILL)
+        else:
+            how = "started"
+            self._watch(child)
+        log.info("%s: %s pid %d: %s", proc_id, how, popen.pid, " ".join(argv))
         return child
+
+    async def _fork(
+        self, child: Child, argv: list[str], env: dict[str, str], out_w: int, err_w: int
+    ) -> ForkedProcess | None:
+        """Start ``argv`` through the fork server when it can; None: exec it instead."""
+        server = self._fork_server
+        if server is None or not server.accepts(argv, env):
+            return None
+        handle: ForkedProcess | None = None
+        early: list[int | None] = []
+
+        def exited(returncode: int | None) -> None:
+            if handle is None:
+                early.append(returncode)  # reported before spawn() returned to us
+            else:
+                self._forked_exit(child, handle, returncode)
+
+        try:
+            pid = await server.spawn(
+                argv,
+                env,
+                os.getcwd(),
+                out_w,
+                err_w,
+                kill_group=self._kill_group_on_exit,
+                on_exit=exited,
+            )
+        except ForkServerError as e:
+            log.info("%s: fork server unavailable (%s); executing the program", child.proc_id, e)
+            return None
+        handle = ForkedProcess(pid)
+        if early:
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self._forked_exit, child, handle, early[0])
+        return handle
+
+    def _forked_exit(self, child: Child, handle: ForkedProcess, returncode: int | None) -> None:
+        """The fork server reaped ``child`` (``returncode``), or was lost (None)."""
+        if returncode is None:
+            handle.lost = True
+            # Its workers die with it (parent-death signal); their groups go too.
+            _killpg(handle.pid, signal.SIGKILL)
+        else:
+            handle.returncode = returncode
+        self._on_dead(child)
+
+    def _signal(self, child: Child, sig: int) -> None:
+        """Signal ``child``'s process group (through the fork server for a forked child)."""
+        assert child.pid is not None
+        popen = child._popen
+        if isinstance(popen, ForkedProcess) and not popen.lost:
+            server = self._fork_server
+            if server is not None and server.signal(child.pid, sig):
+                return
+            if popen.returncode is not None:
+                return  # reaped: the pid may be someone else's now
+        _killpg(child.pid, sig)
 
     def _fail(self, child: Child, reason: str) -> None:
         child.state = "failed"
@@ -395,7 +314,7 @@ class ChildProcs:
     def _emit(self, child: Child, lines: list[bytes]) -> None:
         if child._log_fd is not None:
             try:
-                _write_all(child._log_fd, b"".join(line + b"\n" for line in lines))
+                write_all(child._log_fd, b"".join(line + b"\n" for line in lines))
             except OSError as e:
                 log.warning("%s: writing log %s failed: %s", child.proc_id, child.log_path, e)
                 self._close_log(child)
@@ -478,7 +397,8 @@ class ChildProcs:
                 os.close(child._pidfd)
             child._pidfd = None
         assert child.pid is not None and child._popen is not None
-        if self._kill_group_on_exit or child.stop_requested:
+        forked = isinstance(child._popen, ForkedProcess)  # its server did this before the reap
+        if (self._kill_group_on_exit or child.stop_requested) and not forked:
             # Before the reap, the zombie still holds its pid, so the group id cannot
             # have been reused: this signals only processes that child started.
             _killpg(child.pid, signal.SIGKILL)
@@ -487,7 +407,7 @@ class ChildProcs:
     async def _finish(self, child: Child) -> None:
         assert child._popen is not None
         returncode = child._popen.poll()
-        if returncode is None:
+        if returncode is None and not getattr(child._popen, "lost", False):
             # Readiness comes with the exit; the zombie may trail it by a moment.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_KILL_WAIT_S):
@@ -554,7 +474,7 @@ class ChildProcs:
             child.state = "stopping"
             child.stop_requested = True
             if child._died_at is None:
-                _killpg(child.pid, signal.SIGTERM)
+                self._signal(child, signal.SIGTERM)
         try:
             return await child.wait(grace)
         except TimeoutError:
@@ -566,7 +486,7 @@ class ChildProcs:
                 child.pid,
                 grace,
             )
-            _killpg(child.pid, signal.SIGKILL)
+            self._signal(child, signal.SIGKILL)
         try:
             return await child.wait(_KILL_WAIT_S)
         except TimeoutError:
@@ -593,7 +513,7 @@ class ChildProcs:
         for child in self._children:
             if child.pid is not None and child._died_at is None and child.exit is None:
                 child.stop_requested = True
-                _killpg(child.pid, signal.SIGKILL)
+                self._signal(child, signal.SIGKILL)
 
     async def aclose(self, grace_s: float | None = None) -> None:
         """Refuse new spawns, terminate every child, and wait for the exit callbacks."""
@@ -612,6 +532,8 @@ class ChildProcs:
                 for reader in child._readers:
                     reader.close()
                 self._close_log(child)
+        if self._owns_fork_server and self._fork_server is not None:
+            await self._fork_server.close()
 
 
 async def _await(result: Awaitable[None]) -> None:

@@ -58,6 +58,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     child_term_grace_s: float = 5.0
     stack_dump_timeout_s: float = 10.0
     spawn_procs_timeout_s: float = 60.0
+    # hosts fork `python -m palatine worker` procs from a pre-imported server (palatine.forkserver)
+    fork_server: bool = True
     cast_fanout: int = 8
     log_dir: str | None = None
 
@@ -105,6 +107,15 @@ def _parse_str(text: str, *, name: str) -> str:
     return text
 
 
+def _parse_bool(text: str, *, name: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}: expected 1/0, true/false, yes/no or on/off, got {text!r}")
+
+
 def env_var(key: str) -> str:
     """The ``PALATINE_*`` variable of a config key."""
     for suffix in ("_s", "_bytes"):
@@ -121,6 +132,8 @@ def _parser_for(key: str, default: Any) -> Callable[..., Any]:
         return parse_seconds
     if key == "event_loop":
         return _parse_loop
+    if isinstance(default, bool):
+        return _parse_bool
     if isinstance(default, int) and not isinstance(default, bool):
         return _parse_int
     return _parse_str

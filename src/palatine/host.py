@@ -1,7 +1,8 @@
 """Hosts: the proc agent of ``hostW[h]`` that starts and watches world W's procs (§2.5).
 
 A host receives ``SpawnProc`` from the system. ``Exec`` worlds: one child process per
-proc (`palatine.children`), every exit reported to the system **at once** as
+proc (`palatine.children`; ``python -m palatine worker`` procs are forked by the host's
+fork server, `palatine.forkserver`, started with the host), every exit reported to the system **at once** as
 ``ProcExited`` (retried until acknowledged). ``Local`` worlds: the procs are bootstrapped
 inside the host's own process and share its loop. Children are killed when the host
 stops, on ``KillProcs`` and on ``ProcStop``; they also die with the host through the
@@ -22,6 +23,7 @@ from palatine.channel import token as token_mod
 from palatine.child_env import child_env, log_path_for, stack_path_for
 from palatine.children import Child, ChildProcs
 from palatine.errors import SpawnError
+from palatine.forkserver import ForkServer
 from palatine.ids import SYSTEM_ACTOR, ProcId, served_world_of
 from palatine.system.messages import (
     ChildProc,
@@ -29,6 +31,7 @@ from palatine.system.messages import (
     FailedProc,
     KilledProcs,
     KillProcs,
+    ProcAssignment,
     ProcExited,
     ProcSnapshot,
     ProcSnapshotRequest,
@@ -50,11 +53,17 @@ class HostAgent(ProcAgent):
 
     __palatine_name__ = "palatine.host.HostAgent"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fork_server: ForkServer | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.children = ChildProcs(on_exit=self._child_exited)
+        self.children = ChildProcs(on_exit=self._child_exited, fork_server=fork_server)
         self.local_procs: dict[ProcId, ProcHandle] = {}
         self._reports: set[asyncio.Task[None]] = set()
+
+    async def init(self) -> None:
+        # Without a shared fork server, start ours now: its imports overlap the join and
+        # whatever comes before the first SpawnProc.
+        self.children.start_fork_server()
+        await super().init()
 
     # ------------------------------------------------------------ spawning
     @handler
@@ -76,9 +85,8 @@ class HostAgent(ProcAgent):
         argv = shlex.split(program)
         execution_id = self.joined.execution_id if self.joined else "unknown"
         token = token_mod.resolve_token().decode()
-        started: list[StartedProc] = []
-        failed: list[FailedProc] = []
-        for a in msg.procs:
+
+        async def one(a: ProcAssignment) -> Child:
             log_path = log_path_for(config.get().log_dir, execution_id, self.proc.proc_id, a.proc_id)
             env = child_env(
                 world_id=msg.world_id,
@@ -94,7 +102,13 @@ class HostAgent(ProcAgent):
                 cluster_token=token,
                 supervision_update_interval_s=self.interval_s,
             )
-            child = await self.children.spawn(str(a.proc_id), argv, env, log_path)
+            return await self.children.spawn(str(a.proc_id), argv, env, log_path)
+
+        # Together: requests to a fork server are pipelined (an exec'd spawn never waits).
+        children = await asyncio.gather(*(one(a) for a in msg.procs))
+        started: list[StartedProc] = []
+        failed: list[FailedProc] = []
+        for a, child in zip(msg.procs, children, strict=True):
             if child.pid is None:
                 reason = child.exit.reason if child.exit else "could not start"
                 failed.append(FailedProc(proc_id=a.proc_id, reason=reason))

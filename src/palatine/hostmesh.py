@@ -4,8 +4,9 @@ On first use the calling process starts, on its palatine loop, a private embedde
 system (a unix path socket in the per-user 0700 directory, a freshly generated cluster
 token) and attaches a detached client proc ``user[R]``. Each ``spawn_procs`` creates
 world ``mesh<k>`` whose in-process host ``hostmesh<k>[0]`` starts the procs as real OS
-processes (``python -m palatine worker``), and waits until the world is Live — a child
-that exits first fails the call at once with its stderr tail.
+processes (``python -m palatine worker``, forked by the process's one fork server,
+`palatine.forkserver`, started with the embedded system), and waits until the world is
+Live — a child that exits first fails the call at once with its stderr tail.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from palatine.agent import ProcHandle, bootstrap_proc
 from palatine.channel import token as token_mod
 from palatine.channel.addr import any_addr
 from palatine.errors import PalatineError, SpawnError
+from palatine.forkserver import ForkServer, fork_server_supported
 from palatine.future import Future
 from palatine.host import HostAgent
 from palatine.ids import GangId, WorldId
@@ -39,9 +41,13 @@ log = logging.getLogger(__name__)
 class _Cluster:
     """The process's private embedded system plus its attached client proc."""
 
-    def __init__(self, system: SystemHandle, client: SystemClient) -> None:
+    def __init__(
+        self, system: SystemHandle, client: SystemClient, fork_server: ForkServer | None
+    ) -> None:
         self.system = system
         self.client = client
+        # One fork server for every mesh of this process (palatine.forkserver).
+        self.fork_server = fork_server
         self.hosts: list[ProcHandle] = []
         self.meshes: list[ProcMesh] = []
         self.counter = itertools.count()
@@ -60,10 +66,15 @@ async def _get_cluster() -> _Cluster:
     async with _cluster_lock:
         if _cluster is None:
             token_mod.set_token(token_mod.generate_token())
+            fork_server = None
+            if fork_server_supported():
+                # Started first: its imports overlap the system's start-up.
+                fork_server = ForkServer()
+                fork_server.start()
             system = await System.serve(any_addr("unix"))
             client = await System(system.addr).attach()
             set_default_client(client.client)
-            _cluster = _Cluster(system, client)
+            _cluster = _Cluster(system, client, fork_server)
             runtime.at_exit(_shutdown)
     return _cluster
 
@@ -82,6 +93,8 @@ async def _shutdown() -> None:
             agent = h.agent
             if isinstance(agent, HostAgent):
                 agent.children.kill_now()
+        if c.fork_server is not None:
+            await c.fork_server.close(1.0)
 
 
 class ProcMesh:
@@ -187,6 +200,7 @@ async def _spawn_procs(dim: str, n: int) -> ProcMesh:
         cluster.system.addr,
         labels={"proc.palatine.dev/role": "host"},
         agent_cls=HostAgent,
+        agent_args={"fork_server": cluster.fork_server},
     )
     cluster.hosts.append(host)
     client = cluster.client

@@ -6,7 +6,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.timeout(90)
@@ -101,3 +103,64 @@ def test_plain_script_drives_a_four_proc_mesh(tmp_path: object) -> None:
     assert lines["AWAIT"] == "[1, 1, 2, 1]"
     assert lines["ON_LOOP"] == "blocking palatine call on the event loop thread; use await"
     assert "STOPPED" in out.stdout
+
+
+FORK_SCRIPT = textwrap.dedent(
+    """
+    import os, time
+    import psutil
+    from palatine import Actor, endpoint, this_host
+
+    class Probe(Actor):
+        @endpoint
+        def pid(self):
+            return os.getpid()
+
+        @endpoint
+        def sleep(self, s):
+            time.sleep(s)
+            return s
+
+    parents = set()
+    for k in range(2):
+        procs = this_host().spawn_procs(per_host={"procs": 2})
+        mesh = procs.spawn("probe", Probe)
+        pids = list(mesh.pid.call().get().values())
+        parents |= {psutil.Process(p).ppid() for p in pids}
+        if k == 1:
+            pending = mesh.slice(procs=1).sleep.call_one(30)
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            os.kill(pids[1], 9)
+            try:
+                pending.get(timeout=10)
+            except Exception as e:
+                print("DETECTED", type(e).__name__, time.monotonic() - t0 < 2)
+        procs.stop().get(timeout=20)
+    (parent,) = parents
+    print("PARENT", "me" if parent == os.getpid() else psutil.Process(parent).cmdline()[-1][:60])
+    print("SERVER", parent)
+    """
+)
+
+
+@pytest.mark.parametrize("fork_server", ["1", "0"])
+def test_procs_come_from_one_fork_server_unless_it_is_off(fork_server: str) -> None:
+    env = dict(os.environ)
+    env.pop("PALATINE_CLUSTER_TOKEN", None)
+    env["PALATINE_FORK_SERVER"] = fork_server
+    out = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT], capture_output=True, text=True, timeout=80, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    assert lines["DETECTED"].endswith(" True"), lines["DETECTED"]
+    if fork_server == "1":
+        assert lines["PARENT"].startswith("from palatine.forkserver_main import main")
+        server = int(lines["SERVER"])
+        deadline = time.monotonic() + 5
+        while psutil.pid_exists(server) and psutil.Process(server).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the fork server outlived its host"
+            time.sleep(0.01)
+    else:
+        assert lines["PARENT"] == "me"

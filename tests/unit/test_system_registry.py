@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from palatine.errors import SystemRequestError
 from palatine.ids import PortId, ProcId, WorldId
 from palatine.supervision import ActorFailure, ProcSupervisionState
+from palatine.system.detection import PROBE_AGAIN_S
 from palatine.system.instructions import (
     Ask,
     Bind,
@@ -30,6 +31,7 @@ from palatine.system.instructions import (
     JoinProbeNeeded,
     Log,
     Probe,
+    ProbeAgain,
     Send,
     StopFallback,
     StopSystem,
@@ -804,6 +806,36 @@ def test_a20_connection_loss_of_external_worker_and_probe() -> None:
     rec = h.reg.record(pid("w[0]"))
     assert rec.health == "ConnectionFailure"  # type: ignore[union-attr]
     assert rec.reason == "connection lost; its address unix:/run/w_0.sock refuses connections"  # type: ignore[union-attr]
+
+
+def test_a_lost_connection_whose_address_still_answers_is_probed_once_more() -> None:
+    h = Harness()
+    live_world(h, "w", 2)
+    # A dying process may release its connections before its listener.
+    _, instrs = h.run(h.reg.handle_connection_lost(pid("w[0]")))
+    (probe,) = [i for i in instrs if isinstance(i, Probe)]
+    _, instrs = h.run(h.reg.handle_probe_result(probe, "connected"))
+    (timer,) = [i for i in instrs if isinstance(i, Timer)]
+    assert timer.delay_s == PROBE_AGAIN_S and isinstance(timer.token, ProbeAgain)
+    assert h.health("w[0]") == "Alive"
+    _, instrs = h.run(h.reg.handle_timer(timer.token))
+    (again,) = [i for i in instrs if isinstance(i, Probe)]
+    assert again.recheck and again.addr == probe.addr
+    h.run(h.reg.handle_probe_result(again, "refused"))
+    assert h.health("w[0]") == "ConnectionFailure"
+    # A proc that answers both times is left to the silence path: no third probe.
+    _, instrs = h.run(h.reg.handle_connection_lost(pid("w[1]")))
+    (probe,) = [i for i in instrs if isinstance(i, Probe)]
+    _, instrs = h.run(h.reg.handle_probe_result(probe, "connected"))
+    (timer,) = [i for i in instrs if isinstance(i, Timer)]
+    _, instrs = h.run(h.reg.handle_timer(timer.token))
+    (again,) = [i for i in instrs if isinstance(i, Probe)]
+    _, instrs = h.run(h.reg.handle_probe_result(again, "connected"))
+    assert not [i for i in instrs if isinstance(i, (Probe, Timer))]
+    assert h.health("w[1]") == "Alive"
+    # A token outliving its proc's verdict probes nothing.
+    stale = ProbeAgain(pid("w[0]"), again.incarnation, again.addr)
+    assert not [i for i in h.run(h.reg.handle_timer(stale))[1] if isinstance(i, Probe)]
 
 
 def test_exit_report_grace_prefers_the_precise_cause() -> None:

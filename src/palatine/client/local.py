@@ -68,15 +68,30 @@ class LocalCluster:
         self.procs: list[RoleProcess] = []
         self.system_addr = ""
 
-    def start(self, role_args: list[str], timeout_s: float, log_dir: str | None, name: str) -> RoleProcess:
+    def start(
+        self, role_args: list[str], timeout_s: float, log_dir: str | None, name: str, wait: bool = True
+    ) -> RoleProcess:
+        """Start one role; with ``wait`` (else see `wait_ready`) return once it is ready."""
         stderr_path = os.path.join(log_dir, f"{name}.log") if log_dir else None
         try:
-            rp = RoleProcess(role_args, self.env, timeout_s, die_with_parent=False, stderr_path=stderr_path)
+            rp = RoleProcess(
+                role_args, self.env, timeout_s, die_with_parent=False, stderr_path=stderr_path, wait=wait
+            )
         except RuntimeError as e:
             self.stop(1.0)
             raise RuntimeError(f"local mesh failed to start: {e}") from None
         self.procs.append(rp)
         return rp
+
+    def wait_ready(self, procs: list[RoleProcess], timeout_s: float) -> None:
+        """Wait for the ready lines of roles started together (``start(wait=False)``)."""
+        deadline = time.monotonic() + timeout_s
+        for rp in procs:
+            try:
+                rp.wait_ready(max(0.1, deadline - time.monotonic()))
+            except RuntimeError as e:
+                self.stop(1.0)
+                raise RuntimeError(f"local mesh failed to start: {e}") from None
 
     def stop(self, grace_s: float = 5.0) -> None:
         for rp in reversed(self.procs):
@@ -112,13 +127,13 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
     if "OMP_NUM_THREADS" not in os.environ:
         # Several workers share this machine's cores: one intra-op thread pool per core.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, hosts * procs_per_host)))
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is not None and "PALATINE_PRELOAD" not in os.environ:
-        env["PALATINE_PRELOAD"] = "torch"  # tensor workers import it before joining
+    # CPU workers import torch on first use, not before they join (PALATINE_PRELOAD=torch
+    # restores that); CUDA workers need it at once to pick their device.
     if cuda:
         import torch
 
+        if "PALATINE_PRELOAD" not in os.environ:
+            env["PALATINE_PRELOAD"] = "torch"
         env["PALATINE_DEVICES_PER_HOST"] = str(torch.cuda.device_count())
     if transport == "unix":
         addr = f"unix:@palatine-{os.getpid()}-{secrets.token_hex(4)}"
@@ -132,12 +147,16 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
             ["system", "--system-addr", addr, *_flags(options, _SYSTEM_OPTS)], startup, log_dir, "system"
         )
         cluster.system_addr = system.addr
-        for h in range(hosts):
+        # Hosts and the controller start together: the world the controller creates waits
+        # for its hosts, and their start-up (interpreter, imports, fork server) overlaps.
+        roles = [
             cluster.start(
                 ["host", "--system-addr", system.addr, "--host-world", "hostworker", "--host-rank", str(h),
                  *_flags(options, _HOST_OPTS)],
-                startup, log_dir, f"host-{h}",
+                startup, log_dir, f"host-{h}", wait=False,
             )
+            for h in range(hosts)
+        ]
         program = f"{sys.executable} -m palatine worker"
         ctl = [
             "controller", "--worker-world", "worker", "--system-addr", system.addr,
@@ -146,7 +165,8 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
         ]
         if not cuda:
             ctl.append("--is-cpu-worker")
-        cluster.start(ctl, startup, log_dir, "controller")
+        roles.append(cluster.start(ctl, startup, log_dir, "controller", wait=False))
+        cluster.wait_ready(roles, startup)
         return connect(system.addr, "worker", timeout=startup, _local=cluster, _token=env["PALATINE_CLUSTER_TOKEN"])
     except BaseException:
         cluster.stop(1.0)
@@ -158,6 +178,8 @@ def _want_cuda(device: str) -> bool:
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', not {device!r}")
     if device == "cpu":
         return False
+    if device == "auto" and "torch" not in sys.modules and not _gpu_device_nodes():
+        return False  # no GPU driver here: spare the client the ~2 s torch import
     try:
         import torch
 
@@ -167,6 +189,14 @@ def _want_cuda(device: str) -> bool:
     if device == "cuda" and not has:
         raise ValueError("device='cuda' but no CUDA device is available")
     return has
+
+
+def _gpu_device_nodes() -> bool:
+    """Whether this machine exposes a GPU driver (NVIDIA or ROCm device nodes).
+
+    Without one ``torch.cuda.is_available()`` is False whatever torch build is installed.
+    """
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg"))
 
 
 def connect(

@@ -44,6 +44,7 @@ class RoleProcess:
         *,
         die_with_parent: bool = True,
         stderr_path: str | None = None,
+        wait: bool = True,
     ) -> None:
         self.args = args
         full_env = dict(os.environ)
@@ -70,7 +71,8 @@ class RoleProcess:
                 err.close()
         self.ready: dict[str, Any] | None = None
         self._stderr_chunks: list[bytes] = []
-        self.wait_ready(ready_timeout_s)
+        if wait:  # else the caller calls wait_ready (several roles starting at once)
+            self.wait_ready(ready_timeout_s)
 
     @property
     def pid(self) -> int:

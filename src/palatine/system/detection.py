@@ -40,6 +40,7 @@ from palatine.system.instructions import (
     Instruction,
     Log,
     Probe,
+    ProbeAgain,
     ProbeOutcome,
     Send,
     Timer,
@@ -55,7 +56,11 @@ from palatine.system.worlds import (
     ACTIVE,
 )
 
-__all__ = ["DetectionMixin"]
+__all__ = ["PROBE_AGAIN_S", "DetectionMixin"]
+
+#: How long after a probe that found a lost connection's address answering it is probed
+#: once more (`ProbeAgain`): a dying process has released everything well before.
+PROBE_AGAIN_S = 0.1
 
 
 def _proc_of(dest: Any) -> ProcId | None:
@@ -347,6 +352,9 @@ class DetectionMixin(RegistryState):
             out.append(
                 Log(logging.DEBUG, f"{probe.proc_id}: connection dropped but its address answers")
             )
+            if not probe.recheck:  # perhaps a dying process whose listener goes last
+                token = ProbeAgain(probe.proc_id, probe.incarnation, probe.addr)
+                out.append(Timer(PROBE_AGAIN_S, token))
             return None, out
         host = self._records.get(rec.host_proc) if rec.host_proc is not None else None
         host_lost = host is not None and not host.alive
@@ -365,6 +373,21 @@ class DetectionMixin(RegistryState):
         if rec.kind == "host":
             self._probe_children_of(rec, out)
         return None, out
+
+    def _probe_again(self, token: ProbeAgain, out: list[Instruction]) -> None:
+        """The `ProbeAgain` delay has passed: probe that incarnation once more (recheck)."""
+        rec = self._records.get(token.proc_id)
+        if (
+            rec is None
+            or rec.incarnation != token.incarnation
+            or rec.addr != token.addr
+            or not rec.alive
+            or rec.checking
+        ):
+            return
+        rec.checking = True
+        timeout = self.liveness_probe_timeout_s
+        out.append(Probe(rec.proc_id, rec.addr, rec.incarnation, timeout, recheck=True))
 
     def _probe_children_of(self, host: ProcRecord, out: list[Instruction]) -> None:
         """A lost host took its children with it (parent-death signal): probe each one now.

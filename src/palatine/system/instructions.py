@@ -43,6 +43,7 @@ __all__ = [
     "Log",
     "ManagingStopFallback",
     "Probe",
+    "ProbeAgain",
     "ProbeOutcome",
     "Send",
     "SpawnToken",
@@ -81,12 +82,17 @@ class Ask(msgspec.Struct, frozen=True):
 
 
 class Probe(msgspec.Struct, frozen=True):
-    """Liveness probe: try to connect to ``addr`` of ``proc_id`` (that incarnation)."""
+    """Liveness probe: try to connect to ``addr`` of ``proc_id`` (that incarnation).
+
+    ``recheck`` marks the one probe sent again after a connection loss whose first probe
+    found the address answering (`ProbeAgain`).
+    """
 
     proc_id: ProcId
     addr: str
     incarnation: int | None
     timeout_s: float
+    recheck: bool = False
 
 
 class Timer(msgspec.Struct, frozen=True):
@@ -147,6 +153,19 @@ class ExitReportGrace(msgspec.Struct, frozen=True):
     incarnation: int | None
 
 
+class ProbeAgain(msgspec.Struct, frozen=True):
+    """Probe once more a proc whose connection closed while its address still answered.
+
+    A process being torn down releases its files in no promised order (Linux releases
+    the newest first), so its listening socket can outlive its connections by a few
+    milliseconds: the first probe then connects to a dying process.
+    """
+
+    proc_id: ProcId
+    incarnation: int | None
+    addr: str
+
+
 class StopFallback(msgspec.Struct, frozen=True):
     """The fallback deadline of a world's stop or eviction (``generation`` identifies it)."""
 
@@ -161,7 +180,7 @@ class ManagingStopFallback(msgspec.Struct, frozen=True):
     generation: int
 
 
-TimerToken = ExitReportGrace | StopFallback | ManagingStopFallback
+TimerToken = ExitReportGrace | ProbeAgain | StopFallback | ManagingStopFallback
 
 
 # --------------------------------------------------------------------------- ask tokens

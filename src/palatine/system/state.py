@@ -25,6 +25,7 @@ from palatine.supervision import (
 from palatine.system.instructions import (
     Instruction,
     Log,
+    ProbeAgain,
     Send,
 )
 from palatine.system.messages import (
@@ -314,6 +315,10 @@ class RegistryState(abc.ABC):
 
     @abc.abstractmethod
     def _stop_done(self, rec: ProcRecord, out: list[Instruction]) -> None:
+        """Implemented by the detection / stopping parts of the registry."""
+
+    @abc.abstractmethod
+    def _probe_again(self, token: ProbeAgain, out: list[Instruction]) -> None:
         """Implemented by the detection / stopping parts of the registry."""
 
     @abc.abstractmethod

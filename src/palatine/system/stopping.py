@@ -28,6 +28,7 @@ from palatine.system.instructions import (
     Log,
     ManagingStopFallback,
     Probe,
+    ProbeAgain,
     Send,
     SpawnToken,
     StopFallback,
@@ -345,6 +346,8 @@ class StoppingMixin(RegistryState):
                     out.append(
                         Probe(rec.proc_id, rec.addr, rec.incarnation, self.liveness_probe_timeout_s)
                     )
+        elif isinstance(token, ProbeAgain):
+            self._probe_again(token, out)
         elif isinstance(token, StopFallback):
             world = self._worlds.get(token.world)
             if world is not None and world.generation == token.generation and world.phase != ACTIVE:

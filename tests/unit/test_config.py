@@ -1,0 +1,32 @@
+"""Config keys from ``PALATINE_*`` variables: the boolean ones (``fork_server``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from palatine import config
+from palatine.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1", True),
+        ("true", True),
+        ("Yes", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        ("NO", False),
+        ("off", False),
+    ],
+)
+def test_fork_server_switch_reads_the_usual_spellings(text: str, value: bool) -> None:
+    assert config.from_env({"PALATINE_FORK_SERVER": text}).fork_server is value
+
+
+def test_fork_server_is_on_by_default_and_a_bad_switch_is_a_config_error() -> None:
+    assert config.from_env({}).fork_server is True
+    with pytest.raises(ConfigError, match="PALATINE_FORK_SERVER"):
+        config.from_env({"PALATINE_FORK_SERVER": "maybe"})
+    assert config.from_env({}, fork_server="0").fork_server is False
