@@ -288,6 +288,8 @@ class ActorInstance:
                     continue
                 if mode == "drain":
                     break
+                # Idle: do not pin the last message (a fetched value's buffers) meanwhile.
+                self.cx.env = None
                 self._wake = self.loop.create_future()
                 await self._wake
         except asyncio.CancelledError:

@@ -25,7 +25,13 @@ from palatine.errors import (
     RemoteException,
 )
 from palatine.ids import ActorId, PortId, ProcId
-from palatine.wire.codec import Message, decode_payload, encode_message, type_name_of
+from palatine.wire.codec import (
+    Message,
+    decode_payload,
+    encode_message,
+    encode_message_oob,
+    type_name_of,
+)
 from palatine.wire.envelope import ENC_MSGPACK, Envelope
 
 if TYPE_CHECKING:
@@ -452,7 +458,11 @@ class Mailbox:
         """One-way typed message to an actor's handler port, or to an explicit port."""
         tid = type(msg).__palatine_type_id__
         port = dest if isinstance(dest, PortId) else PortId(dest, tid)
-        self.proc.post(Envelope(self.actor_id, port, tid, ENC_MSGPACK, encode_message(msg)))
+        data, buffers = encode_message_oob(msg)  # pickled values' buffers stay out of band
+        env = Envelope(self.actor_id, port, tid, ENC_MSGPACK, data)
+        if buffers:
+            env.buffers = buffers
+        self.proc.post(env)
 
     def gather(
         self,

@@ -912,6 +912,56 @@ async def test_39_buffers_round_trip_including_zero_length(transport: str) -> No
     await rx.stop()
 
 
+async def _pickled_values_round_trip(transport: str) -> None:
+    """Fetched values (pickle buffers out of band) through a real channel, twice."""
+    import numpy as np
+
+    from palatine.wire.codec import decode_payload, encode_message_oob
+    from palatine.worker.messages import FetchResult, Ok
+    from palatine.worker.values import dumps_fetched, loads_value
+
+    addr, rx = await net_rx(transport)
+    tx = dial(addr)
+    values = [np.arange(2**20, dtype=np.float64), np.full(3 * 2**20 + 7, 5, dtype=np.uint8)]
+    tid = FetchResult.__palatine_type_id__
+    got: list[Any] = []
+    for seq, value in enumerate(values):
+        data, buffers = encode_message_oob(FetchResult(seq=seq, value=Ok(dumps_fetched(value))))
+        assert len(data) < 1024 and len(buffers) == 1
+        sent = Envelope(SENDER, DEST, tid, 0, data)
+        sent.buffers = buffers
+        tx.post(sent)  # a plain post: buffers ask for an immediate ack themselves
+        (env,) = await recv_n(rx, 1)
+        assert len(env.buffers) == 1 and not memoryview(env.buffers[0]).readonly
+        msg = decode_payload(env)
+        got.append(loads_value(msg.value.value))
+        await wait_for(lambda: tx.pending == 0, timeout=0.4)  # < message_ack_interval
+    for g, v in zip(got, values, strict=True):
+        assert g.dtype == v.dtype and np.array_equal(g, v)
+    got[0][:] = -1.0  # writable, and private to each message
+    assert np.array_equal(got[1], values[1]) and got[0][0] == -1.0
+    await tx.close()
+    await rx.stop()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", NET)
+async def test_pickled_values_travel_out_of_band(transport: str) -> None:
+    with config.override(message_ack_interval_s=5.0):
+        await _pickled_values_round_trip(transport)
+
+
+@pytest.mark.timeout(30)
+def test_pickled_values_travel_out_of_band_on_the_asyncio_loop() -> None:
+    """The same through asyncio's own loop (``event_loop = "asyncio"``)."""
+    with config.override(message_ack_interval_s=5.0):
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(_pickled_values_round_trip("unix"))
+        finally:
+            loop.close()
+
+
 # -- receiver behaviour: peers lost, back-pressure, session GC, takeover ---------------
 
 

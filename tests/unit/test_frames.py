@@ -120,6 +120,62 @@ def test_big_frame_gets_its_own_writable_buffer() -> None:
     assert not big.readonly
 
 
+def read_like_a_socket(parser: FrameParser, stream: bytes, chunk: int) -> list[object]:
+    """What `palatine.channel.net_rx` does: receive straight into `big_window` when one
+    is open (never past it), otherwise a chunk for `feed`."""
+    out: list[object] = []
+    pos = 0
+    while pos < len(stream):
+        window = parser.big_window()
+        if window is not None:
+            n = min(len(window), chunk, len(stream) - pos)
+            window[:n] = stream[pos : pos + n]
+            out += parser.big_filled(n)
+        else:
+            n = min(chunk, len(stream) - pos)
+            out += parser.feed(stream[pos : pos + n])
+        pos += n
+    return out
+
+
+@pytest.mark.parametrize("chunk", [7, 4096, 65536, 1 << 20])
+def test_reading_into_the_big_window_gives_the_same_frames(chunk: int) -> None:
+    payloads = [bytes(range(256)) * 2048, b"x" * 300_000, bytes(1 << 20)]  # 512 KiB ...
+    stream = b"".join(
+        [message_bytes(0, env(b"small")), encode_frame(Ack(1))]
+        + [message_bytes(i + 1, env(b"%d" % i, [p, b"tail"])) for i, p in enumerate(payloads)]
+        + [message_bytes(9, env(b"last"))]
+    )
+    parser = FrameParser(limit=1 << 30)
+    frames = read_like_a_socket(parser, stream, chunk)
+    assert parser.at_boundary and parser.big_window() is None
+    assert [type(f).__name__ for f in frames] == ["Message", "Ack"] + ["Message"] * 4
+    for f, p in zip(frames[2:5], payloads, strict=True):
+        big, tail = f.envelope.buffers  # type: ignore[attr-defined]
+        assert bytes(big) == p and bytes(tail) == b"tail"
+        assert big.obj is tail.obj  # views of one buffer: the frame's, or a whole chunk's
+        if chunk < len(p):
+            assert not big.readonly  # assembled in the frame's own buffer
+    assert frames[-1].envelope.data == b"last"  # type: ignore[attr-defined]
+
+
+def test_big_frames_do_not_share_memory() -> None:
+    one = message_bytes(0, env(buffers=[b"a" * 500_000]))
+    two = message_bytes(1, env(buffers=[b"b" * 500_000]))
+    parser = FrameParser(limit=1 << 30)
+    (first,) = read_like_a_socket(parser, one, 65536)
+    (second,) = read_like_a_socket(parser, two, 65536)
+    first.envelope.buffers[0][:3] = b"zzz"  # type: ignore[attr-defined]
+    assert bytes(second.envelope.buffers[0][:3]) == b"bbb"  # type: ignore[attr-defined]
+    assert bytes(first.envelope.buffers[0][3:6]) == b"aaa"  # type: ignore[attr-defined]
+
+
+def test_big_filled_without_a_window_is_refused() -> None:
+    parser = FrameParser()
+    with pytest.raises(ValueError):
+        parser.big_filled(1)
+
+
 def test_feeding_a_bytearray_does_not_alias_it() -> None:
     chunk = bytearray(message_bytes(0, env(buffers=[b"keep"])))
     (msg,) = FrameParser().feed(chunk)

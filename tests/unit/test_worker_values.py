@@ -166,6 +166,32 @@ def test_fetched_value_is_a_snapshot() -> None:
     assert torch.equal(loads_value(frozen), torch.zeros(3))
 
 
+def test_fetched_buffers_are_private_snapshots_that_go_out_of_band() -> None:
+    import numpy as np
+
+    t = torch.zeros(3, 4)[:, 1:]  # a view of a bigger tensor, not contiguous
+    c = np.arange(12.0).reshape(3, 4)
+    f = np.asfortranarray(c)
+    big = torch.arange(2**19, dtype=torch.float32)  # 2 MiB: pooled memory
+    p = dumps_fetched((t, c, f, big))
+    assert len(p.buffers) == 4 and all(type(b) is pickle.PickleBuffer for b in p.buffers)
+    t.add_(1)
+    c += 1
+    f += 1
+    big.mul_(0)
+    got = loads_value(p)  # the buffers themselves, not copies made in between
+    assert torch.equal(got[0], torch.zeros(3, 3))
+    assert np.array_equal(got[1], np.arange(12.0).reshape(3, 4))
+    assert np.array_equal(got[2], np.arange(12.0).reshape(3, 4)) and got[2].flags.f_contiguous
+    assert torch.equal(got[3], torch.arange(2**19, dtype=torch.float32))
+
+
+def test_argument_buffers_are_views_that_stay_inline() -> None:
+    t = torch.ones(4)
+    p = dumps_args((t,), {})
+    assert [type(b) for b in p.buffers] == [memoryview]  # never sent out of band
+
+
 def test_unpicklable_fetch_names_the_type() -> None:
     with pytest.raises(TypeError, match="cannot pickle a value of type _thread.lock for fetch"):
         dumps_fetched(threading.Lock())

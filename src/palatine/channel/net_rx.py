@@ -73,13 +73,23 @@ _AUTH, _INIT, _OPEN, _CLOSED = range(4)
 _peercred = struct.Struct("3i")
 
 
-class _ServerConn(asyncio.Protocol):
-    """One inbound connection of a `NetRx`."""
+_READ_BYTES: Final = 256 * 1024
+
+
+class _ServerConn(asyncio.BufferedProtocol):
+    """One inbound connection of a `NetRx`.
+
+    Reads go into the `NetRx`'s read chunk, copied out as ``bytes`` for the parser at
+    once (so every connection of the loop can share it), except while a big frame is
+    being assembled: then the socket is read straight into the frame's own buffer
+    (`FrameParser.big_window`), so a large value is copied once, by the kernel.
+    """
 
     def __init__(self, rx: NetRx) -> None:
         self.rx = rx
         self.transport: asyncio.Transport | None = None
         self.parser = FrameParser(PREAUTH_MAX_FRAME_BYTES)
+        self._into_big = False
         self.handshake = ServerHandshake(rx._token)
         self.state = _AUTH
         self.session: _Session | None = None
@@ -110,6 +120,25 @@ class _ServerConn(asyncio.Protocol):
         self.transport.write(encode_frame(self.handshake.hello()))
         self._auth_handle = rx._loop.call_later(rx._auth_timeout, self._auth_expired)
 
+    def get_buffer(self, sizehint: int) -> memoryview:
+        window = self.parser.big_window() if self.state != _CLOSED else None
+        self._into_big = window is not None
+        return window if window is not None else self.rx._read_chunk
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if not self._into_big:
+            self.data_received(bytes(self.rx._read_chunk[:nbytes]))
+            return
+        if self.state == _CLOSED:
+            return
+        try:
+            frames = self.parser.big_filled(nbytes)
+        except FrameError as exc:
+            self._fail(exc.reason, reject=not exc.before_body)
+            return
+        if frames:
+            self._frames(frames)
+
     def data_received(self, data: bytes) -> None:
         if self.state == _CLOSED:
             return
@@ -118,6 +147,10 @@ class _ServerConn(asyncio.Protocol):
         except FrameError as exc:
             self._fail(exc.reason, reject=not exc.before_body)
             return
+        self._frames(frames)
+
+    def _frames(self, frames: list[Frame]) -> None:
+        """Deliver in-session ``Message`` frames, handle the rest; then maybe ack."""
         rx = self.rx
         deliver = rx._deliver
         ack_now = False
@@ -348,6 +381,8 @@ class NetRx(Rx):
         self._ack_interval = cfg.message_ack_interval_s
         self._session_gc_s = 2 * cfg.message_delivery_timeout_s
         self._queue = InboundQueue(cfg.inbound_queue_frames)
+        # Shared by every connection: each read is copied out before the next one.
+        self._read_chunk = memoryview(bytearray(_READ_BYTES))
         self._queue.on_space = self._resume_all
         self._handler: EnvelopeHandler | None = None
         self._on_peer_lost: PeerLostHandler | None = None

@@ -224,8 +224,11 @@ class NetTx(Tx):
         An envelope whose frame exceeds ``max_frame_bytes`` is handed to ``on_return``
         (soon, not from inside this call) without using a seq; the Tx stays open. An
         envelope that cannot be encoded raises here.
+
+        An envelope with out-of-band buffers asks for an immediate ack: until then its
+        buffers (often a large value, in pooled memory) stay pinned in ``unacked``.
         """
-        self._post(env, on_return, None, False)
+        self._post(env, on_return, None, bool(env.buffers))
 
     async def send(self, env: Envelope) -> None:
         """Post with ``ack_now``; complete on the ack, or raise `SendError` if returned."""

@@ -6,13 +6,21 @@
 * User values are pickled with protocol 5, out-of-band buffers collected separately.
   The fast path is the stdlib pickler; values that reference ``__main__`` or cannot be
   pickled by reference (lambdas, local classes) fall back to cloudpickle.
+* A message may hold `pickle.PickleBuffer` objects (the out-of-band buffers of a pickled
+  value). `encode_message_oob` leaves them out of the msgpack bytes: each becomes the
+  extension ``Ext(OOB_EXT_CODE, index)`` and the buffer itself is returned, for the
+  envelope's ``buffers`` (the net framing writes them raw, without a copy).
+  `decode_payload` maps each such extension back to ``PickleBuffer(env.buffers[index])``,
+  so a process that only forwards a value (the controller) never copies it either.
+  `encode_message` inlines them as msgpack binaries instead (a self-contained payload).
 """
 
 from __future__ import annotations
 
 import hashlib
 import pickle
-from typing import Any, ClassVar
+import threading
+from typing import Any, ClassVar, Final
 
 import msgspec
 
@@ -25,7 +33,9 @@ __all__ = [
     "message_type",
     "register",
     "encode_message",
+    "encode_message_oob",
     "decode_payload",
+    "OOB_EXT_CODE",
     "dumps",
     "loads",
     "PICKLED_VALUE_TID",
@@ -35,7 +45,55 @@ __all__ = [
 _TYPES: dict[int, type[Any]] = {}
 _DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {}
 _NAMES: dict[int, str] = {}
-_encoder = msgspec.msgpack.Encoder()
+
+OOB_EXT_CODE: Final = 5
+"""msgpack extension code of an out-of-band buffer reference; its data is the buffer's
+index in the envelope's ``buffers`` (4 bytes, big-endian)."""
+
+
+class _HasBuffers(Exception):
+    """Raised by the probing encoder at the first `pickle.PickleBuffer` it meets."""
+
+
+# Per-thread state: the buffer sink of the encode in progress and the buffers of the
+# decode in progress (worker streams encode on their own threads).
+_tls = threading.local()
+
+
+def _inline_hook(obj: Any) -> Any:
+    if type(obj) is pickle.PickleBuffer:
+        return obj.raw()  # encoded as a msgpack binary (copied into the payload)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _probe_hook(obj: Any) -> Any:
+    if type(obj) is pickle.PickleBuffer:
+        raise _HasBuffers
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _oob_hook(obj: Any) -> Any:
+    if type(obj) is pickle.PickleBuffer:
+        sink: list[pickle.PickleBuffer] = _tls.sink
+        sink.append(obj)
+        return msgspec.msgpack.Ext(OOB_EXT_CODE, (len(sink) - 1).to_bytes(4, "big"))
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code != OOB_EXT_CODE:
+        return msgspec.msgpack.Ext(code, bytes(data))
+    buffers: list[Any] | None = getattr(_tls, "buffers", None)
+    index = int.from_bytes(data, "big")
+    if buffers is None or len(data) != 4 or index >= len(buffers):
+        raise ValueError("out-of-band buffer reference without a matching envelope buffer")
+    buf = buffers[index]
+    return buf if type(buf) is pickle.PickleBuffer else pickle.PickleBuffer(buf)
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_inline_hook)
+_probe_encoder = msgspec.msgpack.Encoder(enc_hook=_probe_hook)
+_oob_encoder = msgspec.msgpack.Encoder(enc_hook=_oob_hook)
 
 
 def type_id_for(name: str) -> int:
@@ -90,8 +148,28 @@ def message_type(type_id: int) -> type[Any] | None:
 
 
 def encode_message(msg: Any) -> bytes:
-    """msgpack-encode a registered runtime message."""
+    """msgpack-encode a registered runtime message (`pickle.PickleBuffer`s inlined)."""
     return _encoder.encode(msg)
+
+
+def encode_message_oob(msg: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """msgpack-encode ``msg`` with its `pickle.PickleBuffer`s out of band.
+
+    Returns ``(data, buffers)``: ``buffers`` (usually empty) go in the envelope's
+    ``buffers``, in order, and are not copied. A message without buffers costs one
+    plain encode.
+    """
+    try:
+        return _probe_encoder.encode(msg), []
+    except _HasBuffers:
+        pass
+    sink: list[pickle.PickleBuffer] = []
+    _tls.sink = sink
+    try:
+        data = _oob_encoder.encode(msg)
+    finally:
+        _tls.sink = None
+    return data, sink
 
 
 class _PickledValue:
@@ -127,19 +205,30 @@ def _decoder_for(type_id: int) -> msgspec.msgpack.Decoder[Any]:
     cls = _TYPES.get(type_id)
     if cls is None or not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
         raise TypeError(f"unknown message type id {type_id:#x}")
-    dec = _DECODERS[type_id] = msgspec.msgpack.Decoder(cls)
+    dec = _DECODERS[type_id] = msgspec.msgpack.Decoder(cls, ext_hook=_ext_hook)
     return dec
 
 
 def decode_payload(env: Envelope) -> Any:
-    """Decode an envelope's payload by its encoding and ``type_id``."""
+    """Decode an envelope's payload by its encoding and ``type_id``.
+
+    Out-of-band buffer references in a msgpack payload become `pickle.PickleBuffer`
+    objects over ``env.buffers`` (no copy).
+    """
     if env.encoding == ENC_PICKLE:
         return loads(env.data, env.buffers)
     if env.encoding == ENC_MSGPACK:
         dec = _DECODERS.get(env.type_id)
         if dec is None:
             dec = _decoder_for(env.type_id)
-        return dec.decode(env.data)
+        buffers = env.buffers
+        if not buffers:
+            return dec.decode(env.data)
+        _tls.buffers = buffers
+        try:
+            return dec.decode(env.data)
+        finally:
+            _tls.buffers = None
     raise TypeError(f"unknown payload encoding {env.encoding}")
 
 

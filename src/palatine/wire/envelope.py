@@ -8,7 +8,8 @@ Wire invariants:
 * ``buffers`` are out-of-band pickle buffers. They are **not** part of the encoded
   header: the net framing writes them raw after the header (vectored, no copy) and the
   receiver re-attaches them as memoryviews of the frame body. Local channels pass the
-  envelope object itself.
+  envelope object itself. They are written after ``post`` returns, so a sender only
+  puts memory there that nobody mutates any more (a snapshot, a received frame).
 * ``errors`` grows by one delivery-error text each time the envelope is returned; each
   text starts with its kind (``address not routable: …``, ``broken link: …``,
   ``mailbox error: …``, ``multicast error: …``, ``peer gone: …``).

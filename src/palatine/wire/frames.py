@@ -28,6 +28,7 @@ from typing import Any, Final
 import msgspec
 
 from palatine.errors import PalatineError
+from palatine.wire.buffers import take_buffer
 from palatine.wire.envelope import Envelope
 
 __all__ = [
@@ -62,8 +63,9 @@ PREFIX_BYTES: Final = 12
 """The 8-byte frame length plus the 4-byte header length."""
 
 # Frames below this size (length prefix included) are gathered into one small bytes
-# object when they straddle reads; larger ones get a dedicated, writable bytearray that
-# the body is copied into once, and whose memory backs the envelope's buffers.
+# object when they straddle reads; larger ones get a dedicated, writable buffer from the
+# pool (`palatine.wire.buffers`) that the body is read or copied into once, and whose
+# memory backs the envelope's buffers.
 _BIG_FRAME_BYTES: Final = 256 * 1024
 
 
@@ -243,21 +245,21 @@ class FrameParser:
 
     Complete frames inside one chunk are decoded in place (no copy of the chunk); only
     the partial frame at a chunk's end is kept. Big frames are assembled into one
-    dedicated bytearray, so a large message costs one copy and its buffers are writable
-    memoryviews of that array. ``limit`` may be raised after authentication; a length
+    dedicated pooled buffer, so a large message costs at most one copy (none when the
+    reader receives straight into `big_window`) and its buffers are writable memoryviews
+    of that buffer. ``limit`` may be raised after authentication; a length
     prefix above it raises `FrameError` (``before_body=True``) without allocating.
     After a `FrameError` the stream is unusable: close the connection.
     """
 
-    __slots__ = ("_big", "_big_pos", "_big_view", "_failed", "_part", "limit")
+    __slots__ = ("_big", "_big_pos", "_failed", "_part", "limit")
 
     def __init__(self, limit: int = PREAUTH_MAX_FRAME_BYTES) -> None:
         self.limit = limit
         # Bytes of an incomplete small frame (or of an incomplete length prefix).
         self._part = bytearray()
         # An incomplete big frame: its body buffer and how much of it is filled.
-        self._big: bytearray | None = None
-        self._big_view: memoryview | None = None
+        self._big: memoryview | None = None
         self._big_pos = 0
         self._failed = False
 
@@ -321,6 +323,31 @@ class FrameParser:
             self._failed = True
             raise
 
+    def big_window(self) -> memoryview | None:
+        """The unfilled rest of the big frame being assembled, else None.
+
+        A reader may receive straight into it (no intermediate copy), then report the
+        byte count with `big_filled`; it must not read past the window.
+        """
+        big = self._big
+        return None if big is None or self._failed else big[self._big_pos :]
+
+    def big_filled(self, n: int) -> list[Frame]:
+        """``n`` bytes were written at the start of `big_window`: the frame, if complete."""
+        big = self._big
+        if big is None or n < 0 or self._big_pos + n > len(big):
+            raise ValueError("big_filled without a matching big_window")
+        self._big_pos += n
+        if self._big_pos < len(big):
+            return []
+        self._big = None
+        self._big_pos = 0
+        try:
+            return [_decode_body(big, big, 0, len(big))]
+        except FrameError:
+            self._failed = True
+            raise
+
     def _keep(self, data: bytes, off: int) -> None:
         """Hold the incomplete frame starting at ``data[off:]``."""
         if len(data) - off >= 8:
@@ -332,22 +359,23 @@ class FrameParser:
         self._part += memoryview(data)[off:]
 
     def _start_big(self, length: int) -> None:
-        self._big = bytearray(length)
-        self._big_view = memoryview(self._big)
+        # Pooled memory: no page faults for a body as big as the one before, and the
+        # block is reused only once no buffer of this frame is referenced any more.
+        self._big = take_buffer(length)
         self._big_pos = 0
 
     def _fill_big(self, data: bytes | memoryview, out: list[Frame]) -> int:
         """Copy into the big frame; returns bytes consumed, appends the frame when full."""
-        assert self._big is not None and self._big_view is not None
-        need = len(self._big) - self._big_pos
+        big = self._big
+        assert big is not None
+        need = len(big) - self._big_pos
         take = min(need, len(data))
-        self._big_view[self._big_pos : self._big_pos + take] = data[:take]
+        big[self._big_pos : self._big_pos + take] = data[:take]
         self._big_pos += take
         if take == need:
-            big, view = self._big, self._big_view
-            self._big = self._big_view = None
+            self._big = None
             self._big_pos = 0
-            out.append(_decode_body(big, view, 0, len(big)))
+            out.append(_decode_body(big, big, 0, len(big)))
         return take
 
     def _fill_part(self, data: bytes, out: list[Frame]) -> int:

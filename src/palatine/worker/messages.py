@@ -35,7 +35,7 @@ Wire invariants:
 from __future__ import annotations
 
 import itertools
-from typing import Generic, Literal, TypeAlias, TypeVar
+from typing import Any, Generic, Literal, TypeAlias, TypeVar
 
 import msgspec
 
@@ -118,10 +118,18 @@ class Pickled(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A pickled user value: protocol-5 bytes plus its out-of-band buffers, in order.
 
     Opaque to the controller; only workers and the client unpickle it.
+
+    Wire invariant: a buffer is either a `pickle.PickleBuffer` over private memory (a
+    worker's snapshot of a fetched value, or a received frame) or any other bytes-like
+    object. With ``encode_message_oob`` (`Mailbox.tell`, a worker's replies) the
+    PickleBuffers travel outside the msgpack payload, in the envelope's ``buffers``, and
+    decode as PickleBuffers viewing the received frame, so the controller forwards them
+    without a copy. Everything else is inlined as msgpack binary (and decodes as
+    `bytes`), as are PickleBuffers under ``encode_message``.
     """
 
     data: bytes
-    buffers: list[bytes] = []
+    buffers: list[Any] = []
 
 
 class Slice(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -21,6 +21,11 @@ nor anything above the wire layer, so the client may import it freely:
 Dense CPU tensors are pickled as one raw out-of-band buffer plus dtype and shape (no
 numpy needed); anything else uses torch's own pickling. Pickled values only ever come
 from authenticated peers (the channel handshake), as everywhere in palatine.
+
+A fetched value's buffers are private snapshots in pooled memory
+(`palatine.wire.buffers`), each a `pickle.PickleBuffer`, so the worker's reply carries
+them out of band and later commands cannot change what is sent; argument buffers are
+plain memoryviews, which msgpack inlines.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from palatine.wire.buffers import take_buffer
 from palatine.worker.messages import Cloudpickle, FunctionPath, FunctionRef, Pickled, WorkerError
 
 __all__ = [
@@ -144,9 +150,13 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad:
     return t
 
 
-def _reduce_tensor(t: Any, detach: bool) -> Any:
+def _reduce_tensor(t: Any, detach: bool, private: set[int] | None = None) -> Any:
     """Reduce a dense tensor to ``(rebuild, (raw buffer, dtype, shape, grad))``, or
-    ``NotImplemented`` to let torch pickle it (sparse, quantized, non-CPU...)."""
+    ``NotImplemented`` to let torch pickle it (sparse, quantized, non-CPU...).
+
+    ``detach`` (a fetch): the buffer is a snapshot in pooled memory, copied once from
+    any device and layout, and its `pickle.PickleBuffer`'s id is added to ``private``.
+    """
     import torch
 
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
@@ -157,10 +167,22 @@ def _reduce_tensor(t: Any, detach: bool) -> Any:
             return NotImplemented  # torch refuses this too; keep its error
         t = t.detach()
         requires_grad = requires_grad and not detach
+    if detach:
+        # A fetched value is sent later, from the event loop, while the stream goes on
+        # running commands: its buffer must be a snapshot, not the user's memory.
+        t = t.resolve_conj().resolve_neg()
+        shape = tuple(t.shape)
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            return (_rebuild_tensor, (b"", str(t.dtype), shape, False))
+        view = take_buffer(nbytes)
+        torch.frombuffer(view, dtype=t.dtype).view(shape).copy_(t)
+        snapshot = pickle.PickleBuffer(view)
+        if private is not None:
+            private.add(id(snapshot))
+        return (_rebuild_tensor, (snapshot, str(t.dtype), shape, False))
     if t.device.type != "cpu":
-        if not detach:
-            return NotImplemented
-        t = t.cpu()
+        return NotImplemented
     t = t.resolve_conj().resolve_neg().contiguous()
     shape = tuple(t.shape)
     nbytes = t.numel() * t.element_size()
@@ -190,10 +212,10 @@ def _persistent_ref(obj: Any) -> tuple[str, int] | None:
     return None if ref is None else (REF_TAG, ref)
 
 
-def _override(obj: Any, detach: bool) -> Any:
+def _override(obj: Any, detach: bool, private: set[int]) -> Any:
     tt = _torch_tensor_types()
     if tt is not None and (type(obj) is tt[0] or (detach and type(obj) is tt[1])):
-        return _reduce_tensor(obj, detach)  # a fetched Parameter arrives as its data
+        return _reduce_tensor(obj, detach, private)  # a fetched Parameter arrives as its data
     return NotImplemented
 
 
@@ -217,12 +239,13 @@ class _Pickler(pickle.Pickler):
         self._refs = refs
         self._detach = detach
         self._on_ref = on_ref
+        self.private: set[int] = set()  # ids of buffers that are snapshots already
 
     def persistent_id(self, obj: Any) -> Any:
         return _persistent(obj, self._refs, self._on_ref)
 
     def reducer_override(self, obj: Any) -> Any:
-        return _override(obj, self._detach)
+        return _override(obj, self._detach, self.private)
 
 
 _cloud_pickler: type[Any] | None = None
@@ -242,12 +265,13 @@ def _cloud_pickler_type() -> type[Any]:
                 self._refs = refs
                 self._detach = detach
                 self._on_ref = on_ref
+                self.private: set[int] = set()
 
             def persistent_id(self, obj: Any) -> Any:
                 return _persistent(obj, self._refs, self._on_ref)
 
             def reducer_override(self, obj: Any) -> Any:
-                r = _override(obj, self._detach)
+                r = _override(obj, self._detach, self.private)
                 if r is NotImplemented:
                     return super().reducer_override(obj)
                 return r
@@ -265,8 +289,9 @@ def _dumps(value: Any, refs: bool, detach: bool, on_ref: OnRef | None = None) ->
     f = io.BytesIO()
     data: bytes | None
     seen: list[Any] = []
+    pickler: Any = _Pickler(f, bufs.append, refs, detach, seen.append)
     try:
-        _Pickler(f, bufs.append, refs, detach, seen.append).dump(value)
+        pickler.dump(value)
         data = f.getvalue()
     except (pickle.PicklingError, AttributeError, TypeError):
         data = None
@@ -274,14 +299,27 @@ def _dumps(value: Any, refs: bool, detach: bool, on_ref: OnRef | None = None) ->
         bufs = []
         seen = []
         f = io.BytesIO()
-        _cloud_pickler_type()(f, bufs.append, refs, detach, seen.append).dump(value)
+        pickler = _cloud_pickler_type()(f, bufs.append, refs, detach, seen.append)
+        pickler.dump(value)
         data = f.getvalue()
     if on_ref is not None:
         for h in seen:
             on_ref(h)
-    # memoryviews: msgspec encodes them as binary without a copy here; the receiver
-    # gets plain bytes.
-    return Pickled(data, [b.raw() for b in bufs])  # type: ignore[misc]
+    if not detach:
+        # Views of user memory: msgpack copies them inline whenever the message is
+        # encoded, and never sends them out of band (only PickleBuffers go there).
+        return Pickled(data, [b.raw() for b in bufs])
+    # A fetched value travels out of band (`encode_message_oob`: written later, from the
+    # event loop), so every buffer must be a private snapshot: tensors are already;
+    # anything else (arrays) is copied here, once.
+    private = pickler.private
+    for i, b in enumerate(bufs):
+        if id(b) not in private:
+            raw = b.raw()
+            copy = take_buffer(raw.nbytes)
+            copy[:] = raw
+            bufs[i] = pickle.PickleBuffer(copy)
+    return Pickled(data, bufs)
 
 
 def dumps_args(args: tuple[Any, ...], kwargs: dict[str, Any], on_ref: OnRef | None = None) -> Pickled:
@@ -374,7 +412,7 @@ def pickle_function(fn: Callable[..., Any]) -> Cloudpickle:
 class _ArgUnpickler(pickle.Unpickler):
     """Maps ``("ref", n)`` through the stream's lookup while unpickling."""
 
-    def __init__(self, data: bytes, buffers: list[bytes], lookup: Callable[[int], Any]) -> None:
+    def __init__(self, data: bytes, buffers: list[Any], lookup: Callable[[int], Any]) -> None:
         super().__init__(io.BytesIO(data), buffers=buffers)
         self._lookup = lookup
 
@@ -408,7 +446,8 @@ def load_value(p: Pickled, lookup: Callable[[int], Any]) -> Any:
 
 
 def dumps_fetched(value: Any) -> Pickled:
-    """Pickle a fetched value, every tensor ``detach().cpu()`` first.
+    """Pickle a fetched value: every tensor detached and copied to CPU, every buffer a
+    private snapshot (one copy, into pooled memory).
 
     Raises ``TypeError("cannot pickle a value of type T for fetch: ...")`` when the
     value does not pickle (a user error).
