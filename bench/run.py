@@ -655,75 +655,41 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "threads.",
     ],
     "controller_invocations_per_s": [
-        "Profiled 2026-12-02 at d319d1e (load average 4-7 from other work on the 2 cores). CPU-bound on "
-        "per-message overhead, not one hot spot: 20,000 calls/s on 2 cores leaves 100 µs of CPU "
-        "per call for all processes together; measured (`cpu_ms_per_1k_calls`, psutil) client "
-        "≈ 70-95 µs, controller ≈ 100-145 µs, the 4 workers together ≈ 90-135 µs, so "
-        "≈ 270-375 µs per call: 3-4× over budget before any load from other programs.",
-        "Messages per call: a call whose result is discarded sends the controller 4 messages "
-        "(the previous value's `Send(DeleteRefs)` + `DropRefs`, then `Node` + "
-        "`Send(CallFunction)`), and the controller casts 2 × 4 envelopes to the workers. Keeping "
-        "the results alive (no drops) roughly halves controller and worker CPU (≈ 75 µs each "
-        "per call). Suggestion (client/session.py): coalesce drops (one `DeleteRefs` for many "
-        "refs per flush or interval, not one per dropped value) and send everything one "
-        "`runtime.post` drain produces as one batch message, so the controller decodes and "
-        "dispatches once per batch.",
-        "Controller (py-spy): ≈ 31 % in `on_send` → `_cast` → `cast_envelope`: per rank, "
-        "`comm._deliver` builds a fresh headers dict with `str(cast.origin)` (`ActorId.__str__` "
-        "≈ 3 %), an `Envelope`, and `encode_message`; `comm._selected` (`any()` over a "
-        "generator, per block) ≈ 11 % for a 4-rank gang. Channel: `NetTx._flush` ≈ 12 % "
-        "(writes), `NetTx._on_ack` ≈ 9 %, decoding (`_decode_body`, `decode_payload`) ≈ 11 %, "
-        "actor dispatch (`ActorInstance._process`/`_run_handler`) ≈ 8 %. Suggestions "
-        "(comm.py, controller/actor.py): compute the origin string/header template once per "
-        "cast; a fast path for a cast to a whole contiguous gang that skips `_selected`; cast "
-        "the commands of one client batch to each worker as one envelope.",
-        "Client issuing thread (cProfile, 5,000 calls): issuing alone runs at only ≈ 4,400-7,300 "
-        "calls/s (`issue_calls_per_s`), so the client would cap throughput even with an "
-        "infinitely fast controller. Per call: `pickle_args` ≈ 21 % (a new `CloudPickler` for "
-        "`((0,), {})`; a plain-pickle fast path for arguments without handles would do), "
-        "`_drop_messages` ≈ 18 %, `capture_site` ≈ 17 % (`os.path.abspath` on every frame of "
-        "every call; cache per filename), `Session.issue` + one `Serialized.of` per command "
-        "≈ 25 %; the user thread and the palatine-loop thread also hand the GIL back and forth "
-        "(py-spy: ≈ 40 % of client samples in the loop thread's `post`/`run`).",
-        "Workers: ≈ 23-33 µs per worker per call for two commands (`CallFunction`, "
-        "`DeleteRefs`), each decoded on the loop thread and handed to the stream thread "
-        "through a `queue.Queue` (lock + condition per put/get, a GIL hand-off each). "
-        "Suggestion (worker/stream.py): hand commands to the stream in batches.",
+        "Measured 2026-12-03 (`cpu_ms_per_1k_calls`): client ≈ 22-30 µs, the 4 workers "
+        "together ≈ 25-33 µs, controller ≈ 6-8 µs per call (it was 70-95, 90-135 and "
+        "100-145 µs). What changed: the client sends everything one loop wake-up collects "
+        "as one `Batch` (its Nodes, its commands with consecutive commands for the same "
+        "ranks merged into one `CommandGroup`, its drops as one `DeleteRefs` per slice and "
+        "one `DropRefs`), so the controller decodes and casts once per flush, not 2-4 times "
+        "per call; completions of one `Status` go back as one `Results`; a worker hands a "
+        "whole `CommandGroup` to each stream thread as one queue item; arguments that are "
+        "all plain scalars are pickled by the C pickler directly.",
+        "Left: the client issuing thread (`remote.__call__`: issue site capture, ref "
+        "allocation, `RemoteValue` creation and its finalizer-driven drop) is now the "
+        "largest share; workers still execute each command on a stream thread.",
     ],
     "fetch_roundtrip_ms": [
-        "Profiled 2026-12-02 at d319d1e. Latency ≈ CPU here: one round trip costs (psutil, "
-        "`cpu_ms_per_roundtrip`) client ≈ 0.4-0.5 ms, controller ≈ 0.6-0.9 ms, the 4 workers "
-        "together ≈ 1.1-1.4 ms, ≈ 2.1-2.9 ms of CPU on 2 shared cores, for ≈ 20 messages: the "
-        "call (`Node`, `Send(CallFunction)`, plus the previous value's drop), the fetch "
-        "(`Node`, `Send(SendValue)` to rank 0, `Send(RequestStatus)` to all 4), the "
-        "controller's 9 envelopes to the workers, 4 status replies + the value back, one "
-        "`Result` to the client. Each message pays the per-message layers listed under "
-        "`controller_invocations_per_s`.",
-        "Thread hops on the critical path: client user thread → palatine-loop thread "
-        "(`call_soon_threadsafe`) and back (`Condition.wait` in `Future.result`); in each "
-        "worker the loop thread → stream thread (`queue.Queue`) → loop thread. On a busy box "
-        "each hop can wait for the GIL or a core.",
-        "Suggestions: send a call and its fetch as one client message; fold `RequestStatus` "
-        "into the same envelope as the command for each worker; let a worker answer "
-        "`RequestStatus` from the loop thread when the stream has already passed that seq.",
+        "Measured 2026-12-03: a call and its fetch now go out as one `Batch` (one flush per "
+        "round trip), and the client regroups a flush that addresses several slices per "
+        "rank, so each worker gets one envelope (`CallFunction`, `SendValue` on rank 0, "
+        "`RequestStatus`) and runs it as one stream-queue item. What remains is latency, "
+        "not CPU: py-spy shows the workers busy ≈ 5 % of the time; the critical path has "
+        "≈ 8 sequential wake-ups (client user → loop thread, controller, worker loop → "
+        "stream → loop thread, controller, client loop → user thread) at ≈ 60-80 µs each "
+        "on this VM, and the 4 workers' wake-ups share 2 cores. The controller's remaining "
+        "CPU is mostly the socket writes themselves (`NetTx._flush` ≈ 45 % of its busy "
+        "samples).",
+        "Next: answer `RequestStatus` from the worker's loop thread when its streams are "
+        "idle and have passed the seq; let the stream thread hand its outbox to the loop "
+        "without a separate wake-up when the loop is already awake.",
     ],
     "local_mesh_4_to_first_fetch_s": [
-        "Profiled 2026-12-02 at d319d1e (role ready times, DEBUG logs, py-spy). system ready ≈ 0.25-0.5 s, "
-        "host ≈ 0.3 s, then `palatine controller` is ready only after ≈ 6-7 s: it waits for the "
-        "worker world to be Live, and each worker's `init` awaits `import_torch` (worker/"
-        "actor.py) before it reports ready. `import torch` costs ≈ 1.6 s of CPU; 4 at once on 2 "
-        "cores took 5.1 s (measured alone). Suggestion: do not block worker readiness on torch "
-        "on CPU meshes (import it on first use or in the background after ready), or start "
-        "workers from a host-side fork server that has torch imported.",
-        "The first fetch after `local_mesh` returns costs 0.3-0.65 s, almost all of it the "
-        "first call of `palatine.worker.functions.identity`: the workers then import the "
-        "`palatine.client` package (its `__init__` pulls `local`, `session`, "
-        "`controller.messages`, cloudpickle: 16 modules). A first call to `posix.getpid` takes "
-        "10 ms and the identity call after it 0.3-0.43 s. Suggestion: move the worker-side "
-        "helpers (`identity`, `coordinate`, `open_store`) to a module that does not import the "
-        "client package, or make `palatine.client.__init__` import lazily.",
-        "Not in the metric: `mesh.shutdown()` takes 3.5-4.2 s; the host reaps the stopped "
-        "workers ≈ 3 s after they report `proc stopped`.",
+        "Measured 2026-12-03: CPU workers no longer import torch before they report ready "
+        "(each path that needs torch imports it on first use), and a host starts its "
+        "workers by forking them from a fork server that has the worker modules imported "
+        "(`palatine/forkserver.py`; `PALATINE_FORK_SERVER=0` turns it off). What is left is "
+        "mostly starting the system, host and controller interpreters on 2 cores.",
+        "Not in the metric: `mesh.shutdown()` takes ≈ 3 s.",
     ],
     "detect_hang_s": [
         "Measured 2026-12-02 at 4e3bb83: met by the median, but with no margin: repetitions "

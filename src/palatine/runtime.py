@@ -41,6 +41,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
+_thread_loop: asyncio.AbstractEventLoop | None = None  # the palatine-loop thread's, once started
 _exit_hooks: list[Callable[[], Coroutine[Any, Any, Any]]] = []
 
 
@@ -55,17 +56,19 @@ def adopt_current_loop() -> asyncio.AbstractEventLoop:
 
 
 def release_current_loop() -> None:
-    """Undo `adopt_current_loop` (tests that run several loops in one thread)."""
+    """Undo `adopt_current_loop` (tests that run several loops in one thread).
+
+    The palatine loop is again the ``palatine-loop`` thread's, if that thread was started.
+    """
     global _loop
     with _lock:
-        if _thread is None:
-            _loop = None
+        _loop = _thread_loop
     unmark_loop_thread()
 
 
 def get_loop() -> asyncio.AbstractEventLoop:
     """The palatine loop, starting the ``palatine-loop`` thread on first use."""
-    global _loop, _thread
+    global _loop, _thread, _thread_loop
     loop = _loop
     if loop is not None:
         return loop
@@ -84,7 +87,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
         _thread = threading.Thread(target=run, name="palatine-loop", daemon=True)
         _thread.start()
         ready.wait()
-        _loop = loop
+        _loop = _thread_loop = loop
         atexit.register(_shutdown)
         return loop
 
@@ -167,12 +170,16 @@ def call(
 
 
 def _copy(src: Future[Any], dst: Future[Any], transform: Callable[[Any], Any] | None = None) -> None:
-    exc = src._cf.exception()
+    exc = src._exc
     if exc is not None:
         dst.set_exception(exc)
-    else:
-        value = src._cf.result()
-        dst.set_result(value if transform is None else transform(value))
+        return
+    try:
+        value = src._value if transform is None else transform(src._value)
+    except BaseException as e:  # noqa: BLE001 - surfaced to the caller's future
+        dst.set_exception(e)
+        return
+    dst.set_result(value)
 
 
 def at_exit(hook: Callable[[], Coroutine[Any, Any, Any]]) -> None:

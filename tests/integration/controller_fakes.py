@@ -24,6 +24,7 @@ from palatine.ids import ActorId, ProcId
 from palatine.wire.codec import Message
 from palatine.worker.messages import (
     CallFunction,
+    CommandGroup,
     ExecutingOp,
     ProgressQuery,
     RequestStatus,
@@ -109,6 +110,16 @@ class FakeWorker(Actor):
         self.received.append(("CallFunction", msg.seq, False))
 
     @handler
+    def on_command_group(self, msg: CommandGroup) -> None:
+        for c in msg.commands:  # the fake handles the kinds it knows, in order
+            if isinstance(c, RequestStatus):
+                self.on_request_status(c)
+            elif isinstance(c, CallFunction):
+                self.on_call_function(c)
+            else:
+                self.received.append((type(c).__name__, getattr(c, "seq", -1), False))
+
+    @handler
     def on_progress_query(self, msg: ProgressQuery) -> WorkerProgress:
         executing = None
         if self.hang_from is not None:
@@ -176,7 +187,7 @@ class TestClient:
     __test__ = False
 
     def __init__(self, system_addr: str, controller: str = "controller[0].root") -> None:
-        from palatine.controller.messages import Failure, Log, Result
+        from palatine.controller.messages import Failure, Log, Result, Results
         from palatine.system.service import System
 
         self.lt = LoopThread()
@@ -195,6 +206,14 @@ class TestClient:
                 self.events.append((time.monotonic(), payload))
 
             mb.bind_handler(cls.__palatine_type_id__, on, cls.__name__)
+
+        def on_results(payload: Any, env: Any) -> None:
+            now = time.monotonic()
+            for r in payload.results:  # completions batched per Status: one Result each
+                self.results.append(r)
+                self.events.append((now, r))
+
+        mb.bind_handler(Results.__palatine_type_id__, on_results, "Results")
 
     def snapshot(self, **kw: Any) -> dict[str, Any]:
         import json

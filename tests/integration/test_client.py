@@ -47,6 +47,22 @@ def all_reduce_sum(t: object, pg: object) -> object:
     return t
 
 
+def seeded_tensor(rank: int, n: int) -> object:
+    import torch
+
+    return torch.rand(n, generator=torch.Generator().manual_seed(rank))
+
+
+def seeded_array(rank: int, n: int) -> object:
+    import numpy as np
+
+    return np.random.default_rng(rank).standard_normal(n)
+
+
+def add_in_place(t: object, v: float) -> None:
+    t.add_(v)  # type: ignore[attr-defined]
+
+
 def spin(seconds: float) -> str:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -105,6 +121,33 @@ def test_all_reduce_across_four_workers(mesh: DeviceMesh) -> None:
             assert inspect(summed, shard=rank).tolist() == [10.0, 10.0, 10.0]
         reduced = remote(tensor_of)(mesh.rank("proc")).reduce("proc", op="sum")
         assert inspect(reduced, shard=0).tolist() == [10.0, 10.0, 10.0]
+
+
+def test_large_values_fetch_exactly_as_private_snapshots(mesh: DeviceMesh) -> None:
+    """Tensors and arrays of several MiB travel out of band (worker → controller →
+    client); each fetched value is exact, writable, and a snapshot of its own."""
+    import numpy as np
+    import torch
+
+    n = 2**21  # 8 MiB of float32, 16 MiB of float64
+    want = seeded_tensor(2, n)
+    with mesh.activate():
+        r = mesh.rank("proc")
+        t = remote(seeded_tensor)(r, n)
+        first = fetch(t, shard=2).result(timeout=60)
+        assert isinstance(first, torch.Tensor) and torch.equal(first, want)
+        pending = fetch(t, shard=2)
+        remote(add_in_place, mutates=("t",), returns=0)(t, 1.0)  # right behind the fetch
+        third = fetch(t, shard=2).result(timeout=60)
+        second = pending.result(timeout=60)
+        assert torch.equal(second, want)  # the value when it was fetched
+        assert torch.equal(third, want + 1)
+        first.mul_(0)  # a private, writable copy: the others are unaffected
+        assert torch.equal(second, want) and torch.equal(third, want + 1)
+        arrays = [fetch(remote(seeded_array)(r, n), shard=k) for k in (1, 3)]
+        for k, fut in zip((1, 3), arrays, strict=True):
+            got = fut.result(timeout=60)
+            assert got.dtype == np.float64 and np.array_equal(got, seeded_array(k, n))
 
 
 def test_sigkilled_worker_raises_device_exception_fast() -> None:

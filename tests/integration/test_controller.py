@@ -469,6 +469,50 @@ def test_attach_nodes_sends_and_results(cluster: Cluster) -> None:
     assert len(client.results) == 2
 
 
+def test_batch_is_handled_as_its_messages_in_order(cluster: Cluster) -> None:
+    """A client flush (`Batch`): Nodes, then Sends (a CommandGroup and per-rank Sends),
+    then drops; completions of one Status come back as one `Results`, one per seq."""
+    from palatine.controller.messages import Batch, Introspect
+    from palatine.worker.messages import CommandGroup
+
+    cluster.start_controller()
+    client = cluster.client()
+    client.attach()
+
+    def call(seq: int, results: list[int]) -> CallFunction:
+        return CallFunction(
+            seq=seq, results=results, function=FunctionPath("os.getpid"), args=Pickled(b""), stream=0
+        )
+
+    group = CommandGroup(commands=[call(0, [1]), call(1, [2]), call(2, [3])])
+    client.tell(
+        Batch(
+            nodes=[Node(seq=0, defs=[1]), Node(seq=1, defs=[2], uses=[1]), Node(seq=2, defs=[3])],
+            sends=[
+                Send(ranks=ALL, message=Serialized.of(group)),
+                Send(ranks=[Slice(0, [1], [1])], message=Serialized.of(call(3, []))),
+                Send(ranks=ALL, message=Serialized.of(RequestStatus(seq=2))),
+            ],
+            drop_refs=[1, 2],
+        )
+    )
+    client.wait_for(lambda: len(client.results) >= 3, 10, "three Results")
+    assert [(r.seq, r.result) for r in client.results] == [(0, None), (1, None), (2, None)]
+    for rank in range(4):
+        got = [(k, s) for k, s, ctl in client.ask(client.worker(rank), FakeQuery()).received if not ctl]
+        calls = [("CallFunction", 0), ("CallFunction", 1), ("CallFunction", 2)]
+        extra = [("CallFunction", 3)] if rank == 0 else []
+        assert got == [*calls, *extra, ("RequestStatus", 2)], (rank, got)
+    # the dropped refs are gone from the history; the one still held is not
+    history = client.ask(client.controller, Introspect()).history
+    assert (history.live_invocations, history.ref_map_size) == (0, 1)
+    # a Batch from a stranger is dropped whole
+    other = cluster.client()
+    other.tell(Batch(nodes=[Node(seq=5)]))
+    client.tell(Node(seq=3))
+    assert client.ask(client.controller, Introspect()).history.max_seq == 3
+
+
 # --------------------------------------------------------------------------- supervision (19, 55, 59, 60)
 
 

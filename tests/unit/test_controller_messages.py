@@ -184,6 +184,14 @@ EXAMPLES: dict[type[Any], list[Any]] = {
     cm.Send: [
         cm.Send(ranks=[SLICE, wm.Slice(2, [2], [1])], message=cm.Serialized.of(CALL)),
     ],
+    cm.Batch: [
+        cm.Batch(),
+        cm.Batch(
+            nodes=[cm.Node(seq=1, defs=[2], label="f"), cm.Node(seq=2, uses=[2])],
+            sends=[cm.Send(ranks=[SLICE], message=cm.Serialized.of(wm.CommandGroup(commands=[CALL, CALL])))],
+            drop_refs=[2],
+        ),
+    ],
     cm.Introspect: [cm.Introspect()],
     cm.IntrospectReply: [
         cm.IntrospectReply(client_state="waiting", history=HSNAP),
@@ -224,6 +232,9 @@ EXAMPLES: dict[type[Any], list[Any]] = {
         cm.Result(seq=20, result=Ok(PICKLED)),
         cm.Result(seq=1, result=Err(Error(1, 1, WERR))),
         cm.Result(seq=2, result=Err(Error(2, 1, WERR))),
+    ],
+    cm.Results: [
+        cm.Results(results=[cm.Result(seq=1), cm.Result(seq=2, result=Ok(PICKLED))]),
     ],
     cm.Log: [
         cm.Log(level="error", message="Node s5 rejected: seqs must increase (last was s9)"),

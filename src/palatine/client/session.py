@@ -22,20 +22,30 @@ from palatine import runtime
 from palatine.actor import Actor, handler
 from palatine.controller.history import Error
 from palatine.controller.messages import (
+    Batch,
     Detach,
-    DropRefs,
     Failure,
     KeepAlive,
     Log,
     Node,
     Result,
+    Results,
     Send,
     Serialized,
 )
 from palatine.errors import DeviceException, PalatineError, RemoteException, StuckWorkersException
 from palatine.future import Future
 from palatine.ids import ActorId, ProcId
-from palatine.worker.messages import BorrowDrop, BorrowLastUse, DeleteRefs, Err, Ok, Slice, WorkerError
+from palatine.worker.messages import (
+    BorrowDrop,
+    BorrowLastUse,
+    CommandGroup,
+    DeleteRefs,
+    Err,
+    Ok,
+    Slice,
+    WorkerError,
+)
 from palatine.wire.codec import Message, loads
 
 if TYPE_CHECKING:
@@ -78,6 +88,12 @@ class ClientActor(Actor):
             self.session.on_result(msg)
 
     @handler
+    def on_results(self, msg: Results) -> None:
+        if self.session is not None:
+            for r in msg.results:
+                self.session.on_result(r)
+
+    @handler
     def on_log(self, msg: Log) -> None:
         log.log(_LEVELS.get(msg.level, logging.INFO), "%s", msg.message, extra={"details": msg.details})
 
@@ -91,6 +107,72 @@ class ClientActor(Actor):
         if s is not None and (s.detached or s.closed or s.failure is not None):
             return  # the controller going away after Detach (or a failure) is expected
         super().handle_undeliverable(returned)
+
+
+def _slice_key(sl: Slice) -> tuple[Any, ...]:
+    return (sl.offset, tuple(sl.sizes), tuple(sl.strides))
+
+
+_PER_RANK_LIMIT = 4096  # world size × commands up to which a flush is grouped per rank
+
+
+def _encoded(cmds: list[Message]) -> Serialized:
+    return Serialized.of(cmds[0] if len(cmds) == 1 else CommandGroup(commands=cmds))
+
+
+def _rank_slices(ranks: list[int]) -> list[Slice]:
+    """Sorted distinct ranks as contiguous slices."""
+    out: list[Slice] = []
+    start = prev = ranks[0]
+    for r in ranks[1:]:
+        if r != prev + 1:
+            out.append(Slice(offset=start, sizes=[prev - start + 1], strides=[1]))
+            start = r
+        prev = r
+    out.append(Slice(offset=start, sizes=[prev - start + 1], strides=[1]))
+    return out
+
+
+def _group_sends(cmds: list[tuple[Slice, Message]]) -> list[Send]:
+    """The `Send`s for one flush's commands, each command encoded once, here.
+
+    Consecutive commands for the same slice become one `CommandGroup`. When the flush
+    addresses several slices (a call, then a fetch from one rank and a barrier on all),
+    the commands are regrouped per rank instead, so each worker gets exactly one
+    envelope: ranks with the same command list share one Send. Per-rank order is kept;
+    different Sends reach disjoint ranks, so their relative order does not matter.
+    """
+    runs: list[tuple[Slice, list[Message]]] = []
+    last_key: tuple[Any, ...] | None = None
+    for sl, cmd in cmds:
+        key = _slice_key(sl)
+        if runs and key == last_key:
+            runs[-1][1].append(cmd)
+        else:
+            runs.append((sl, [cmd]))
+            last_key = key
+    if len(runs) > 1:
+        try:
+            rank_sets = [sorted(set(sl.ranks())) for sl, _ in runs]
+        except ValueError:  # a malformed slice: the controller reports it
+            rank_sets = []
+        total = sum(len(rs) for rs in rank_sets) * len(runs)
+        if rank_sets and total <= _PER_RANK_LIMIT:
+            per_rank: dict[int, list[int]] = {}
+            for i, rs in enumerate(rank_sets):
+                for r in rs:
+                    per_rank.setdefault(r, []).append(i)
+            groups: dict[tuple[int, ...], list[int]] = {}
+            for r in sorted(per_rank):
+                groups.setdefault(tuple(per_rank[r]), []).append(r)
+            return [
+                Send(
+                    ranks=_rank_slices(ranks),
+                    message=_encoded([c for i in idxs for c in runs[i][1]]),
+                )
+                for idxs, ranks in groups.items()
+            ]
+    return [Send(ranks=[sl], message=_encoded(cs)) for sl, cs in runs]
 
 
 class _Pending:
@@ -140,6 +222,10 @@ class Session:
         self.closed = False
         self.detached = False
         self._drops: list[tuple[int, Slice, int | None]] = []
+        self._out_nodes: list[Node] = []
+        self._out_cmds: list[tuple[Slice, Message]] = []
+        self._flush_posted = False
+        self._out_lock = threading.Lock()  # the outbox above; never held while waiting
         self._drop_lock = threading.Lock()
         self.collective_ref: int | None = None
         self._keepalive: asyncio.TimerHandle | None = None
@@ -170,40 +256,64 @@ class Session:
         site: IssueSite | None = None,
         make_commands: Any = None,
     ) -> int:
-        """Allocate a seq and send its Node and commands, in seq order (any thread)."""
+        """Allocate a seq and queue its Node and commands, in seq order (any thread)."""
         with self.lock:
             self.check_usable()
             seq = next(self._seq)
             cmds = make_commands(seq) if make_commands is not None else commands
             self.pending[seq] = _Pending(future, site, label)
-            drops = self._take_drops()
-            msgs: list[Message] = []
-            if drops:
-                msgs += self._drop_messages(drops)
-            msgs.append(Node(seq=seq, defs=defs, uses=uses, label=label))
-            for ranks, cmd in cmds:
-                msgs.append(Send(ranks=[ranks], message=Serialized.of(cmd)))
-            self._send(msgs)
+            with self._out_lock:
+                self._out_nodes.append(Node(seq=seq, defs=defs, uses=uses, label=label))
+                self._out_cmds += cmds
+                post = self._claim_flush()
+            if post:
+                runtime.post(self._flush)
             return seq
 
     def send_commands(self, commands: list[tuple[Slice, Message]]) -> None:
         """Commands without a seq of their own (CreateStream, DeleteRefs, Exit)."""
         with self.lock:
-            self._send([Send(ranks=[r], message=Serialized.of(c)) for r, c in commands])
+            with self._out_lock:
+                self._out_cmds += commands
+                post = self._claim_flush()
+            if post:
+                runtime.post(self._flush)
 
-    def _send(self, msgs: list[Message]) -> None:
-        tell = self.mailbox.tell
-        dest = self.controller
+    def _claim_flush(self) -> bool:
+        """Whether the caller must post the flush (``_out_lock`` held; post after
+        releasing it: on the loop thread `runtime.post` runs the flush at once).
+        One loop wake-up sends everything queued until then as one `Batch`."""
+        if self._flush_posted:
+            return False
+        self._flush_posted = True
+        return True
 
-        def go() -> None:
-            for m in msgs:
-                tell(dest, m)
+    def _flush(self) -> None:
+        """Send the queued Nodes, commands and drops as one `Batch` (loop thread).
 
-        runtime.post(go)
+        Consecutive commands for the same ranks travel as one `CommandGroup`, so each
+        worker gets one envelope per flush instead of one per command. Only the outbox
+        lock is taken here: a user thread may hold ``self.lock`` while it waits for the
+        loop (`ensure_collectives`).
+        """
+        with self._out_lock:
+            self._flush_posted = False
+            nodes, self._out_nodes = self._out_nodes, []
+            cmds, self._out_cmds = self._out_cmds, []
+            drops = self._take_drops() if not (self.closed or self.failure is not None) else []
+        drop_refs: list[int] = []
+        if drops:
+            cmds += self._drop_commands(drops)
+            drop_refs = [r for r, _, _ in drops]
+        if not (nodes or cmds or drop_refs):
+            return
+        self.mailbox.tell(
+            self.controller, Batch(nodes=nodes, sends=_group_sends(cmds), drop_refs=drop_refs)
+        )
 
     # ------------------------------------------------------------ refs lifetime
     def drop_later(self, ref: int, ranks: Slice, borrow: int | None = None) -> None:
-        """Called from finalizers: no I/O here, just queue (flushed on next send / idle).
+        """Called from finalizers: no I/O here, just queue (sent with the next flush).
 
         ``borrow`` (a borrowed handle's borrow id) releases the borrow instead of
         deleting the ref: ``BorrowLastUse`` then ``BorrowDrop`` (40-worker-client.md §1.7).
@@ -216,29 +326,33 @@ class Session:
             drops, self._drops = self._drops, []
         return drops
 
-    def _drop_messages(self, drops: list[tuple[int, Slice, int | None]]) -> list[Message]:
+    @staticmethod
+    def _drop_commands(drops: list[tuple[int, Slice, int | None]]) -> list[tuple[Slice, Message]]:
+        """One ``DeleteRefs`` per slice for the dropped refs; borrows are released instead."""
         by_slice: dict[tuple[Any, ...], tuple[Slice, list[int]]] = {}
-        out: list[Message] = []
+        out: list[tuple[Slice, Message]] = []
         for ref, sl, borrow in drops:
             if borrow is not None:
                 # the worker unbinds the borrowed ref itself (BorrowLastUse): no DeleteRefs
-                out.append(Send(ranks=[sl], message=Serialized.of(BorrowLastUse(borrow=borrow))))
-                out.append(Send(ranks=[sl], message=Serialized.of(BorrowDrop(borrow=borrow))))
+                out.append((sl, BorrowLastUse(borrow=borrow)))
+                out.append((sl, BorrowDrop(borrow=borrow)))
                 continue
-            key = (sl.offset, tuple(sl.sizes), tuple(sl.strides))
-            by_slice.setdefault(key, (sl, []))[1].append(ref)
+            by_slice.setdefault(_slice_key(sl), (sl, []))[1].append(ref)
         for sl, refs in by_slice.values():
-            out.append(Send(ranks=[sl], message=Serialized.of(DeleteRefs(refs=refs))))
-        out.append(DropRefs(refs=[r for r, _, _ in drops]))
+            out.append((sl, DeleteRefs(refs=refs)))
         return out
 
     def flush_drops(self) -> None:
-        with self.lock:
-            if self.closed or self.failure is not None:
+        """Send the queued drops now (idle keep-alive, shutdown)."""
+        if self.closed or self.failure is not None:
+            return
+        with self._drop_lock:
+            if not self._drops:
                 return
-            drops = self._take_drops()
-            if drops:
-                self._send(self._drop_messages(drops))
+        with self._out_lock:
+            post = self._claim_flush()
+        if post:
+            runtime.post(self._flush)
 
     # ------------------------------------------------------------ results (loop thread)
     def on_result(self, msg: Result) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import linecache
 import os
+import pickle
 import sys
 import traceback
 from collections.abc import Callable
@@ -196,8 +197,19 @@ class RemoteValue(Handle):
         return reduce(self, dims, op, scatter, in_place, out, like)
 
 
+_PLAIN = frozenset({int, float, bool, str, bytes, type(None)})
+
+
 def pickle_args(args: Any, check: Callable[[Handle], None]) -> tuple[Pickled, list[int]]:
-    """One pickle of ``(args, kwargs)`` with handles as refs; returns it and the refs used."""
+    """One pickle of ``(args, kwargs)`` with handles as refs; returns it and the refs used.
+
+    Arguments that are all plain scalars hold no handle and no buffer: they take the
+    C pickler directly (the common case of small control arguments).
+    """
+    a, k = args
+    plain = _PLAIN
+    if all(type(x) in plain for x in a) and (not k or all(type(v) in plain for v in k.values())):
+        return Pickled(pickle.dumps((tuple(a), dict(k)), protocol=5), []), []
     refs: list[int] = []
 
     def on_ref(h: Any) -> None:
@@ -205,8 +217,12 @@ def pickle_args(args: Any, check: Callable[[Handle], None]) -> tuple[Pickled, li
             check(h)
         refs.append(h.__palatine_ref__)
 
-    a, k = args
-    return dumps_args(a, k, on_ref), refs
+    p = dumps_args(a, k, on_ref)
+    if p.buffers:
+        # The commands are encoded when the session flushes, on the loop thread: snapshot
+        # the argument buffers now so a change the caller makes after the call is not sent.
+        p = Pickled(p.data, [bytes(b) for b in p.buffers])
+    return p, refs
 
 
 def function_ref(fn: Any) -> tuple[FunctionRef, str]:

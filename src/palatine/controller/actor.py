@@ -36,6 +36,7 @@ from palatine.controller.messages import (
     Attach,
     AttachRejected,
     AttachReply,
+    Batch,
     CheckSupervision,
     CheckWorkerProgress,
     ClientState,
@@ -58,6 +59,7 @@ from palatine.controller.messages import (
     RemoteFunctionFailed,
     RequestStacks,
     Result,
+    Results,
     Schedule,
     Send,
     SendProbe,
@@ -142,6 +144,7 @@ class ControllerActor(Actor):
         self._settled = True
         self._node_at = 0.0
         self._deferred: list[SendProbe] = []
+        self._batching = False  # inside a Batch: settle once, after its last Send
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -241,9 +244,11 @@ class ControllerActor(Actor):
         client = self.client
         if client is None or self.client_state != "attached":
             return
-        tell = self.cx.mailbox.tell
-        for seq, outcome in reports:
-            tell(client, Result(seq=seq, result=outcome))
+        results = [Result(seq=seq, result=outcome) for seq, outcome in reports]
+        if len(results) == 1:
+            self.cx.mailbox.tell(client, results[0])
+        elif results:
+            self.cx.mailbox.tell(client, Results(results=results))
 
     # ------------------------------------------------------------------ instructions
 
@@ -428,11 +433,33 @@ class ControllerActor(Actor):
             )
 
     @handler
-    def on_node(self, msg: Node) -> None:
-        """Record the invocation; eager error Results; arm the deadline, maybe probe."""
-        if not self._from_client("Node"):
+    def on_batch(self, msg: Batch) -> None:
+        """A client flush: its Nodes, then its Sends, then its DropRefs (`Batch`)."""
+        if not self._from_client("Batch"):
             return
+        # Probes of the newest seq wait for the whole batch: its Sends execute its Nodes.
+        self._settled = False
+        self._batching = True
+        try:
+            for node in msg.nodes:
+                self._node(node)
+            for send in msg.sends:
+                self._send(send)
+        finally:
+            self._batching = False
         self._settle()
+        if msg.drop_refs:
+            self.history.delete_invocations_for_refs(msg.drop_refs)
+
+    @handler
+    def on_node(self, msg: Node) -> None:
+        if self._from_client("Node"):
+            self._node(msg)
+
+    def _node(self, msg: Node) -> None:
+        """Record the invocation; eager error Results; arm the deadline, maybe probe."""
+        if not self._batching:
+            self._settle()
         try:
             reports = self.history.add_invocation(msg.seq, msg.uses, msg.defs, msg.label)
         except ValueError as e:
@@ -454,14 +481,16 @@ class ControllerActor(Actor):
 
     @handler
     def on_send(self, msg: Send) -> None:
+        if self._from_client("Send"):
+            self._send(msg)
+
+    def _send(self, msg: Send) -> None:
         """Cast the opaque command to the union of the slices (§5)."""
-        if not self._from_client("Send"):
-            return
         ranks = self._rank_set(msg.ranks)
         if ranks is not None:
             m = msg.message
             self._cast(m.type_id, m.encoding, m.data, ranks)
-        if not self._settled:
+        if not self._settled and not self._batching:
             self._settle()
 
     def _rank_set(self, slices: list[Slice]) -> RankSet | None:

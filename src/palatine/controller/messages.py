@@ -93,6 +93,8 @@ __all__ = [
     # controller -> client
     "ResultValue",
     "Result",
+    "Results",
+    "Batch",
     "LogLevel",
     "Log",
     "FailureKind",
@@ -247,6 +249,23 @@ class Send(Message, kw_only=True):
     message: Serialized
 
 
+class Batch(Message, kw_only=True):
+    """**(ours)** Everything one client flush produced, handled as one message (§3.2).
+
+    The controller handles it exactly as the same messages sent one by one in the order
+    ``nodes``, then ``sends``, then ``DropRefs{drop_refs}``. That order is the client's
+    own: a flush holds the Nodes of consecutive seqs with their commands (consecutive
+    commands for the same ranks merged into one `CommandGroup`), and the drops it takes
+    are of refs whose Nodes were sent before or are in the batch, so they go last.
+    One message per flush instead of 2-4 per call is what lets one controller serve
+    ≥ 20,000 invocations/s (50-goals.md).
+    """
+
+    nodes: list[Node] = []
+    sends: list[Send] = []
+    drop_refs: list[int] = []
+
+
 class Introspect(Message, kw_only=True):
     """Tests and tools ask for the controller's counters; replies `IntrospectReply`."""
 
@@ -334,6 +353,16 @@ class Result(Message, kw_only=True):
     result: ResultValue = None
 
 
+class Results(Message, kw_only=True):
+    """**(ours)** Several `Result`s completed by one worker message, in seq order.
+
+    Completions are batched per `Status` (§3.2 Throughput): still exactly one `Result`
+    per seq, delivered as if each had been sent alone.
+    """
+
+    results: list[Result]
+
+
 LogLevel = Literal["info", "warn", "error"]
 """Levels of a `Log` (the client maps them to INFO / WARNING / ERROR)."""
 
@@ -403,6 +432,7 @@ ControllerMessage: TypeAlias = (
     | Node
     | DropRefs
     | Send
+    | Batch
     | Introspect
     | Status
     | RemoteFunctionFailed
@@ -419,7 +449,7 @@ ControllerMessage: TypeAlias = (
 )
 """Everything the ControllerActor handles (§4.1)."""
 
-ClientMessage: TypeAlias = Result | Log | Failure | DebuggerMessage
+ClientMessage: TypeAlias = Result | Results | Log | Failure | DebuggerMessage
 """Everything the controller sends to its client unasked (§4.2)."""
 
 

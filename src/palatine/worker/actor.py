@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import importlib.util
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -121,6 +123,16 @@ async def _raise(exc: BaseException) -> None:
     raise exc
 
 
+def _torch_installed() -> bool:
+    """Whether ``import torch`` can work here, without importing it (a path lookup)."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"] is not None  # None: imports of torch are blocked
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 class WorkerActor(Actor):
     """The tensor worker: streams, refs, calls, fetches, collectives (§1)."""
 
@@ -148,9 +160,15 @@ class WorkerActor(Actor):
     async def init(self) -> None:
         p = self.params
         self._loop = asyncio.get_running_loop()
-        torch = await asyncio.to_thread(import_torch)  # ~2 s: keep the loop serving
         device = "cpu"
+        torch: Any = None
+        # A CPU worker is ready without torch (~1.6 s of CPU to import): the first
+        # command that needs it imports it on its stream thread (tensor values,
+        # `torch.*` functions, collectives and reductions all import it themselves).
+        torch_available = _torch_installed()
         if p.device_index is not None:
+            torch = await asyncio.to_thread(import_torch)  # ~2 s: keep the loop serving
+            torch_available = torch is not None
             if torch is not None and torch.cuda.is_available():
                 torch.cuda.set_device(p.device_index)
                 device = f"cuda:{p.device_index}"
@@ -181,7 +199,7 @@ class WorkerActor(Actor):
             store_host=store_host,
             controller=p.controller_actor,
             emit=self._emit,
-            torch_available=torch is not None,
+            torch_available=torch_available,
         )
         self._install_command_ports()
         log.debug("worker rank %d ready on %s (%s)", p.rank, proc.proc_id, device)
@@ -239,8 +257,11 @@ class WorkerActor(Actor):
             if isinstance(item, InfrastructureError):
                 self._fail(item)
                 continue
-            port, tid, data = item
-            post(Envelope(me, port, tid, ENC_MSGPACK, data))
+            port, tid, data, buffers = item
+            env = Envelope(me, port, tid, ENC_MSGPACK, data)
+            if buffers:
+                env.buffers = buffers
+            post(env)
 
     def _fail(self, exc: InfrastructureError) -> None:
         """Fail the actor with ``exc`` (once); streams are abandoned."""
@@ -389,8 +410,15 @@ class WorkerActor(Actor):
         s.post(s.run_borrow_drop, b)
 
     def _command_group(self, cmd: CommandGroup) -> None:
-        for c in cmd.commands:
-            self._route(c)
+        held = list(self.streams.values())
+        for s in held:
+            s.hold()
+        try:
+            for c in cmd.commands:
+                self._route(c)
+        finally:
+            for s in held:
+                s.release()
 
     def _exit(self, cmd: Exit) -> None:
         self._exiting = True

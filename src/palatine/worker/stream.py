@@ -30,7 +30,7 @@ from typing import Any
 
 from palatine.errors import InfrastructureError
 from palatine.ids import ActorId, PortId
-from palatine.wire.codec import encode_message
+from palatine.wire.codec import encode_message_oob
 from palatine.worker.messages import (
     BackendNetworkInit,
     CallFunction,
@@ -84,8 +84,9 @@ class _Missing:
 MISSING: Any = _Missing()
 """Sentinel for an absent ref."""
 
-OutItem = tuple[PortId, int, bytes] | InfrastructureError
-"""An outbox entry: an encoded message for a port, or a failure of the worker actor."""
+OutItem = tuple[PortId, int, bytes, list[Any]] | InfrastructureError
+"""An outbox entry: an encoded message for a port with its out-of-band buffers (the
+envelope's ``buffers``), or a failure of the worker actor."""
 
 _FUNCTIONS = FunctionCache()
 _local = threading.local()
@@ -212,11 +213,11 @@ class WorkerState:
     def send(self, msg: Any) -> None:
         """Encode ``msg`` now (this thread) and queue it for the controller."""
         tid = type(msg).__palatine_type_id__
-        self._emit((PortId(self.controller, tid), tid, encode_message(msg)))
+        self._emit((PortId(self.controller, tid), tid, *encode_message_oob(msg)))
 
     def reply(self, port: PortId, msg: Any) -> None:
         """Encode ``msg`` now and queue it for ``port`` (the reply of an ask)."""
-        self._emit((port, type(msg).__palatine_type_id__, encode_message(msg)))
+        self._emit((port, type(msg).__palatine_type_id__, *encode_message_oob(msg)))
 
     def fail(self, exc: InfrastructureError) -> None:
         """Queue the failure of the worker actor (after everything emitted before)."""
@@ -283,6 +284,7 @@ class Stream:
         self.current: tuple[int, str, float] | None = None
         self.last_completed_seq: int | None = None
         self._q: queue.SimpleQueue[_WorkItem] = queue.SimpleQueue()
+        self._held: list[_WorkItem] | None = None
         self._abandoned = False
         self._deps: list[SeqError] = []
         self.cuda_stream: Any = None
@@ -299,16 +301,43 @@ class Stream:
 
     def post(self, fn: Callable[[Any], None], arg: Any) -> None:
         """Queue ``fn(arg)`` to run on this stream's thread after everything queued."""
-        self._q.put((fn, arg))
+        held = self._held
+        if held is not None:
+            held.append((fn, arg))
+        else:
+            self._q.put((fn, arg))
+
+    def hold(self) -> None:
+        """Collect posts until `release` hands them over as one queue item (one wake-up
+        of the stream thread for a whole `CommandGroup`, not one per command)."""
+        self._held = []
+
+    def release(self) -> None:
+        self._put_held()
+        self._held = None
+
+    def _put_held(self) -> None:
+        held = self._held
+        if held:
+            self._held = []
+            self._q.put(held[0] if len(held) == 1 else (self._run_all, held))
+
+    def _run_all(self, items: list[_WorkItem]) -> None:
+        for fn, arg in items:
+            if self._abandoned:
+                return
+            fn(arg)  # type: ignore[misc]
 
     @property
     def queued(self) -> int:
+        """Queue items not yet taken (a held group counts once)."""
         return self._q.qsize()
 
     def close(self, drain: bool = True) -> None:
         """Stop after the queued work (``drain``), or as soon as possible (abandon)."""
         if not drain:
             self._abandoned = True
+        self._put_held()  # work posted before the close runs before it
         self._q.put((None, None))
 
     @property
