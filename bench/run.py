@@ -650,9 +650,10 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "(tests/integration/test_channel.py).",
         "Done: a request completes the caller's future synchronously (no extra loop turn); "
         "submissions from user threads are coalesced into one loop wake-up; id texts for cast "
-        "headers are cached. Next: let the calling thread write the request itself and receive "
-        "the reply directly (one fewer hop each way), which needs a transport shared between "
-        "threads.",
+        "headers are cached; `palatine.Future` is a light single-assignment cell (no "
+        "Condition/RLock per call; async calls went from ≈ 14,000 to ≈ 30,000/s). Next: let "
+        "the calling thread write the request itself and receive the reply directly (one "
+        "fewer hop each way), which needs a transport shared between threads.",
     ],
     "controller_invocations_per_s": [
         "Measured 2026-12-03 (`cpu_ms_per_1k_calls`): client ≈ 22-30 µs, the 4 workers "
@@ -692,51 +693,28 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "Not in the metric: `mesh.shutdown()` takes ≈ 3 s.",
     ],
     "detect_hang_s": [
-        "Measured 2026-12-02 at 4e3bb83: met by the median, but with no margin: repetitions "
-        "range 1.13-1.32 s against a bound of 1.2 s (2 of 5 over in one run). The deadline is "
-        "armed when the controller accepts the call's `Node` (due = then + "
-        "operation_timeout), but it is only looked at by the periodic `CheckWorkerProgress` "
-        "tick (controller/progress.py `check`, every check interval since attach), so the "
-        "report starts anywhere in [due, due + interval], and the stall report (progress "
-        "query + stack dump of the stuck rank) and the `Fail` to the client come on top. "
-        "Suggestion: when a deadline is armed, also schedule a one-shot check at its due "
-        "time, so detection takes ≈ operation_timeout + report collection whatever the "
-        "phase of the periodic tick.",
+        "Measured 2026-12-03: when a deadline is armed (at the Node), the controller also "
+        "schedules a one-shot progress check for 5 ms after it falls due "
+        "(`CheckWorkerProgress{at_deadline}`), so the report starts at ≈ operation_timeout "
+        "whatever the phase of the periodic check; what is left on top is the stall report "
+        "itself (progress query and stack dump of the stuck rank) and the `Failure` to the "
+        "client, ≈ 0.1-0.15 s here. Before, the report waited for the next periodic tick "
+        "(anywhere in [due, due + interval]).",
     ],
     "tensor_transfer_GBps": [
-        "Profiled 2026-12-02 at 4e3bb83 (py-spy on the client, the controller and the source "
-        "worker; psutil CPU; the serialization chain replayed in one process). CPU-bound on "
-        "copies: one 64 MiB fetch costs ≈ 0.6-1.3 s wall and ≈ 0.6-0.95 s of CPU (client "
-        "≈ 180-265 ms, controller ≈ 260-450 ms, worker ≈ 160-250 ms; `cpu_ms_per_fetch`). On this box one pass "
-        "over 64 MiB into freshly allocated memory costs 30-55 ms (page faults; 7 ms into "
-        "memory already touched), and the value makes 13 such passes in user space plus 4 "
-        "kernel socket copies (two hops: worker → controller → client). Replayed without "
-        "sockets the chain alone takes ≈ 450-550 ms.",
-        "Where the copies are: `FetchResult` and `Result` are msgpack messages whose `Pickled` "
-        "carries the tensor bytes inline, so the frame layer's out-of-band buffers "
-        "(`Envelope.buffers`, written with `writelines` and parsed as views) are never used. "
-        "Worker (3): `codec.encode_message(FetchResult)` inlines the pickle buffer, "
-        "`frames.encode_message` re-encodes `env.data` inside the header, then `prefix + "
-        "header`. Controller (6): `FrameParser._start_big`/`_fill_big` reassembly into a new "
-        "bytearray (py-spy ≈ 12 % of controller samples), `_decode_body` copies `env.data` out "
-        "(≈ 9 %), `decode_payload` copies `Pickled.buffers` (≈ 8 %), then the `Result` is "
-        "encoded again like the worker did (`encode_message` ≈ 30 %). Client (4): reassembly "
-        "(≈ 17 % of its samples), header decode (≈ 17 %), `Result` decode (≈ 13 %), and "
-        "`_rebuild_tensor` copies the read-only bytes into a bytearray (≈ 13 %).",
-        "Floor here: one unix-socket hop of 64 MiB (`recv_into` a preallocated buffer, 4 MiB "
-        "socket buffers) takes 65-75 ms, 0.9-1.05 GB/s; through the controller "
-        "(store-and-forward, two hops) the floor is ≈ 0.5 GB/s even with no user-space copy.",
-        "Fixes, in order of gain: (1) carry `Pickled.buffers` as `Envelope.buffers` for "
-        "`FetchResult`/`Result` (worker/stream.py, worker/values.py, controller/actor.py "
-        "`_results`): the controller forwards the views without decoding or re-encoding them "
-        "and the client's tensor is built over the writable frame buffer, 13 → ≈ 2 copies; "
-        "(2) receive big frames straight into their buffer with `asyncio.BufferedProtocol` "
-        "(`get_buffer` returns the frame's view; uvloop supports it) and reuse that buffer "
-        "pool instead of a fresh zeroed bytearray per frame; (3) send the value worker → "
-        "client directly and give the controller only the completion, one hop instead of "
-        "two; (4) for procs on one host, pass large buffers through shared memory (a memfd "
-        "sent with SCM_RIGHTS, or `/dev/shm`) and build the tensor over the mapping: one "
-        "copy, several GB/s, the only way past ≈ 1 GB/s on this box.",
+        "Measured 2026-12-03: a fetched value's buffers now travel out of band end to end: "
+        "`Pickled.buffers` become `Envelope.buffers` (msgpack carries only index "
+        "references), the controller forwards them without decoding or copying, receivers "
+        "read a big frame straight into a pooled writable buffer (`asyncio.BufferedProtocol`, "
+        "`palatine/wire/buffers.py`) and the client's tensor wraps that memory. CPU per "
+        "fetch fell from ≈ 0.6-0.95 s to ≈ 10-30 ms per process. Fresh memory is expensive "
+        "here (the kernel zeroes pages: 30-60 ms per 64 MiB), hence the pool, and a message "
+        "with buffers asks for an immediate ack so the sender's memory returns to it at once.",
+        "What is left is the two socket hops (worker → controller → client, store and "
+        "forward), ≈ 25 ms each when the box is quiet, plus the snapshot copy on the worker "
+        "(≈ 7 ms); single repetitions range 37-180 ms depending on load. Next: send the "
+        "value worker → client directly and give the controller only the completion (one "
+        "hop), or shared memory between procs on one host.",
     ],
 }
 

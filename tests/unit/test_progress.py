@@ -113,6 +113,7 @@ class Sim:
         self.requests: list[RequestStacks] = []
         self.request_times: list[float] = []
         self.next_check = interval
+        self.one_shots: list[float] = []  # due times of the one-shot deadline checks
         # What each rank answers to a stall report: (progress, stack) or None.
         self.answers: dict[int, RankStallData] = {}
         self.auto_report = True
@@ -136,7 +137,10 @@ class Sim:
                     self.run(self.mon.finish_stall_report(report, self.now))
             elif isinstance(i, Schedule):
                 assert isinstance(i.timer, CheckWorkerProgress)
-                assert i.delay_s == self.interval
+                if i.timer.at_deadline:  # one-shot, just after a new deadline's due time
+                    self.one_shots.append(self.now + i.delay_s)
+                else:
+                    assert i.delay_s == self.interval
             else:  # pragma: no cover - nothing else is expected from the monitor
                 raise AssertionError(f"unexpected instruction {i!r}")
 
@@ -150,13 +154,24 @@ class Sim:
 
     def advance(self, to: float) -> None:
         """Move the clock to ``to``, running every check that falls due on the way."""
-        while self.next_check <= to:
-            self.now = self.next_check
+        while True:
+            one_shot = min(self.one_shots, default=float("inf"))
+            at = min(self.next_check, one_shot)
+            if at > to:
+                break
+            self.now = at
+            is_one_shot = one_shot < self.next_check
+            if is_one_shot:
+                self.one_shots.remove(one_shot)
+            else:
+                self.next_check += self.interval
             checked = self.mon.check(
-                self.now, client_attached=self.attached, mesh_failed=self.mesh_failed
+                self.now,
+                client_attached=self.attached,
+                mesh_failed=self.mesh_failed,
+                one_shot=is_one_shot,
             )
             self.run(checked)
-            self.next_check += self.interval
         self.now = to
 
     def warnings(self) -> list[Warn]:
@@ -513,3 +528,16 @@ def test_select_stack_keeps_innermost_frames() -> None:
     assert "in f0" in first and "in f4" in first and "in f5" not in first
     assert first.splitlines()[-1].strip() == "... 35 outer frames omitted"
     assert select_stack("no recognisable format") == "no recognisable format"
+
+
+def test_stall_is_reported_just_after_the_deadline_whatever_the_check_phase() -> None:
+    # the periodic check runs at 1.0, 2.0, ...; a Node at 0.3 with a 3 s timeout is due
+    # at 3.3: the one-shot check reports it then, not at the 4.0 tick
+    sim = Sim(timeout=3.0, interval=1.0)
+    sim.advance(0.3)
+    sim.node(0, "slow_step")
+    sim.advance(3.29)
+    assert sim.requests == []
+    sim.advance(3.4)
+    assert len(sim.requests) == 1 and 3.3 < sim.request_times[0] < 3.32
+    assert len(sim.warnings()) == 1

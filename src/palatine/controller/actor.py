@@ -586,7 +586,12 @@ class ControllerActor(Actor):
         ):
             self._settle()  # a Node without a Send: its probe must not wait forever
         self._execute(
-            self.progress.check(self._now(), client_attached=True, mesh_failed=self.mesh_failed)
+            self.progress.check(
+                self._now(),
+                client_attached=True,
+                mesh_failed=self.mesh_failed,
+                one_shot=msg.at_deadline,
+            )
         )
 
     @handler

@@ -294,7 +294,14 @@ class CheckSupervision(Message, kw_only=True):
 
 
 class CheckWorkerProgress(Message, kw_only=True):
-    """Timer: the progress check of §7.3."""
+    """Timer: the progress check of §7.3.
+
+    ``at_deadline`` **(ours)**: a one-shot check scheduled for the moment a newly armed
+    deadline falls due, so a stall is reported ≈ ``operation_timeout`` after the Node
+    whatever the phase of the periodic check; it does not reschedule.
+    """
+
+    at_deadline: bool = False
 
 
 class SupervisionResult(Message, kw_only=True):

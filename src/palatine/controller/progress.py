@@ -62,6 +62,7 @@ STREAM_THREAD_PREFIX = "palatine-stream-"
 # Seconds after the stall-report bound at which the check stops waiting for the shell's
 # StallReport and reports with whatever it has (nothing): the report is never lost.
 _REPORT_GRACE_S = 1.0
+_DUE_SLACK_S = 0.005  # the due-time check fires just after the deadline (``now > due``)
 
 
 def stall_headline(ranks: Sequence[int], timeout_s: float) -> str:
@@ -195,13 +196,28 @@ class ProgressMonitor:
         self._last_probe = (expected, now)
         return SendProbe(expected, ranks)
 
-    def on_node(self, now: float) -> list[Instruction]:
-        """After an accepted Node: arm the deadline, maybe probe."""
-        self.arm_deadline(now)
-        probe = self.maybe_probe(now)
-        return [] if probe is None else [probe]
+    def _arm(self, now: float, out: list[Instruction]) -> Deadline | None:
+        """`arm_deadline`; a newly armed deadline also gets a one-shot check at its due
+        time (appended to ``out``)."""
+        before = self._history.deadline
+        d = self.arm_deadline(now)
+        if d is not None and d is not before:
+            delay = max(0.0, d.due - now) + _DUE_SLACK_S
+            out.append(Schedule(delay, CheckWorkerProgress(at_deadline=True)))
+        return d
 
-    def check(self, now: float, *, client_attached: bool, mesh_failed: bool) -> list[Instruction]:
+    def on_node(self, now: float) -> list[Instruction]:
+        """After an accepted Node: arm the deadline (and its due-time check), maybe probe."""
+        out: list[Instruction] = []
+        self._arm(now, out)
+        probe = self.maybe_probe(now)
+        if probe is not None:
+            out.append(probe)
+        return out
+
+    def check(
+        self, now: float, *, client_attached: bool, mesh_failed: bool, one_shot: bool = False
+    ) -> list[Instruction]:
         """The periodic check of §7.3; the last instruction is always the reschedule.
 
         With no client, a failed mesh, or a report in flight it only reschedules (a
@@ -211,16 +227,17 @@ class ProgressMonitor:
         passed it are reported (once per deadline) via `RequestStacks`; then a probe.
         """
         out: list[Instruction] = []
-        reschedule = Schedule(self._interval_s, CheckWorkerProgress())
+        reschedule = None if one_shot else Schedule(self._interval_s, CheckWorkerProgress())
         flight = self._in_flight
         if flight is not None and now >= flight[3] + self._report_timeout_s + _REPORT_GRACE_S:
             lost = StallReport(report_id=flight[0], expected_seq=flight[1])
             out.extend(self.finish_stall_report(lost, now))
         if not client_attached or mesh_failed or self._failed or self._in_flight is not None:
-            out.append(reschedule)
+            if reschedule is not None:
+                out.append(reschedule)
             return out
         h = self._history
-        d = self.arm_deadline(now)
+        d = self._arm(now, out)
         if d is not None and not d.reported and now > d.due and d.expected >= h.min_progress:
             dead = self._dead
             lagging = tuple(
@@ -242,7 +259,8 @@ class ProgressMonitor:
         probe = self.maybe_probe(now)
         if probe is not None:
             out.append(probe)
-        out.append(reschedule)
+        if reschedule is not None:
+            out.append(reschedule)
         return out
 
     def finish_stall_report(self, report: StallReport, now: float) -> list[Instruction]:
