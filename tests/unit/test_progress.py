@@ -541,3 +541,31 @@ def test_stall_is_reported_just_after_the_deadline_whatever_the_check_phase() ->
     sim.advance(3.4)
     assert len(sim.requests) == 1 and 3.3 < sim.request_times[0] < 3.32
     assert len(sim.warnings()) == 1
+
+
+def test_at_most_one_deadline_check_is_pending() -> None:
+    # thousands of quickly completed Nodes arm thousands of deadlines, but only one
+    # one-shot timer is pending at a time; it re-arms for the newest deadline
+    sim = Sim(n=1, timeout=3.0, interval=1.0, k=1)
+    for seq in range(200):
+        sim.now = seq * 0.001
+        sim.node(seq)
+        sim.answer(0, seq)
+    assert len(sim.one_shots) == 1
+    sim.advance(3.1)  # the first fires; everything is met: nothing more is scheduled
+    assert sim.one_shots == [] and sim.requests == []
+    sim.node(200)  # a new deadline gets its own due-time check
+    assert len(sim.one_shots) == 1
+
+
+def test_due_time_check_waits_for_a_probe_held_back_until_late() -> None:
+    # the probe of s0 was held back by the actor (a Node without its Send, §5) and
+    # only cast at 0.9: the due-time check at 1.0 leaves the verdict to the periodic
+    # check, which reports at 1.5 if the rank still has not answered
+    sim = Sim(n=1, timeout=1.0, interval=0.5)
+    sim.node(0, "slow_step")
+    sim.mon.probe_cast(0, 0.9)
+    sim.advance(1.2)
+    assert sim.requests == []
+    sim.advance(1.6)
+    assert len(sim.requests) == 1 and sim.request_times[0] == 1.5

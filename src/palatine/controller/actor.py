@@ -295,8 +295,11 @@ class ControllerActor(Actor):
         self._settled = True
         if self._deferred:
             deferred, self._deferred = self._deferred, []
+            now = self._now()
             for probe in deferred:
                 self._probe(probe)
+                if self.progress is not None:
+                    self.progress.probe_cast(probe.seq, now)
 
     def _fail(self, failure: DeviceFailure) -> None:
         self.mesh_failed = True

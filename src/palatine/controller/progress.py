@@ -117,6 +117,7 @@ class ProgressMonitor:
         self._procs = {p.rank: p for p in procs}
         self._dead = dead_ranks
         self._last_probe: tuple[int, float] | None = None
+        self._due_check_at: float | None = None  # the pending one-shot deadline check
         # (report_id, expected_seq, lagging ranks, started_at) of the report in flight.
         self._in_flight: tuple[int, int, tuple[int, ...], float] | None = None
         self._next_report_id = 1
@@ -197,14 +198,39 @@ class ProgressMonitor:
         return SendProbe(expected, ranks)
 
     def _arm(self, now: float, out: list[Instruction]) -> Deadline | None:
-        """`arm_deadline`; a newly armed deadline also gets a one-shot check at its due
-        time (appended to ``out``)."""
-        before = self._history.deadline
+        """`arm_deadline`, and keep one one-shot check pending for the deadline's due time.
+
+        At most one such timer is pending: due times only grow, so a pending one fires
+        first; when it finds a newer deadline not yet due, it schedules the next one. A
+        deadline already past is left to the periodic check.
+        """
         d = self.arm_deadline(now)
-        if d is not None and d is not before:
+        if (
+            d is not None
+            and self._due_check_at is None
+            and not d.reported
+            and d.due > now
+            and d.expected >= self._history.min_progress  # not already met (idle)
+        ):
+            self._due_check_at = d.due
             delay = max(0.0, d.due - now) + _DUE_SLACK_S
             out.append(Schedule(delay, CheckWorkerProgress(at_deadline=True)))
         return d
+
+    def probe_cast(self, seq: int, now: float) -> None:
+        """A probe of ``seq`` that the actor held back (§5) went out only now."""
+        last = self._last_probe
+        if last is not None and last[0] == seq:
+            self._last_probe = (seq, now)
+
+    def _probe_answered_in_time(self, d: Deadline, now: float) -> bool:
+        """Whether the ranks had a check interval to answer a probe of ``d``'s seq.
+
+        The due-time check reports only then; a probe still younger than that (one held
+        back until the client's Send, §5) is left to the periodic check, as before.
+        """
+        last = self._last_probe
+        return last is not None and last[0] >= d.expected and now - last[1] >= self._interval_s
 
     def on_node(self, now: float) -> list[Instruction]:
         """After an accepted Node: arm the deadline (and its due-time check), maybe probe."""
@@ -227,6 +253,8 @@ class ProgressMonitor:
         passed it are reported (once per deadline) via `RequestStacks`; then a probe.
         """
         out: list[Instruction] = []
+        if one_shot:
+            self._due_check_at = None
         reschedule = None if one_shot else Schedule(self._interval_s, CheckWorkerProgress())
         flight = self._in_flight
         if flight is not None and now >= flight[3] + self._report_timeout_s + _REPORT_GRACE_S:
@@ -238,7 +266,13 @@ class ProgressMonitor:
             return out
         h = self._history
         d = self._arm(now, out)
-        if d is not None and not d.reported and now > d.due and d.expected >= h.min_progress:
+        if (
+            d is not None
+            and not d.reported
+            and now > d.due
+            and d.expected >= h.min_progress
+            and (not one_shot or self._probe_answered_in_time(d, now))
+        ):
             dead = self._dead
             lagging = tuple(
                 r for r in range(h.world_size) if r not in dead and h.progress(r) <= d.expected
