@@ -63,13 +63,13 @@ _tls = threading.local()
 def _inline_hook(obj: Any) -> Any:
     if type(obj) is pickle.PickleBuffer:
         return obj.raw()  # encoded as a msgpack binary (copied into the payload)
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+    raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
 def _probe_hook(obj: Any) -> Any:
     if type(obj) is pickle.PickleBuffer:
         raise _HasBuffers
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+    raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
 def _oob_hook(obj: Any) -> Any:
@@ -77,7 +77,7 @@ def _oob_hook(obj: Any) -> Any:
         sink: list[pickle.PickleBuffer] = _tls.sink
         sink.append(obj)
         return msgspec.msgpack.Ext(OOB_EXT_CODE, (len(sink) - 1).to_bytes(4, "big"))
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+    raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:
