@@ -14,21 +14,19 @@ import torch
 
 from palatine.worker.collectives import DeviceMeshView, mesh_rank
 from palatine.worker.messages import Cloudpickle, FunctionPath, Pickled, Slice, WorkerError
+from palatine.worker.user_errors import format_user_traceback, pickle_exception, user_error_fields
 from palatine.worker.values import (
     FunctionCache,
     SeqError,
     dumps_args,
     dumps_fetched,
     dumps_value,
-    format_user_traceback,
     function_ref,
     load_args,
     load_value,
     loads_value,
-    pickle_exception,
     pickle_function,
     ref_of,
-    user_error_fields,
 )
 
 pytestmark = pytest.mark.timeout(30)

@@ -48,6 +48,7 @@ from palatine.worker.messages import (
     SetRefUnitTestsOnly,
     WorkerError,
 )
+from palatine.worker.user_errors import user_error_fields
 from palatine.worker.values import (
     TEST_PANIC_PATH,
     FunctionCache,
@@ -56,7 +57,6 @@ from palatine.worker.values import (
     dumps_fetched,
     load_args,
     load_value,
-    user_error_fields,
 )
 
 __all__ = [

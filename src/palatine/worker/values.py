@@ -13,8 +13,8 @@ nor anything above the wire layer, so the client may import it freely:
 * **Worker side.** `load_args` unpickles a command's ``(args, kwargs)`` mapping each
   ``("ref", n)`` through a lookup supplied by the stream; `dumps_fetched` pickles a
   fetched value after moving every tensor to CPU (``detach().cpu()``); `FunctionCache`
-  resolves `FunctionPath` / `Cloudpickle` (per path / per digest); `user_error_fields`
-  turns an exception into the fields of a `WorkerError` (palatine frames removed).
+  resolves `FunctionPath` / `Cloudpickle` (per path / per digest); what a user error
+  becomes is `palatine.worker.user_errors`.
 * `SeqError` is what a stream's refs table holds for a value whose computation failed:
   the *root* failed seq and its `WorkerError`.
 
@@ -39,17 +39,15 @@ import logging
 import os
 import pickle
 import sys
-import threading
-import traceback
 import types
 from collections.abc import Callable
 from typing import Any
 
 from palatine.wire.buffers import take_buffer
 from palatine.worker.messages import Cloudpickle, FunctionPath, FunctionRef, Pickled, WorkerError
+from palatine.worker.user_errors import qualified_type_name, register_sources
 
 __all__ = [
-    "MAX_EXCEPTION_BYTES",
     "MAX_SOURCE_BYTES",
     "REF_TAG",
     "TEST_PANIC_PATH",
@@ -59,19 +57,14 @@ __all__ = [
     "dumps_args",
     "dumps_fetched",
     "dumps_value",
-    "format_user_traceback",
     "function_label",
     "function_ref",
     "import_torch",
     "load_args",
     "load_value",
     "loads_value",
-    "pickle_exception",
     "pickle_function",
-    "qualified_type_name",
     "ref_of",
-    "register_sources",
-    "user_error_fields",
 ]
 
 log = logging.getLogger(__name__)
@@ -84,11 +77,6 @@ TEST_PANIC_PATH = "__test_panic"
 
 MAX_SOURCE_BYTES = 1024 * 1024
 """Source files larger than this are not shipped with a cloudpickled function."""
-
-MAX_EXCEPTION_BYTES = 1024 * 1024
-"""A user exception is shipped pickled only when it pickles within this size."""
-
-_PALATINE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class SeqError:
@@ -471,34 +459,6 @@ class ResolvedFunction:
         self.label = label
 
 
-_sources: dict[str, list[str]] = {}
-_sources_lock = threading.Lock()
-
-
-def register_sources(sources: dict[str, str]) -> None:
-    """Make ``sources`` (file name → text) visible to `linecache` (and keep them).
-
-    Entries get no mtime, so ``linecache.checkcache`` keeps them even when the file
-    does not exist on this host; `format_user_traceback` re-installs them if something
-    cleared the cache.
-    """
-    with _sources_lock:
-        for name, text in sources.items():
-            lines = text.splitlines(keepends=True)
-            if lines and not lines[-1].endswith("\n"):
-                lines[-1] += "\n"
-            _sources[name] = lines
-            linecache.cache[name] = (len(text), None, lines, name)
-
-
-def _ensure_sources(names: set[str]) -> None:
-    with _sources_lock:
-        for name in names:
-            lines = _sources.get(name)
-            if lines is not None and name not in linecache.cache:
-                linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
-
-
 def function_label(fn: Any) -> str:
     """``module.qualname`` (just ``qualname`` for ``__main__``), for humans."""
     qual = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
@@ -633,83 +593,3 @@ def _restore_filename(fn: Any, sources: dict[str, str]) -> None:
             fn.__code__ = _with_filename(code, matches[0])
         except (TypeError, ValueError, AttributeError) as e:
             log.debug("cannot restore the file name of %r: %s", fn, e)
-
-
-# --------------------------------------------------------------------------- user errors
-
-
-def qualified_type_name(cls: type[Any]) -> str:
-    """``module.qualname`` of a type, ``builtins.`` included (``builtins.ValueError``)."""
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _strip(te: traceback.TracebackException, seen: set[int]) -> None:
-    if id(te) in seen:
-        return
-    seen.add(id(te))
-    te.stack = traceback.StackSummary.from_list(
-        [f for f in te.stack if not os.path.abspath(f.filename).startswith(_PALATINE_DIR)]
-    )
-    for nxt in (te.__cause__, te.__context__):
-        if nxt is not None:
-            _strip(nxt, seen)
-
-
-def _frame_files(exc: BaseException) -> set[str]:
-    names: set[str] = set()
-    seen: set[int] = set()
-    stack: list[BaseException] = [exc]
-    while stack:
-        e = stack.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        tb = e.__traceback__
-        while tb is not None:
-            names.add(tb.tb_frame.f_code.co_filename)
-            tb = tb.tb_next
-        stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-    return names
-
-
-def format_user_traceback(exc: BaseException) -> str:
-    """The formatted traceback of a user error, palatine's own frames removed.
-
-    Source lines of shipped files (`register_sources`) are shown even when the file
-    does not exist on this host.
-    """
-    if _sources:
-        _ensure_sources(_frame_files(exc))
-    te = traceback.TracebackException.from_exception(exc)
-    _strip(te, set())
-    return "".join(te.format())
-
-
-def pickle_exception(exc: BaseException) -> bytes | None:
-    """``exc`` pickled when it pickles (and unpickles) within 1 MiB, else None."""
-    try:
-        data = pickle.dumps(exc, protocol=5)
-    except Exception:  # noqa: BLE001 - try the slower pickler next
-        try:
-            import cloudpickle
-
-            data = cloudpickle.dumps(exc, protocol=5)
-        except Exception:  # noqa: BLE001 - unpicklable: text only
-            return None
-    if len(data) > MAX_EXCEPTION_BYTES:
-        return None
-    try:
-        pickle.loads(data)
-    except Exception:  # noqa: BLE001 - would fail at the client too
-        return None
-    return data
-
-
-def user_error_fields(exc: BaseException) -> dict[str, Any]:
-    """``exc_type``, ``message``, ``traceback`` and ``exception`` of a `WorkerError`."""
-    return {
-        "exc_type": qualified_type_name(type(exc)),
-        "message": str(exc),
-        "traceback": format_user_traceback(exc),
-        "exception": pickle_exception(exc),
-    }
