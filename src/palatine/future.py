@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
@@ -16,6 +17,8 @@ from typing import Any, Generic, TypeVar
 __all__ = ["Future", "LOOP_THREAD_ERROR"]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 LOOP_THREAD_ERROR = "blocking palatine call on the event loop thread; use await"
 
@@ -124,9 +127,7 @@ class Future(Generic[T]):
                 try:
                     fn(self)
                 except Exception:  # noqa: BLE001 - like concurrent.futures: log, go on
-                    import logging
-
-                    logging.getLogger(__name__).exception("future callback %r failed", fn)
+                    log.exception("future callback %r failed", fn)
 
     # -- consumer side ---------------------------------------------------------------
     def done(self) -> bool:
