@@ -14,7 +14,6 @@ import importlib
 import inspect
 import logging
 import time
-import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
@@ -90,6 +89,15 @@ def endpoint(fn: Any = None, *, timeout: float | None = None) -> Any:
     return mark(fn) if fn is not None else mark
 
 
+def _message_hint(fn: Callable[..., Any], param: str) -> Any:
+    """The resolved annotation of one parameter (only that one: ``self`` may name a type
+    imported under ``TYPE_CHECKING``, as in a mixin)."""
+    hint = fn.__annotations__[param]
+    if isinstance(hint, str):  # postponed evaluation: resolve it as typing.get_type_hints would
+        hint = eval(hint, fn.__globals__)  # noqa: S307 - the module's own annotation text
+    return hint
+
+
 def handler(fn: F) -> F:
     """Mark a method ``(self, msg: T) -> R`` as the handler of message type ``T``."""
     fn.__palatine_handler__ = True  # type: ignore[attr-defined]
@@ -140,11 +148,10 @@ class Actor:
         table = {}
         for name in cls._palatine_handler_names:
             fn = getattr(cls, name)
-            hints = typing.get_type_hints(fn)
             params = [p for p in inspect.signature(fn).parameters if p != "self"]
-            if not params or params[0] not in hints:
+            if not params or params[0] not in fn.__annotations__:
                 raise TypeError(f"handler {cls.__qualname__}.{name} needs an annotated message")
-            mtype = hints[params[0]]
+            mtype = _message_hint(fn, params[0])
             tid = getattr(mtype, "__palatine_type_id__", None)
             if tid is None:
                 raise TypeError(f"handler {cls.__qualname__}.{name}: {mtype!r} is not a Message")

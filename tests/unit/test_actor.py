@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -15,6 +16,9 @@ from palatine.mesh import ActorMesh, ActorRef
 from palatine.supervision_hook import set_unhandled_fault_hook
 from palatine.testing.procs import proc_cluster
 from palatine.wire.codec import Message
+
+if TYPE_CHECKING:
+    from collections.abc import Sized as CheckerOnly  # a name that is unbound at run time
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -386,6 +390,34 @@ async def test_typed_messages_in_send_order_across_procs() -> None:
         assert reply == Pong(i=-1)
         seen = await ref.log.call_one()
         assert seen[:1000] == [f"ping{i}" if i % 2 == 0 else f"pong{i}" for i in range(1000)]
+
+
+class PongCounting:
+    """A handler mixin whose ``self`` names a type only the type checker imports."""
+
+    pongs: int
+
+    @handler
+    def on_pong(self: CheckerOnly, msg: Pong) -> None:
+        self.pongs += 1  # type: ignore[attr-defined]
+
+
+class TypedByMixin(PongCounting, Actor):
+    def __init__(self) -> None:
+        self.pongs = 0
+
+    @endpoint
+    def count(self) -> int:
+        return self.pongs
+
+
+async def test_handlers_from_a_mixin_resolve_only_their_message_type() -> None:
+    async with proc_cluster(2) as (procs, _):
+        aid = await procs[1].spawn("m", TypedByMixin)
+        ref = ActorRef(aid, TypedByMixin)
+        for i in range(3):
+            ref.tell(Pong(i=i))
+        assert await ref.count.call_one() == 3
 
 
 async def test_ask_never_answered_times_out_without_leftovers() -> None:

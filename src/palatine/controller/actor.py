@@ -1,6 +1,7 @@
 """The ControllerActor (30-controller.md §3–§5, §7, §8): a thin shell over sans-IO cores.
 
-It owns the one attached client and three cores that never do I/O:
+It serves one client (attach, liveness and loss: `palatine.controller.attach`) and owns
+three cores that never do I/O:
 
 * `History` (§6): dependencies, results and refs of the client's invocations;
 * `ProgressMonitor` (§7): the stall deadline, probes, checks and stall reports;
@@ -30,19 +31,16 @@ from typing import Any
 from palatine import config
 from palatine.actor import Actor, handler
 from palatine.comm import Cast, RankSet, cast_envelope, normalize
+from palatine.controller.attach import CheckClient, ClientLink, err_text
 from palatine.controller.history import History
 from palatine.controller.messages import (
     CONTROLLER_ACTOR_TYPE,
-    Attach,
-    AttachRejected,
-    AttachReply,
     Batch,
     CheckSupervision,
     CheckWorkerProgress,
     ClientState,
     ControllerParams,
     DebuggerMessage,
-    Detach,
     DeviceFailure,
     DropRefs,
     Fail,
@@ -51,7 +49,6 @@ from palatine.controller.messages import (
     Instruction,
     Introspect,
     IntrospectReply,
-    KeepAlive,
     Log,
     LogLine,
     Node,
@@ -74,18 +71,17 @@ from palatine.controller.supervision import PendingFailures, SupervisionMonitor
 from palatine.ids import SYSTEM_ACTOR, ActorId, GangId, PortId
 from palatine.system.messages import (
     ProcFailed,
-    Stop,
     Subscribe,
     SystemStopping,
     WorldGone,
     WorldState,
     WorldStatusChanged,
 )
-from palatine.wire.codec import Message, encode_message
-from palatine.wire.envelope import ENC_MSGPACK, Envelope
+from palatine.wire.codec import encode_message
+from palatine.wire.envelope import ENC_MSGPACK
 from palatine.worker.messages import RequestStatus, Slice
 
-__all__ = ["CheckClient", "ControllerActor"]
+__all__ = ["ControllerActor"]
 
 log = logging.getLogger(__name__)
 
@@ -100,20 +96,7 @@ _RANKSET_CACHE = 1024
 _REQUEST_STATUS_TID = RequestStatus.__palatine_type_id__
 
 
-class CheckClient(Message, kw_only=True):
-    """Timer: is the attached client still sending (§3.4)?"""
-
-
-def _err_text(e: BaseException) -> str:
-    return str(getattr(e, "message", "") or e) or type(e).__name__
-
-
-def _short_id(actor: ActorId) -> str:
-    """``controller[0].root`` for a root actor (pid 0), else the full text."""
-    return f"{actor.proc}.{actor.name}" if actor.pid == 0 else str(actor)
-
-
-class ControllerActor(Actor):
+class ControllerActor(ClientLink, Actor):
     """Drives the worker world for one client: history, casts, progress, supervision."""
 
     __palatine_name__ = CONTROLLER_ACTOR_TYPE
@@ -184,9 +167,6 @@ class ControllerActor(Actor):
             timers[:] = [t for t in timers if not t.cancelled() and t.when() > self._now()]
         timers.append(self.cx.schedule(delay_s, msg))
 
-    def _client_check_period(self) -> float:
-        return max(0.05, min(1.0, self.params.client_liveness_timeout_s / 4))
-
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self.cx.spawn_task(coro)
 
@@ -209,19 +189,6 @@ class ControllerActor(Actor):
         extra = f" ({int(slot[1])} similar dropped since)" if slot and slot[1] else ""
         self._dropped[kind] = [now, 0]
         log.warning("%s: %s; dropped%s", self.cx.actor_id, text, extra)
-
-    def _from_client(self, what: str) -> bool:
-        """Whether the current message comes from the attached client (else drop it)."""
-        sender = self.cx.sender
-        if self.client_state == "attached" and sender == self.client:
-            self.last_client_message_at = self._now()
-            return True
-        self._drop(
-            f"stranger-{what}",
-            f"{what} from {sender}, which is not the attached client "
-            f"(client {self.client}, state {self.client_state})",
-        )
-        return False
 
     def _worker_ok(self, what: str, rank: int) -> bool:
         """Worker replies count only while a client is attached and name a real rank."""
@@ -324,116 +291,7 @@ class ControllerActor(Actor):
         )
         cast_envelope(self.cx.mailbox, cast)
 
-    # ------------------------------------------------------------------ client
-
-    @handler
-    def on_attach(self, msg: Attach) -> AttachRejected | None:
-        """Accept the first client (reply, queued Failures, first check); reject others."""
-        me = _short_id(self.cx.actor_id)
-        if self.client_state != "waiting":
-            if self.client_state == "attached":
-                text = (
-                    f"controller {me} already has a client attached ({self.client}); "
-                    "a controller serves one client for its lifetime"
-                )
-            else:
-                what = "has detached" if self.client_state == "detached" else "was lost"
-                text = f"controller {me}: its client {what}; start a new controller"
-            log.warning("attach of %s rejected: %s", msg.client, text)
-            return AttachRejected(message=text)
-        self.client = msg.client
-        self.client_state = "attached"
-        self.last_client_message_at = self._now()
-        env = self.cx.env
-        if env is not None and env.reply_to is not None:
-            reply = AttachReply(
-                world_size=self.n,
-                num_procs_per_host=self.params.num_procs_per_host,
-                worker_world=self.world,
-                worker_name=self.params.worker_name,
-                controller_actor_id=self.cx.actor_id,
-                client_liveness_timeout_s=self.params.client_liveness_timeout_s,
-            )
-            self.cx._inst.reply(env.reply_to, reply, env)
-        log.info("client %s attached", msg.client)
-        failures, dropped = self.pending.drain()
-        if dropped:
-            self._to_client(
-                Log(
-                    level="warn",
-                    message=f"{dropped} older failures detected before the attach were dropped",
-                )
-            )
-        for f in failures:
-            self._to_client(Failure(failure=f))
-        assert self.progress is not None
-        self._execute([self.progress.first_check()])
-        return None
-
-    @handler
-    def on_detach(self, msg: Detach) -> None:
-        """The client is done: stop ``W`` and ``X`` (exit 0, §3.4)."""
-        if not self._from_client("Detach"):
-            return
-        self.client_state = "detached"
-        log.info("client %s detached; stopping worlds", self.client)
-        self._stop_worlds()
-
-    @handler
-    def on_keep_alive(self, msg: KeepAlive) -> None:
-        self._from_client("KeepAlive")
-
-    @handler
-    def on_check_client(self, msg: CheckClient) -> None:
-        if self.client_state == "attached":
-            silent = self._now() - self.last_client_message_at
-            limit = self.params.client_liveness_timeout_s
-            if silent > limit:
-                self._lose_client(
-                    f"nothing received from it for {silent:.1f} s (limit {limit:g} s)"
-                )
-                return
-        if self.client_state in ("waiting", "attached"):
-            self._schedule(self._client_check_period(), CheckClient())
-
-    def handle_undeliverable(self, returned: Envelope) -> None:
-        """A message to the client came back: the client is lost. Casts: debug only."""
-        if self.client is not None and returned.dest.actor == self.client:
-            if self.client_state == "attached":
-                errors = "; ".join(returned.errors or ()) or "returned"
-                self._lose_client(f"a message to it was returned: {errors}")
-            return
-        log.debug(
-            "%s: returned message to %s: %s",
-            self.cx.actor_id,
-            returned.dest,
-            "; ".join(returned.errors or ()),
-        )
-
-    def _lose_client(self, why: str) -> None:
-        self.client_state = "lost"
-        self.exit_reason = f"client {self.client} lost: {why}"
-        log.error(
-            "%s; stopping worlds %s and %s", self.exit_reason, self.world, self.cx.actor_id.world
-        )
-        self._stop_worlds()
-
-    def _stop_worlds(self) -> None:
-        if self._worlds_stop_requested:
-            return
-        self._worlds_stop_requested = True
-        self._spawn(self._stop_worlds_task())
-
-    async def _stop_worlds_task(self) -> None:
-        worlds = [self.world, self.cx.actor_id.world]
-        try:
-            await self.cx.mailbox.ask(
-                SYSTEM_ACTOR, Stop(worlds=worlds, proc_timeout_s=5.0), self._rpc_s
-            )
-        except Exception as e:  # noqa: BLE001 - logged; the proc stops itself if the system is gone
-            log.error(
-                "cannot ask the system to stop %s and %s: %s", worlds[0], worlds[1], _err_text(e)
-            )
+    # ------------------------------------------------------------------ client commands
 
     @handler
     def on_batch(self, msg: Batch) -> None:
@@ -648,7 +506,7 @@ class ControllerActor(Actor):
                 SYSTEM_ACTOR, Subscribe(world_id=self.world, port=port), self._rpc_s
             )
         except Exception as e:  # noqa: BLE001 - fed back; polling still runs
-            self._post_self(SupervisionResult(source="subscribe", error=_err_text(e)))
+            self._post_self(SupervisionResult(source="subscribe", error=err_text(e)))
             return
         self._post_self(SupervisionResult(source="subscribe", state=reply.state))
 
@@ -658,6 +516,6 @@ class ControllerActor(Actor):
                 SYSTEM_ACTOR, WorldState(world_id=self.world), self._rpc_s
             )
         except Exception as e:  # noqa: BLE001 - fed back to the monitor
-            self._post_self(SupervisionResult(source="poll", error=_err_text(e)))
+            self._post_self(SupervisionResult(source="poll", error=err_text(e)))
             return
         self._post_self(SupervisionResult(source="poll", state=reply.state))
