@@ -61,6 +61,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # hosts fork `python -m palatine worker` procs from a pre-imported server (palatine.forkserver)
     fork_server: bool = True
     cast_fanout: int = 8
+    # a plain thread's blocking call_one may use its own connection (palatine.lane)
+    lanes: bool = True
     log_dir: str | None = None
 
 

@@ -13,14 +13,14 @@ import itertools
 import math
 import queue
 import random
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from palatine import config, runtime
+from palatine import config, lane, runtime
 from palatine.actor import ENDPOINT_CALL_TID, Actor, _current_cx
 from palatine.comm import Cast, cast_envelope, normalize
 from palatine.errors import PalatineError
-from palatine.future import Future
+from palatine.future import Future, on_loop_thread
 from palatine.ids import ActorId, GangId, PortId, ProcId
 from palatine.mailbox import Mailbox
 from palatine.wire.codec import dumps, encode_message
@@ -97,6 +97,48 @@ class ValueMesh:
 
 def _encode_call(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bytes, list[Any]]:
     return dumps((method, args, kwargs))
+
+
+def _encode_in_band(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """A cast's payload: one in-band pickle (casts do not carry out-of-band buffers)."""
+    data, bufs = _encode_call(method, args, kwargs)
+    if bufs:
+        import pickle
+
+        data = pickle.dumps((method, args, kwargs), protocol=5)
+    return data
+
+
+def _direct_envelope(
+    sender: ActorId, origin: str, dest: ActorId, rank: int, size: int, data: bytes, reply_to: PortId | None
+) -> Envelope:
+    """One rank's endpoint call of a cast delivered directly (no tree step)."""
+    return Envelope(
+        sender, PortId(dest, ENDPOINT_CALL_TID), ENDPOINT_CALL_TID, ENC_PICKLE, data,
+        reply_to, {"cast_rank": rank, "cast_size": size, "cast_origin": origin},
+    )
+
+
+def _call_one_via(
+    dest: ActorId,
+    what: str,
+    timeout_s: float,
+    envelope: Callable[[Mailbox, PortId], Envelope],
+    go: Callable[[], Any],
+) -> Future[Any]:
+    """A call_one's future: over the calling thread's lane when it may (`palatine.lane`),
+    else through the loop (``go`` runs there)."""
+    if on_loop_thread():
+        return runtime.call(go)
+    client = _default_client
+    if client is not None and _current_cx.get() is None:
+        mb = client.mailbox
+        fut = lane.try_call(mb.actor_id, mb.proc, dest, what, timeout_s, lambda rt: envelope(mb, rt), go)
+        if fut is not None:
+            return fut
+    fut = runtime.call(go)
+    lane.note_call(dest.proc, fut)
+    return fut
 
 
 class Endpoint:
@@ -230,19 +272,22 @@ class ActorRef:
     def _call_one(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float) -> Future[Any]:
         data, bufs = _encode_call(method, args, kwargs)
         dest = self.actor_id
+        what = f"call {method}"
+
+        def envelope(mb: Mailbox, reply_to: PortId) -> Envelope:
+            return Envelope(
+                mb.actor_id, PortId(dest, ENDPOINT_CALL_TID), ENDPOINT_CALL_TID, ENC_PICKLE, data, reply_to,
+                None, None, bufs,
+            )
 
         def go() -> asyncio.Future[Any]:
             mb = caller_mailbox()
             _self_call_check(mb, dest)
-            p = mb.pending(dest, f"call {method}", timeout_s)
-            env = Envelope(
-                mb.actor_id, PortId(dest, ENDPOINT_CALL_TID), ENDPOINT_CALL_TID, ENC_PICKLE, data, p.id,
-                None, None, bufs,
-            )
-            mb.proc.post(env)
+            p = mb.pending(dest, what, timeout_s)
+            mb.proc.post(envelope(mb, p.id))
             return p
 
-        return runtime.call(go)
+        return _call_one_via(dest, what, timeout_s, envelope, go)
 
     def _send(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         data, bufs = _encode_call(method, args, kwargs)
@@ -337,11 +382,7 @@ class ActorMesh:
         return ActorMesh(self.gang, self._dims, ranks, self._cls)
 
     def _cast(self, mb: Mailbox, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], reply_to: PortId | None) -> None:
-        data, bufs = _encode_call(method, args, kwargs)
-        if bufs:  # casts carry one in-band payload
-            import pickle
-
-            data = pickle.dumps((method, args, kwargs), protocol=5)
+        data = _encode_in_band(method, args, kwargs)
         fanout = config.get().cast_fanout
         if self._size <= fanout:
             # Root step of a tree whose blocks are all single ranks: direct deliveries.
@@ -352,12 +393,7 @@ class ActorMesh:
             name = self.gang.name
             for r in self._ranks:
                 dest = ActorId(ProcId(world, r), name, 0)
-                post(
-                    Envelope(
-                        sender, PortId(dest, ENDPOINT_CALL_TID), ENDPOINT_CALL_TID, ENC_PICKLE, data,
-                        reply_to, {"cast_rank": r, "cast_size": self._size, "cast_origin": origin},
-                    )
-                )
+                post(_direct_envelope(sender, origin, dest, r, self._size, data, reply_to))
             return
         cast = Cast(
             origin=mb.actor_id,
@@ -394,16 +430,25 @@ class ActorMesh:
         if len(self._ranks) != 1:
             raise ValueError(f"call_one needs a selection of exactly one actor, this one has {len(self._ranks)}")
         r = self._ranks[0]
+        dest = self.gang.actor(r)
+        what = f"call {method}"
 
         def go() -> asyncio.Future[Any]:
             mb = caller_mailbox()
-            dest = self.gang.actor(r)
             _self_call_check(mb, dest)
-            p = mb.pending(dest, f"call {method}", timeout_s)
+            p = mb.pending(dest, what, timeout_s)
             self._cast(mb, method, args, kwargs, p.id)
             return p
 
-        return runtime.call(go)
+        if self._size > config.get().cast_fanout:  # through the cast tree: never a lane
+            return runtime.call(go)
+        data = _encode_in_band(method, args, kwargs)
+        size = self._size
+
+        def envelope(mb: Mailbox, reply_to: PortId) -> Envelope:
+            return _direct_envelope(mb.actor_id, mb.actor_text, dest, r, size, data, reply_to)
+
+        return _call_one_via(dest, what, timeout_s, envelope, go)
 
     def _broadcast(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         def go() -> None:

@@ -117,6 +117,7 @@ class Proc:
         self.resolver = resolver
         self.addr: ChannelAddr | None = None
         self._rx: Any = None
+        self._lanes: dict[ActorId, Any] = {}  # the served channel's open lanes (`palatine.lane`)
         self.mailboxes: dict[ActorId, Mailbox] = {}
         self.roots: dict[str, ActorInstance] = {}
         self.instances: dict[ActorId, ActorInstance] = {}
@@ -138,6 +139,9 @@ class Proc:
 
         bound, rx = await channel.serve(addr)
         rx.set_handler(self._on_inbound, self._peer_lost)
+        lanes = getattr(rx, "lanes", None)
+        if lanes is not None:
+            self._lanes = lanes
         self.addr = bound
         self._rx = rx
         return bound
@@ -163,6 +167,13 @@ class Proc:
         if dest.proc == self.proc_id:
             self._deliver_local(env)
             return
+        if self._lanes:
+            lane = self._lanes.get(dest)
+            if lane is not None:  # a reply to a calling thread's lane goes back on it
+                error = lane.send_back(env)
+                if error is not None:
+                    self.return_envelope(env, f"broken link: {error}")
+                return
         try:
             tx = self.router.tx_for(dest)
             if tx is None:

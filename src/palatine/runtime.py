@@ -123,16 +123,28 @@ def _drain() -> None:
         pop()()
 
 
+_tls = threading.local()
+
+
+def set_post_hook(hook: Callable[[], None] | None) -> None:
+    """Run ``hook()`` before each `post` from the calling (non-loop) thread (`palatine.lane`)."""
+    _tls.hook = hook
+
+
 def post(fn: Callable[[], Any]) -> None:
     """Run ``fn()`` on the loop thread (now, if already there); no result.
 
     Submissions from other threads are queued and drained in one loop callback, so a
-    burst of calls costs one wake-up of the loop, not one each.
+    burst of calls costs one wake-up of the loop, not one each. The thread's post hook,
+    if any, runs first.
     """
     global _drain_scheduled
     if on_loop_thread():
         fn()
         return
+    hook = getattr(_tls, "hook", None)
+    if hook is not None:
+        hook()
     loop = get_loop()
     _queue.append(fn)
     with _queue_lock:
@@ -147,8 +159,17 @@ def call(
     transform: Callable[[Any], T] | None = None,
 ) -> Future[T]:
     """Run ``fn`` on the loop thread; its (asyncio or palatine) future becomes ours."""
-    loop = get_loop()
-    out: Future[T] = Future(loop)
+    out: Future[T] = Future(get_loop())
+    call_into(out, fn, transform)
+    return out
+
+
+def call_into(
+    out: Future[T],
+    fn: Callable[[], Any],
+    transform: Callable[[Any], T] | None = None,
+) -> None:
+    """`call`, completing the given future ``out`` instead of a new one."""
 
     def run() -> None:
         try:
@@ -166,7 +187,6 @@ def call(
             out.chain(inner, transform)
 
     post(run)
-    return out
 
 
 def _copy(src: Future[Any], dst: Future[Any], transform: Callable[[Any], Any] | None = None) -> None:

@@ -27,6 +27,7 @@ import time
 from typing import Any, Final
 
 from palatine.channel.addr import ChannelAddr
+from palatine.ids import ActorId
 from palatine.wire import frames
 from palatine.wire.handshake import ClientHandshake, HandshakeError
 
@@ -138,15 +139,17 @@ class BlockingConn:
         connect_timeout_s: float,
         auth_timeout_s: float,
         limit: float,
+        lane: ActorId | None = None,
     ) -> BlockingConn:
         """Dial (``connect_timeout_s``), authenticate (``auth_timeout_s``) and open a fresh
-        session; nothing waits past the monotonic time ``limit``."""
+        session (a lane for ``lane``'s replies, if given: `palatine.lane`); nothing waits
+        past the monotonic time ``limit``."""
         connect_by = min(time.monotonic() + connect_timeout_s, limit)
         sock = _dial(addr, waiter, ssl_context, connect_timeout_s, connect_by)
         conn = cls(sock, waiter)
         try:
             auth_by = min(time.monotonic() + auth_timeout_s, limit)
-            conn._handshake(token, max_frame_bytes, auth_timeout_s, auth_by)
+            conn._handshake(token, max_frame_bytes, auth_timeout_s, auth_by, lane)
         except BaseException:
             conn.close()
             raise
@@ -164,7 +167,12 @@ class BlockingConn:
             pass
 
     def _handshake(
-        self, token: bytes, max_frame_bytes: int, auth_timeout_s: float, deadline: float
+        self,
+        token: bytes,
+        max_frame_bytes: int,
+        auth_timeout_s: float,
+        deadline: float,
+        lane: ActorId | None = None,
     ) -> None:
         """The client side of §2.5, then ``Init`` for a brand-new session at seq 0."""
         hs = ClientHandshake(token)
@@ -184,7 +192,7 @@ class BlockingConn:
                 if hs.done:
                     break
         self.parser.limit = max_frame_bytes
-        self.send(frames.encode_frame(frames.Init(self.session_id, 0)), deadline)
+        self.send(frames.encode_frame(frames.Init(self.session_id, 0, lane)), deadline)
 
     # -- I/O -----------------------------------------------------------------------------------
 

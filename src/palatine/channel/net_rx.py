@@ -8,7 +8,9 @@ its last owner closed. Acks go out on ``ack_now``, every ``message_ack_every_n``
 messages, after ``message_ack_interval`` and, best effort, when a connection closes. A
 full inbound queue pauses reading (back-pressure through the socket). A malformed frame
 closes only its connection, with one rate-limited WARNING naming the peer; so does a
-refused TLS handshake (tls connections are accepted by hand for that reason).
+refused TLS handshake (tls connections are accepted by hand for that reason). A
+connection whose ``Init`` names a lane also carries messages back to its client
+(`_ServerConn.send_back`, `palatine.lane`).
 
 The sending end is `palatine.channel.net_tx`; what both share, and `serve_net`, live in
 `palatine.channel.net`.
@@ -35,7 +37,7 @@ from palatine.channel.net import (
     resolve_security,
     set_nodelay,
 )
-from palatine.ids import ProcId
+from palatine.ids import ActorId, ProcId
 from palatine.wire.envelope import Envelope
 from palatine.wire.frames import (
     PREAUTH_MAX_FRAME_BYTES,
@@ -47,6 +49,7 @@ from palatine.wire.frames import (
     Message,
     Reject,
     encode_frame,
+    encode_message,
 )
 from palatine.wire.handshake import ServerHandshake
 
@@ -104,6 +107,8 @@ class _ServerConn(asyncio.BufferedProtocol):
         self._lost = False
         self.peer = "unknown peer"
         self.peer_key = "?"
+        self.lane: ActorId | None = None  # set by a lane's Init (`send_back`)
+        self._back_seq = 0
 
     # -- connection events ---------------------------------------------------------------
 
@@ -233,6 +238,9 @@ class _ServerConn(asyncio.BufferedProtocol):
         session.owner = self
         self.session = session
         self.state = _OPEN
+        if frame.lane is not None:
+            self.lane = frame.lane
+            rx.lanes[frame.lane] = self
         # Always answer Init with what we have (-1: nothing yet), so a reconnecting
         # client resends only what is missing.
         self._last_ack = session.expected - 1
@@ -244,6 +252,32 @@ class _ServerConn(asyncio.BufferedProtocol):
         self.taken_over = True
         self.session = None
         self._close()
+
+    # -- lanes ---------------------------------------------------------------------------
+
+    def send_back(self, env: Envelope) -> str | None:
+        """Write ``env`` to a lane's owner as a ``Message`` of our own; why not, if not.
+
+        Lane replies have no acks and no resend: a lane lives as long as its connection
+        (`palatine.lane`), and its owner reads every frame until its reply arrives.
+        """
+        transport = self.transport
+        if self.state != _OPEN or transport is None or transport.is_closing():
+            return "the lane's connection is closed"
+        head, bufs, size = encode_message(self._back_seq, False, env)
+        if size > self.rx._max_frame:
+            return f"message of {size} bytes exceeds max frame size {self.rx._max_frame}"
+        self._back_seq += 1
+        if bufs:
+            transport.writelines([head, *bufs])
+        else:
+            transport.write(head)
+        return None
+
+    def _unregister_lane(self) -> None:
+        lane = self.lane
+        if lane is not None and self.rx.lanes.get(lane) is self:
+            del self.rx.lanes[lane]
 
     # -- acks ----------------------------------------------------------------------------
 
@@ -291,6 +325,7 @@ class _ServerConn(asyncio.BufferedProtocol):
         if final_ack and self.state == _OPEN:
             self._send_ack()
         self.state = _CLOSED
+        self._unregister_lane()
         for handle in (self._ack_handle, self._auth_handle):
             if handle is not None:
                 handle.cancel()
@@ -328,6 +363,7 @@ class _ServerConn(asyncio.BufferedProtocol):
         self._ack_handle = self._auth_handle = None
         rx._conns.discard(self)
         rx._paused.discard(self)
+        self._unregister_lane()
         session = self.session
         self.session = None
         if session is not None and session.owner is self:
@@ -336,7 +372,8 @@ class _ServerConn(asyncio.BufferedProtocol):
                 session.gc_handle = rx._loop.call_later(
                     rx._session_gc_s, rx._collect_session, session
                 )
-        if self.senders and not self.taken_over and not rx._stopping:
+        # A lane carries one thread's calls: its end says nothing about the sender proc.
+        if self.senders and self.lane is None and not self.taken_over and not rx._stopping:
             rx._peer_lost(set(self.senders))
         if not rx._conns and rx._all_closed is not None and not rx._all_closed.done():
             rx._all_closed.set_result(None)
@@ -387,6 +424,8 @@ class NetRx(Rx):
         self._handler: EnvelopeHandler | None = None
         self._on_peer_lost: PeerLostHandler | None = None
         self._sessions: dict[int, _Session] = {}
+        # Open lanes by their reply actor; the proc routes messages for it here.
+        self.lanes: dict[ActorId, _ServerConn] = {}
         self._conns: set[_ServerConn] = set()
         self._tasks: set[asyncio.Task[None]] = set()  # TLS handshakes in progress
         self._listener: socket.socket | None = None  # tls only (see _accept_tls)

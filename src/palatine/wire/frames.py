@@ -29,6 +29,7 @@ import msgspec
 
 from palatine.errors import PalatineError
 from palatine.wire.buffers import take_buffer
+from palatine.ids import ActorId
 from palatine.wire.envelope import Envelope
 
 __all__ = [
@@ -96,10 +97,15 @@ class Init(msgspec.Struct, tag=4, array_like=True, gc=False):
     The server answers every ``Init`` with ``Ack(expected - 1)`` — ``Ack(-1)`` for a
     session that has received nothing — so a reconnecting client can drop what already
     arrived before resending (10-runtime.md §2.6, §5 item 38).
+
+    ``lane`` (ours) opens a *lane* (`palatine.lane`): one calling thread's connection on
+    which the server also sends back, as ``Message`` frames of its own, whatever is
+    addressed to the actor ``lane`` (the replies to that thread's calls).
     """
 
     session_id: int
     next_seq: int
+    lane: ActorId | None = None
 
 
 class Message(msgspec.Struct, tag=5, array_like=True, gc=False):

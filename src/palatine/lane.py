@@ -1,0 +1,446 @@
+"""Lanes: a plain thread's blocking calls without the loop thread in between.
+
+``ref.x.call_one(...).get()`` from a plain thread normally hands the request to the
+palatine loop thread, which writes it, reads the reply and wakes the caller again: two
+thread switches on top of the round trip, the dearest part of a small call on a small
+machine. A *lane* is a connection owned by the calling thread itself: the thread writes
+the request and reads the reply with blocking socket calls. Its ``Init`` names the lane's
+own reply actor (``<client proc>.lane[n]``); the serving proc sends whatever is addressed
+to that actor back on the same connection (`palatine.channel.net_rx`).
+
+A call goes through a lane only when all of these hold; otherwise nothing changes:
+
+* it is ``call_one`` to one actor, from a thread that is not a loop thread, with lanes on
+  (config ``lanes``, ``PALATINE_LANES=0`` turns them off);
+* the router already reaches the actor's proc at a ``unix:`` address. Lanes are local:
+  their connection ends only when the peer proc stops or dies;
+* the thread's last operation through the loop was a call to the same proc, and it has
+  completed. Everything the thread sent there earlier has then been delivered, so the
+  lane keeps per-sender order.
+
+The request leaves when the calling thread waits on the future (``get``/``result``/
+``exception``). Any other use — ``await``, ``done``, callbacks, a wait from another
+thread or with a shorter timeout, or the thread's next palatine operation — first sends
+it the ordinary way, through the loop. A future nobody touches is sent that way within
+`SWEEP_S`.
+
+A lane that breaks after its request left fails the call with the peer's `PeerGoneError`
+once the system declares the proc dead (else a `DeliveryError`): whether the call ran is
+then unknown, as when any peer dies mid-call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+from palatine import config, runtime
+from palatine.channel.addr import ChannelAddr
+from palatine.channel.blocking import BlockingConn, LinkLost, Stopped, Waiter
+from palatine.channel.token import resolve_token
+from palatine.errors import CallTimeout, DeliveryError
+from palatine.future import _FINISHED, Future, _state_lock, on_loop_thread
+from palatine.ids import ActorId, PortId, ProcId
+from palatine.proc import Proc, peer_gone_error
+from palatine.wire.codec import decode_payload
+from palatine.wire.envelope import Envelope
+from palatine.wire.frames import Ack, FrameError, FrameParser, Message, Reject, encode_message
+
+__all__ = ["SWEEP_S", "LaneFuture", "note_call", "try_call"]
+
+SWEEP_S: Final = 0.005  # an untouched lane future is sent through the loop after this
+GONE_WAIT_S: Final = 2.0  # after a broken lane: how long to wait for the peer's verdict
+_RECV_BYTES: Final = 262144
+_timeval = struct.Struct("ll")
+_lane_ids = itertools.count(1)
+_tls = threading.local()
+
+_UNSENT, _LANE, _POSTED = 0, 1, 2
+
+
+class _ThreadState:
+    """One thread's lanes and what it last sent through the loop (`runtime.post` hook)."""
+
+    __slots__ = ("deferred", "last_proc", "last_fut", "lanes", "__weakref__")
+
+    def __init__(self) -> None:
+        self.deferred: LaneFuture | None = None  # created, not sent yet
+        self.last_proc: ProcId | None = None  # the proc of the last loop-path call ...
+        self.last_fut: Future[Any] | None = None  # ... and its future (None: something else)
+        self.lanes: dict[ChannelAddr, _Lane] = {}
+
+    def on_post(self) -> None:
+        """The thread is about to post work to the loop: its unsent call goes first."""
+        d = self.deferred
+        if d is not None:
+            self.deferred = None
+            d._demote()
+        self.last_proc = None
+        self.last_fut = None
+
+    def __del__(self) -> None:
+        for lane in self.lanes.values():
+            lane.close()
+
+
+def _state() -> _ThreadState:
+    st: _ThreadState | None = getattr(_tls, "state", None)
+    if st is None:
+        st = _tls.state = _ThreadState()
+        runtime.set_post_hook(st.on_post)
+    return st
+
+
+def note_call(proc: ProcId, fut: Future[Any]) -> None:
+    """A plain thread just posted a call to ``proc`` through the loop (order tracking)."""
+    st: _ThreadState | None = getattr(_tls, "state", None)
+    if st is None:
+        st = _state()
+    st.last_proc = proc
+    st.last_fut = fut
+
+
+def try_call(
+    sender: ActorId,
+    client_proc: Proc,
+    dest: ActorId,
+    what: str,
+    timeout_s: float,
+    make_env: Callable[[PortId], Envelope],
+    go: Callable[[], Any],
+) -> LaneFuture | None:
+    """A `LaneFuture` for this call if it may take a lane (module doc), else None.
+
+    ``make_env(reply_to)`` builds the request; ``go`` is the ordinary loop-side closure
+    (as for `runtime.call`), used if the future is sent through the loop after all.
+    """
+    st: _ThreadState | None = getattr(_tls, "state", None)
+    if st is None or st.deferred is not None:
+        return None
+    last = st.last_fut
+    if last is None or st.last_proc != dest.proc or not last._state:
+        return None
+    if dest.proc == client_proc.proc_id or not config.get().lanes or on_loop_thread():
+        return None
+    addr = client_proc.router.lookup(dest)
+    if addr is None or addr.transport != "unix":
+        return None
+    fut = LaneFuture(client_proc, st, addr, sender, dest, what, timeout_s, make_env, go)
+    st.deferred = fut
+    _sweeper.add(fut)
+    return fut
+
+
+class LaneFuture(Future[Any]):
+    """A call's future that its thread may complete over a lane (see the module doc)."""
+
+    __slots__ = (
+        "_owner", "_st", "_addr", "_sender", "_proc", "_dest", "_what", "_timeout_s",
+        "_make_env", "_go", "_claim", "_born",
+    )
+
+    def __init__(
+        self,
+        proc: Proc,
+        st: _ThreadState,
+        addr: ChannelAddr,
+        sender: ActorId,
+        dest: ActorId,
+        what: str,
+        timeout_s: float,
+        make_env: Callable[[PortId], Envelope],
+        go: Callable[[], Any],
+    ) -> None:
+        super().__init__(proc.loop)
+        self._owner = threading.get_ident()
+        self._st = st
+        self._addr = addr
+        self._sender = sender
+        self._proc = proc
+        self._dest = dest
+        self._what = what
+        self._timeout_s = timeout_s
+        self._make_env = make_env
+        self._go = go
+        self._claim = _UNSENT
+        self._born = time.monotonic()
+
+    def _take(self, how: int) -> bool:
+        """Claim the unsent request for the lane or the loop; False if already taken."""
+        with _state_lock:
+            if self._claim != _UNSENT:
+                return False
+            self._claim = how
+        st = self._st
+        if st.deferred is self:
+            st.deferred = None
+        _sweeper.discard(self)
+        return True
+
+    def _demote(self) -> None:
+        """Send it the ordinary way (through the loop), if nobody has sent it yet."""
+        if not self._take(_POSTED):
+            return
+        st = self._st
+        runtime.call_into(self, self._go)
+        st.last_proc = self._dest.proc
+        st.last_fut = self
+
+    # -- consumers -----------------------------------------------------------------------
+
+    def _lane_wait(self, timeout: float | None) -> bool:
+        """Complete this future over the lane if the caller may; False if it may not."""
+        if self._claim != _UNSENT or threading.get_ident() != self._owner:
+            return False
+        if timeout is not None and timeout < self._timeout_s:
+            return False  # the reply could outlive this wait: let the loop own it
+        if not self._take(_LANE):
+            return False
+        lane = self._st.lanes.get(self._addr)
+        if lane is None or lane.broken:
+            try:
+                lane = _Lane.open(self._addr, self._proc.proc_id)
+            except (LinkLost, Stopped, OSError):
+                self._claim = _UNSENT  # nothing left: send it the ordinary way
+                self._demote()
+                return False
+            self._st.lanes[self._addr] = lane
+        try:
+            value = lane.call(self)
+        except _NotSent:
+            self._claim = _UNSENT
+            self._demote()
+            return False
+        except BaseException as e:  # noqa: BLE001 - the call's outcome
+            self._finish(None, e)
+            return True
+        self._finish(value, None)
+        return True
+
+    def get(self, timeout: float | None = None) -> Any:
+        if not self._state and not self._lane_wait(timeout):
+            self._demote()
+        return super().get(timeout)
+
+    result = get
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._state and not self._lane_wait(timeout):
+            self._demote()
+        return super().exception(timeout)
+
+    def done(self) -> bool:
+        if self._claim == _UNSENT:
+            self._demote()
+        return self._state == _FINISHED
+
+    def add_done_callback(self, fn: Callable[[Future[Any]], Any]) -> None:
+        if self._claim == _UNSENT:
+            self._demote()
+        super().add_done_callback(fn)
+
+    def __await__(self) -> Any:
+        if self._claim == _UNSENT:
+            self._demote()
+        return super().__await__()
+
+
+class _NotSent(Exception):
+    """The request never left (connect or write failed): the loop path may still send it."""
+
+
+class _Lane:
+    """One thread's connection to one proc's unix address."""
+
+    __slots__ = ("addr", "actor", "sock", "parser", "seq", "ports", "broken", "_rcvtimeo")
+
+    def __init__(self, addr: ChannelAddr, actor: ActorId, sock: socket.socket, parser: FrameParser) -> None:
+        self.addr = addr
+        self.actor = actor
+        self.sock = sock
+        self.parser = parser
+        self.seq = 0
+        self.ports = itertools.count()
+        self.broken = False
+        self._rcvtimeo = -1.0
+
+    @classmethod
+    def open(cls, addr: ChannelAddr, client: ProcId) -> _Lane:
+        cfg = config.get()
+        actor = ActorId(client, "lane", next(_lane_ids))
+        stop = threading.Event()
+        wake_r, wake_w = socket.socketpair()
+        waiter = Waiter(stop, wake_r)
+        try:
+            conn = BlockingConn.connect(
+                addr,
+                waiter,
+                token=resolve_token(),
+                ssl_context=None,
+                max_frame_bytes=cfg.max_frame_bytes,
+                connect_timeout_s=cfg.connect_timeout_s,
+                auth_timeout_s=cfg.auth_timeout_s,
+                limit=time.monotonic() + cfg.connect_timeout_s + cfg.auth_timeout_s,
+                lane=actor,
+            )
+        finally:
+            waiter.close()
+            wake_r.close()
+            wake_w.close()
+        sock = conn.sock
+        sock.setblocking(True)  # waits are bounded by SO_RCVTIMEO (`_recv`)
+        return cls(addr, actor, sock, conn.parser)
+
+    def close(self) -> None:
+        self.broken = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def call(self, fut: LaneFuture) -> Any:
+        """Send ``fut``'s request and read until its reply; the reply's value."""
+        reply_to = PortId(self.actor, next(self.ports))
+        env = fut._make_env(reply_to)
+        head, bufs, size = encode_message(self.seq, False, env)
+        if size > config.get().max_frame_bytes:
+            raise _NotSent  # the loop path reports the size error as usual
+        try:
+            if bufs:
+                self._send_all([head, *bufs])
+            else:
+                self.sock.sendall(head)
+        except OSError:
+            self.close()
+            raise _NotSent from None
+        self.seq += 1
+        deadline = time.monotonic() + fut._timeout_s
+        while True:
+            for frame in self._recv(deadline, fut):
+                if type(frame) is Message:
+                    reply = frame.envelope
+                    if reply.dest == reply_to:
+                        try:
+                            value = decode_payload(reply)
+                        except Exception as e:  # noqa: BLE001 - as the loop path says it
+                            raise DeliveryError(
+                                f"mailbox error: cannot decode reply for {reply_to}: {e}"
+                            ) from None
+                        to_exc = getattr(type(value), "to_error", None)
+                        if to_exc is not None:
+                            raise to_exc(value)
+                        return value
+                    # A late reply to an earlier call that timed out: nobody waits for it.
+                elif type(frame) is Reject:
+                    self.close()
+                    raise _broken(fut, f"the peer rejected the lane: {frame.reason}")
+                elif type(frame) is not Ack:
+                    self.close()
+                    raise _broken(fut, f"unexpected {type(frame).__name__} frame on the lane")
+
+    def _send_all(self, parts: list[Any]) -> None:
+        views = [memoryview(p).cast("B") for p in parts]
+        while views:
+            n = self.sock.sendmsg(views)
+            while n:
+                first = views[0]
+                if n >= len(first):
+                    n -= len(first)
+                    views.pop(0)
+                else:
+                    views[0] = first[n:]
+                    n = 0
+
+    def _recv(self, deadline: float, fut: LaneFuture) -> list[Any]:
+        """The next frames; raises the call's timeout or its broken-lane error."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CallTimeout(
+                    f"{fut._what} to {fut._dest} timed out: no reply within {fut._timeout_s:g} s"
+                )
+            # Keep the kernel's timeout unless it would overshoot the deadline by > 5 %.
+            if self._rcvtimeo < 0 or self._rcvtimeo - left > 0.05 * left:
+                self._set_rcvtimeo(left)
+            try:
+                data = self.sock.recv(_RECV_BYTES)
+            except BlockingIOError:  # SO_RCVTIMEO expired: check the deadline again
+                self._rcvtimeo = -1.0
+                continue
+            except OSError as e:
+                self.close()
+                raise _broken(fut, os.strerror(e.errno) if e.errno else str(e)) from None
+            if not data:
+                self.close()
+                raise _broken(fut, "the lane's connection was closed by the peer")
+            try:
+                got = self.parser.feed(data)
+            except FrameError as e:
+                self.close()
+                raise _broken(fut, f"protocol error: {e.reason}") from None
+            if got:
+                return got
+
+    def _set_rcvtimeo(self, seconds: float) -> None:
+        whole = int(seconds)
+        micros = int((seconds - whole) * 1e6)
+        if whole == 0 and micros == 0:
+            micros = 1  # zero would mean "no timeout"
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval.pack(whole, micros))
+        self._rcvtimeo = seconds
+
+
+def _broken(fut: LaneFuture, why: str) -> BaseException:
+    """The error for a call whose lane broke after the request left (module doc)."""
+    proc = fut._dest.proc
+    client = fut._proc
+    try:
+        notice = runtime.call(lambda: client.watch(proc)).get(timeout=GONE_WAIT_S)
+    except Exception:  # noqa: BLE001 - no verdict in time: say what we know
+        notice = None
+    if notice is not None:
+        return peer_gone_error(proc, notice)
+    return DeliveryError(f"broken link: {why} before the reply to {fut._what} from {fut._dest}")
+
+
+class _Sweeper:
+    """Sends untouched lane futures through the loop after `SWEEP_S` (a loop timer)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._unsent: set[LaneFuture] = set()
+        self._armed = False
+
+    def add(self, fut: LaneFuture) -> None:
+        with self._lock:
+            self._unsent.add(fut)
+            if self._armed:
+                return
+            self._armed = True
+        loop = runtime.get_loop()
+        loop.call_soon_threadsafe(loop.call_later, SWEEP_S, self._sweep)
+
+    def discard(self, fut: LaneFuture) -> None:
+        with self._lock:
+            self._unsent.discard(fut)
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stale = [f for f in self._unsent if now - f._born >= SWEEP_S]
+        for fut in stale:
+            fut._demote()
+        with self._lock:
+            if not self._unsent:
+                self._armed = False
+                return
+        runtime.get_loop().call_later(SWEEP_S, self._sweep)
+
+
+_sweeper = _Sweeper()

@@ -1,0 +1,247 @@
+"""Lanes (`palatine.lane`): a plain thread's blocking calls over its own connection.
+
+Each test runs a script in a fresh interpreter (one default client per process) against
+real worker procs started by ``this_host().spawn_procs``. The scripts check that calls
+really take a lane (the thread's lane table), and that results, errors, timeouts,
+per-sender order and peer death read exactly as on the ordinary path.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+PRELUDE = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys, threading, time
+    from palatine import Actor, endpoint, this_host, RemoteException, config
+    from palatine import lane
+    from palatine.errors import CallTimeout, PeerGoneError
+
+    class Acc(Actor):
+        def __init__(self):
+            self.total = 0
+            self.marks = 0
+
+        @endpoint
+        def add(self, x):
+            self.total += x
+            return self.total
+
+        @endpoint
+        def get_total(self):
+            return self.total
+
+        @endpoint
+        def mark(self):
+            self.marks += 1
+            return self.marks
+
+        @endpoint
+        def marks_seen(self):
+            return self.marks
+
+        @endpoint
+        def boom(self):
+            raise ValueError("boom on purpose")
+
+        @endpoint
+        def pid(self):
+            return os.getpid()
+
+        @endpoint
+        def nap(self, s):
+            time.sleep(s)
+            return s
+
+        @endpoint
+        def blob(self, n):
+            return b"x" * n
+
+        @endpoint
+        def open_lanes(self):
+            return len(self.cx.proc._lanes)
+
+        @endpoint(timeout=0.3)
+        def slow(self, s):
+            time.sleep(s)
+            return s
+
+    def lanes_of_this_thread():
+        st = getattr(lane._tls, "state", None)
+        return 0 if st is None else len([l for l in st.lanes.values() if not l.broken])
+
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    mesh = procs.spawn("acc", Acc)
+    one = mesh.slice(procs=0)
+    """
+)
+
+
+def run(body: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    script = PRELUDE + textwrap.dedent(body) + "\nprocs.stop().get(timeout=20)\nprint('DONE')\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, **(env or {})},
+    )
+    out: dict[str, str] = {}
+    for line in proc.stdout.splitlines():
+        key, _, value = line.partition(" ")
+        out[key] = value
+    assert "DONE" in out, proc.stdout + proc.stderr
+    return out
+
+
+def test_blocking_calls_take_a_lane_with_the_same_results_and_errors() -> None:
+    out = run(
+        """
+        print("FIRST", one.add.call_one(1).get(), lanes_of_this_thread())
+        vals = [one.add.call_one(1).get() for _ in range(200)]
+        print("LANE", lanes_of_this_thread(), vals[-1], vals == list(range(2, 202)))
+        try:
+            one.boom.call_one().get()
+        except RemoteException as e:
+            print("REMOTE", e.type_name, e.message)
+        print("AFTER_ERROR", one.add.call_one(0).get())
+        print("BIG", len(one.blob.call_one(3_000_000).get()))
+        print("REF", mesh.slice(procs=1).add.call_one(5).get())
+        """
+    )
+    assert out["FIRST"] == "1 0"  # the first call to a proc goes through the loop
+    assert out["LANE"] == "1 201 True"
+    assert out["REMOTE"] == "ValueError boom on purpose"
+    assert out["AFTER_ERROR"] == "201"
+    assert out["BIG"] == "3000000"
+    assert out["REF"] == "5"
+
+
+def test_lane_keeps_per_sender_order_with_one_way_sends() -> None:
+    out = run(
+        """
+        one.add.call_one(0).get()
+        one.add.call_one(0).get()  # now on the lane
+        for i in range(300):
+            one.add.broadcast(1)       # through the loop ...
+        print("SEEN", one.get_total.call_one().get())  # ... all delivered before this call
+        for i in range(50):
+            one.add.broadcast(1)
+            one.get_total.call_one().get()
+        print("FINAL", one.get_total.call_one().get(), lanes_of_this_thread())
+        """
+    )
+    assert out["SEEN"] == "300"
+    assert out["FINAL"] == "350 1"
+
+
+def test_untouched_and_otherwise_used_futures_are_still_sent() -> None:
+    out = run(
+        """
+        one.mark.call_one().get()
+        one.mark.call_one().get()
+        f = one.mark.call_one()  # never waited on by this thread for a while
+        time.sleep(0.3)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(one.marks_seen.call_one().get()))
+        t.start(); t.join()
+        print("SWEPT", seen[0], f.get())
+        g = one.mark.call_one()
+        got = []
+        g.add_done_callback(lambda fut: got.append(fut.result()))
+        print("CALLBACK", g.get(), got)
+        h = one.mark.call_one()
+        while not h.done():
+            time.sleep(0.001)
+        print("POLLED", h.get())
+        async def main():
+            return await one.mark.call_one()
+        print("AWAITED", asyncio.run(main()))
+        k = one.mark.call_one()
+        th = threading.Thread(target=lambda: got.append(k.get()))
+        th.start(); th.join()
+        print("OTHER_GOT", got[-1])
+        print("SHORT_WAIT", one.mark.call_one().get(timeout=30))
+        """
+    )
+    assert out["SWEPT"] == "3 3"
+    assert out["CALLBACK"] == "4 [4]"
+    assert out["POLLED"] == "5"
+    assert out["AWAITED"] == "6"
+    assert out["OTHER_GOT"] == "7"
+    assert out["SHORT_WAIT"] == "8"
+
+
+def test_timeout_on_a_lane_then_the_lane_still_serves() -> None:
+    out = run(
+        """
+        one.slow.call_one(0).get()
+        one.slow.call_one(0).get()
+        t = time.monotonic()
+        try:
+            one.slow.call_one(1.0).get()
+        except CallTimeout as e:
+            print("TIMEOUT", round(time.monotonic() - t, 1), "timed out: no reply within 0.3 s" in str(e))
+        time.sleep(1.0)  # the late reply arrives on the lane and is skipped
+        print("NEXT", one.slow.call_one(0.01).get(), lanes_of_this_thread())
+        """
+    )
+    assert out["TIMEOUT"] == "0.3 True"
+    assert out["NEXT"] == "0.01 1"
+
+
+def test_peer_death_during_a_lane_call_is_reported_with_the_proc() -> None:
+    out = run(
+        """
+        pid = one.pid.call_one().get()
+        one.pid.call_one().get()
+        threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
+        t = time.monotonic()
+        try:
+            one.nap.call_one(30).get()
+        except PeerGoneError as e:
+            print("GONE", time.monotonic() - t < 5, e.details["pid"] == pid, e.details["exit_signal"], str(e).startswith("peer gone: mesh0[0]"))
+        """
+    )
+    assert out["GONE"] == "True True 9 True"
+
+
+def test_a_lane_ends_with_its_thread_and_the_server_forgets_it() -> None:
+    out = run(
+        """
+        def worker():
+            for i in range(5):
+                one.add.call_one(1).get()
+            print("THREAD_LANES", lanes_of_this_thread())
+        t = threading.Thread(target=worker)
+        t.start(); t.join()
+        import gc; gc.collect()
+        deadline = time.monotonic() + 5
+        # A wait shorter than the call's timeout never takes a lane (main has none).
+        while one.open_lanes.call_one().get(timeout=60) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("SERVER_LANES", one.open_lanes.call_one().get(timeout=60), lanes_of_this_thread())
+        print("STILL_SERVES", one.add.call_one(1).get())
+        """
+    )
+    assert out["THREAD_LANES"] == "1"
+    assert out["SERVER_LANES"] == "0 0"
+    assert out["STILL_SERVES"] == "6"
+
+
+def test_lanes_off_by_environment() -> None:
+    out = run(
+        """
+        vals = [one.add.call_one(1).get() for _ in range(20)]
+        print("NOLANE", lanes_of_this_thread(), vals[-1])
+        """,
+        env={"PALATINE_LANES": "0"},
+    )
+    assert out["NOLANE"] == "0 20"
