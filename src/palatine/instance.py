@@ -42,6 +42,7 @@ _ENDPOINT = 0
 _HANDLER = 1
 _UNDELIVERABLE = 2
 _TASK_FAILED = 3
+_FAILED = 4  # a failure raised while processing inline: the task re-raises it
 
 
 class _Failure(Exception):
@@ -192,7 +193,33 @@ class ActorInstance:
             w.set_result(None)
 
     def _enqueue_endpoint(self, payload: Any, env: Envelope) -> None:
-        self._push((_ENDPOINT, None, payload, env))
+        item = (_ENDPOINT, None, payload, env)
+        if self._wake is not None and not self.queue and not self.signals and self.stop_mode is None:
+            # Idle, parked and nothing ahead: a plain ``def`` endpoint runs right here,
+            # from the channel's read callback, saving the task's loop turn. Never nested
+            # inside another actor's handler (local sends queue as usual).
+            try:
+                info = self._endpoints.get(payload[0])
+            except (TypeError, IndexError, KeyError):
+                info = None
+            if info is not None and not info.is_async and _current_cx.get() is None:
+                self._process_inline(item)
+                return
+        self._push(item)
+
+    def _process_inline(self, item: tuple[int, Any, Any, Envelope | None]) -> None:
+        """Run a synchronous endpoint call now; its failure goes to the task (teardown)."""
+        coro = self._process(item)
+        try:
+            coro.send(None)
+        except StopIteration:
+            pass
+        except _Failure as f:
+            self._push((_FAILED, None, f, None))
+        else:  # cannot happen for a plain def endpoint; never leave a coroutine half-run
+            coro.close()
+            raise RuntimeError(f"endpoint of {self.id} suspended while running inline")
+        self.cx.env = None  # idle again: do not pin the message
 
     def _enqueue_handler(self, payload: Any, env: Envelope) -> None:
         self._push((_HANDLER, self._handlers[env.type_id], payload, env))
@@ -340,6 +367,8 @@ class ActorInstance:
                         f"{payload.sender} to {payload.dest} was undeliverable and returned: {errs}",
                         traceback.format_exc(),
                     ) from e
+            elif kind == _FAILED:
+                raise payload
             elif kind == _TASK_FAILED:
                 raise _Failure(
                     f"serving {self.id}: processing error: {type(payload).__name__}: {payload}",
