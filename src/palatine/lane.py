@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import socket
 import struct
 import threading
@@ -67,11 +68,11 @@ _UNSENT, _LANE, _POSTED = 0, 1, 2
 class _ThreadState:
     """One thread's lanes and what it last sent through the loop (`runtime.post` hook)."""
 
-    __slots__ = ("deferred", "last_proc", "last_fut", "lanes", "__weakref__")
+    __slots__ = ("deferred", "last_procs", "last_fut", "lanes", "__weakref__")
 
     def __init__(self) -> None:
         self.deferred: LaneFuture | None = None  # created, not sent yet
-        self.last_proc: ProcId | None = None  # the proc of the last loop-path call ...
+        self.last_procs: frozenset[ProcId] = frozenset()  # the last loop-path call's procs
         self.last_fut: Future[Any] | None = None  # ... and its future (None: something else)
         self.lanes: dict[ChannelAddr, _Lane] = {}
 
@@ -81,8 +82,14 @@ class _ThreadState:
         if d is not None:
             self.deferred = None
             d._demote()
-        self.last_proc = None
         self.last_fut = None
+
+    def lane_to(self, addr: ChannelAddr, client: ProcId) -> _Lane:
+        """This thread's open lane to ``addr`` (connecting it if needed)."""
+        lane = self.lanes.get(addr)
+        if lane is None or lane.broken:
+            lane = self.lanes[addr] = _Lane.open(addr, client)
+        return lane
 
     def __del__(self) -> None:
         for lane in self.lanes.values():
@@ -97,77 +104,96 @@ def _state() -> _ThreadState:
     return st
 
 
-def note_call(proc: ProcId, fut: Future[Any]) -> None:
-    """A plain thread just posted a call to ``proc`` through the loop (order tracking)."""
+def note_call(procs: frozenset[ProcId], fut: Future[Any]) -> None:
+    """A plain thread just posted a call to ``procs`` through the loop (order tracking)."""
     st: _ThreadState | None = getattr(_tls, "state", None)
     if st is None:
         st = _state()
-    st.last_proc = proc
+    st.last_procs = procs
     st.last_fut = fut
+
+
+# One destination of a call: (rank or -1, actor, its proc's address).
+Leg = tuple[int, ActorId, ChannelAddr]
 
 
 def try_call(
     sender: ActorId,
     client_proc: Proc,
-    dest: ActorId,
+    dests: list[tuple[int, ActorId]],
     what: str,
     timeout_s: float,
-    make_env: Callable[[PortId], Envelope],
+    make_env: Callable[[int, PortId], Envelope],
     go: Callable[[], Any],
+    transform: Callable[[Any], Any] | None = None,
 ) -> LaneFuture | None:
-    """A `LaneFuture` for this call if it may take a lane (module doc), else None.
+    """A `LaneFuture` for this call if it may take lanes (module doc), else None.
 
-    ``make_env(reply_to)`` builds the request; ``go`` is the ordinary loop-side closure
-    (as for `runtime.call`), used if the future is sent through the loop after all.
+    ``dests`` are (rank, actor) pairs: one with rank -1 for ``call_one`` (the future's
+    value is the reply), else one per rank (the value is ``transform({rank: reply})``).
+    ``make_env(rank, reply_to)`` builds a request; ``go`` and ``transform`` are the
+    ordinary loop-side closure and transform (as for `runtime.call`), used if the future
+    is sent through the loop after all.
     """
     st: _ThreadState | None = getattr(_tls, "state", None)
     if st is None or st.deferred is not None:
         return None
     last = st.last_fut
-    if last is None or st.last_proc != dest.proc or not last._state:
+    if last is None or not last._state:
         return None
-    if dest.proc == client_proc.proc_id or not config.get().lanes or on_loop_thread():
+    procs = st.last_procs
+    me = client_proc.proc_id
+    for _, dest in dests:
+        if dest.proc not in procs or dest.proc == me:
+            return None
+    if not config.get().lanes or on_loop_thread():
         return None
-    addr = client_proc.router.lookup(dest)
-    if addr is None or addr.transport != "unix":
-        return None
-    fut = LaneFuture(client_proc, st, addr, sender, dest, what, timeout_s, make_env, go)
+    legs: list[Leg] = []
+    lookup = client_proc.router.lookup
+    for rank, dest in dests:
+        addr = lookup(dest)
+        if addr is None or addr.transport != "unix":
+            return None
+        legs.append((rank, dest, addr))
+    if len(legs) > 1 and len({addr for _, _, addr in legs}) < len(legs):
+        return None  # one lane per leg
+    fut = LaneFuture(client_proc, st, legs, sender, what, timeout_s, make_env, go, transform)
     st.deferred = fut
     _sweeper.add(fut)
     return fut
 
 
 class LaneFuture(Future[Any]):
-    """A call's future that its thread may complete over a lane (see the module doc)."""
+    """A call's future that its thread may complete over lanes (see the module doc)."""
 
     __slots__ = (
-        "_owner", "_st", "_addr", "_sender", "_proc", "_dest", "_what", "_timeout_s",
-        "_make_env", "_go", "_claim", "_born",
+        "_owner", "_st", "_legs", "_sender", "_proc", "_what", "_timeout_s",
+        "_make_env", "_go", "_lane_transform", "_claim", "_born",
     )
 
     def __init__(
         self,
         proc: Proc,
         st: _ThreadState,
-        addr: ChannelAddr,
+        legs: list[Leg],
         sender: ActorId,
-        dest: ActorId,
         what: str,
         timeout_s: float,
-        make_env: Callable[[PortId], Envelope],
+        make_env: Callable[[int, PortId], Envelope],
         go: Callable[[], Any],
+        transform: Callable[[Any], Any] | None,
     ) -> None:
         super().__init__(proc.loop)
         self._owner = threading.get_ident()
         self._st = st
-        self._addr = addr
+        self._legs = legs
         self._sender = sender
         self._proc = proc
-        self._dest = dest
         self._what = what
         self._timeout_s = timeout_s
         self._make_env = make_env
         self._go = go
+        self._lane_transform = transform
         self._claim = _UNSENT
         self._born = time.monotonic()
 
@@ -188,31 +214,34 @@ class LaneFuture(Future[Any]):
         if not self._take(_POSTED):
             return
         st = self._st
-        runtime.call_into(self, self._go)
-        st.last_proc = self._dest.proc
+        runtime.call_into(self, self._go, self._lane_transform)
+        st.last_procs = frozenset(dest.proc for _, dest, _ in self._legs)
         st.last_fut = self
 
     # -- consumers -----------------------------------------------------------------------
 
     def _lane_wait(self, timeout: float | None) -> bool:
-        """Complete this future over the lane if the caller may; False if it may not."""
+        """Complete this future over lanes if the caller may; False if it may not."""
         if self._claim != _UNSENT or threading.get_ident() != self._owner:
             return False
         if timeout is not None and timeout < self._timeout_s:
             return False  # the reply could outlive this wait: let the loop own it
         if not self._take(_LANE):
             return False
-        lane = self._st.lanes.get(self._addr)
-        if lane is None or lane.broken:
-            try:
-                lane = _Lane.open(self._addr, self._proc.proc_id)
-            except (LinkLost, Stopped, OSError):
-                self._claim = _UNSENT  # nothing left: send it the ordinary way
-                self._demote()
-                return False
-            self._st.lanes[self._addr] = lane
+        st, client = self._st, self._proc.proc_id
         try:
-            value = lane.call(self)
+            lanes = [st.lane_to(addr, client) for _, _, addr in self._legs]
+        except (LinkLost, Stopped, OSError):
+            self._claim = _UNSENT  # nothing left: send it the ordinary way
+            self._demote()
+            return False
+        try:
+            if self._legs[0][0] < 0:
+                value = lanes[0].call(self)
+            else:
+                value = _gather(self, lanes)
+                if self._lane_transform is not None:
+                    value = self._lane_transform(value)
         except _NotSent:
             self._claim = _UNSENT
             self._demote()
@@ -255,6 +284,73 @@ class _NotSent(Exception):
     """The request never left (connect or write failed): the loop path may still send it."""
 
 
+def _gather(fut: LaneFuture, lanes: list[_Lane]) -> dict[int, Any]:
+    """Send one request per leg over its lane, then read every reply: {rank: value}.
+
+    Errors follow `palatine.mailbox.Gather`: the lowest failed rank's error is raised,
+    with a note naming every failed rank when there are several.
+    """
+    results: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+    waiting: dict[int, tuple[int, _Lane, PortId, int]] = {}  # fd -> (rank, lane, port, leg)
+    for i, ((rank, _dest, _addr), lane) in enumerate(zip(fut._legs, lanes, strict=True)):
+        try:
+            reply_to = lane.send(fut, rank)
+        except _NotSent:
+            if i == 0:
+                raise  # nothing left yet: the loop path sends it all
+            errors[rank] = _broken(fut, i, "the request could not be written")
+            continue
+        waiting[lane.sock.fileno()] = (rank, lane, reply_to, i)
+    deadline = time.monotonic() + fut._timeout_s
+    poller = select.poll()
+    for fd in waiting:
+        poller.register(fd, select.POLLIN)
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            for rank, _lane, _port, i in waiting.values():
+                errors[rank] = _timeout(fut, i)
+            break
+        for fd, _ev in poller.poll(max(1, int(left * 1000))):
+            rank, lane, reply_to, i = waiting[fd]
+            try:
+                got, value = lane.take(reply_to, fut, i)
+            except _Broken as b:
+                got, value = True, b.error
+            if got:
+                del waiting[fd]
+                poller.unregister(fd)
+                if isinstance(value, _Failed):
+                    errors[rank] = value.error
+                else:
+                    results[rank] = value
+    if errors:
+        first = errors[min(errors)]
+        if len(errors) > 1:
+            ranks = ", ".join(str(r) for r in sorted(errors))
+            first.add_note(f"{fut._what} failed on ranks {ranks}")
+        raise first
+    return results
+
+
+class _Failed:
+    """A reply that is an error (kept apart from values in a gather)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Broken(Exception):
+    """A lane broke while waiting; ``error`` is what the call reports for its leg."""
+
+    def __init__(self, error: _Failed) -> None:
+        super().__init__(str(error.error))
+        self.error = error
+
+
 class _Lane:
     """One thread's connection to one proc's unix address."""
 
@@ -294,7 +390,7 @@ class _Lane:
             wake_r.close()
             wake_w.close()
         sock = conn.sock
-        sock.setblocking(True)  # waits are bounded by SO_RCVTIMEO (`_recv`)
+        sock.setblocking(True)  # waits are bounded by SO_RCVTIMEO (`_recv`) or poll
         return cls(addr, actor, sock, conn.parser)
 
     def close(self) -> None:
@@ -304,10 +400,10 @@ class _Lane:
         except OSError:
             pass
 
-    def call(self, fut: LaneFuture) -> Any:
-        """Send ``fut``'s request and read until its reply; the reply's value."""
+    def send(self, fut: LaneFuture, rank: int) -> PortId:
+        """Write one request of ``fut`` (its leg for ``rank``); the reply port it names."""
         reply_to = PortId(self.actor, next(self.ports))
-        env = fut._make_env(reply_to)
+        env = fut._make_env(rank, reply_to)
         head, bufs, size = encode_message(self.seq, False, env)
         if size > config.get().max_frame_bytes:
             raise _NotSent  # the loop path reports the size error as usual
@@ -320,29 +416,49 @@ class _Lane:
             self.close()
             raise _NotSent from None
         self.seq += 1
+        return reply_to
+
+    def call(self, fut: LaneFuture) -> Any:
+        """Send ``fut``'s one request and read until its reply; the reply's value."""
+        reply_to = self.send(fut, -1)
         deadline = time.monotonic() + fut._timeout_s
         while True:
-            for frame in self._recv(deadline, fut):
-                if type(frame) is Message:
-                    reply = frame.envelope
-                    if reply.dest == reply_to:
-                        try:
-                            value = decode_payload(reply)
-                        except Exception as e:  # noqa: BLE001 - as the loop path says it
-                            raise DeliveryError(
-                                f"mailbox error: cannot decode reply for {reply_to}: {e}"
-                            ) from None
-                        to_exc = getattr(type(value), "to_error", None)
-                        if to_exc is not None:
-                            raise to_exc(value)
-                        return value
-                    # A late reply to an earlier call that timed out: nobody waits for it.
-                elif type(frame) is Reject:
-                    self.close()
-                    raise _broken(fut, f"the peer rejected the lane: {frame.reason}")
-                elif type(frame) is not Ack:
-                    self.close()
-                    raise _broken(fut, f"unexpected {type(frame).__name__} frame on the lane")
+            if deadline - time.monotonic() <= 0:
+                raise _timeout(fut, 0)
+            try:
+                got, value = self.take(reply_to, fut, 0, deadline)
+            except _Broken as b:
+                raise b.error.error from None
+            if got:
+                if isinstance(value, _Failed):
+                    raise value.error
+                return value
+
+    def take(self, reply_to: PortId, fut: LaneFuture, leg: int, deadline: float | None = None) -> tuple[bool, Any]:
+        """Read once (blocking until ``deadline``, if given); ``(True, value)`` once the
+        reply to ``reply_to`` is in (an error reply as `_Failed`), else ``(False, None)``."""
+        for frame in self._recv(deadline, fut, leg):
+            if type(frame) is Message:
+                reply = frame.envelope
+                if reply.dest != reply_to:
+                    continue  # a late reply to an earlier call that timed out
+                try:
+                    value = decode_payload(reply)
+                except Exception as e:  # noqa: BLE001 - as the loop path says it
+                    return True, _Failed(
+                        DeliveryError(f"mailbox error: cannot decode reply for {reply_to}: {e}")
+                    )
+                to_exc = getattr(type(value), "to_error", None)
+                if to_exc is not None:
+                    return True, _Failed(to_exc(value))
+                return True, value
+            if type(frame) is Reject:
+                self.close()
+                raise _Broken(_Failed(_broken(fut, leg, f"the peer rejected the lane: {frame.reason}")))
+            if type(frame) is not Ack:
+                self.close()
+                raise _Broken(_Failed(_broken(fut, leg, f"unexpected {type(frame).__name__} frame on the lane")))
+        return False, None
 
     def _send_all(self, parts: list[Any]) -> None:
         views = [memoryview(p).cast("B") for p in parts]
@@ -357,35 +473,32 @@ class _Lane:
                     views[0] = first[n:]
                     n = 0
 
-    def _recv(self, deadline: float, fut: LaneFuture) -> list[Any]:
-        """The next frames; raises the call's timeout or its broken-lane error."""
-        while True:
+    def _recv(self, deadline: float | None, fut: LaneFuture, leg: int) -> list[Any]:
+        """The frames one read brings ([] on a timeout); raises `_Broken` when it ends."""
+        if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise CallTimeout(
-                    f"{fut._what} to {fut._dest} timed out: no reply within {fut._timeout_s:g} s"
-                )
+                return []
             # Keep the kernel's timeout unless it would overshoot the deadline by > 5 %.
             if self._rcvtimeo < 0 or self._rcvtimeo - left > 0.05 * left:
                 self._set_rcvtimeo(left)
-            try:
-                data = self.sock.recv(_RECV_BYTES)
-            except BlockingIOError:  # SO_RCVTIMEO expired: check the deadline again
-                self._rcvtimeo = -1.0
-                continue
-            except OSError as e:
-                self.close()
-                raise _broken(fut, os.strerror(e.errno) if e.errno else str(e)) from None
-            if not data:
-                self.close()
-                raise _broken(fut, "the lane's connection was closed by the peer")
-            try:
-                got = self.parser.feed(data)
-            except FrameError as e:
-                self.close()
-                raise _broken(fut, f"protocol error: {e.reason}") from None
-            if got:
-                return got
+        try:
+            data = self.sock.recv(_RECV_BYTES)
+        except BlockingIOError:  # SO_RCVTIMEO expired: the caller checks its deadline
+            self._rcvtimeo = -1.0
+            return []
+        except OSError as e:
+            self.close()
+            why = os.strerror(e.errno) if e.errno else str(e)
+            raise _Broken(_Failed(_broken(fut, leg, why))) from None
+        if not data:
+            self.close()
+            raise _Broken(_Failed(_broken(fut, leg, "the lane's connection was closed by the peer")))
+        try:
+            return self.parser.feed(data)
+        except FrameError as e:
+            self.close()
+            raise _Broken(_Failed(_broken(fut, leg, f"protocol error: {e.reason}"))) from None
 
     def _set_rcvtimeo(self, seconds: float) -> None:
         whole = int(seconds)
@@ -396,9 +509,16 @@ class _Lane:
         self._rcvtimeo = seconds
 
 
-def _broken(fut: LaneFuture, why: str) -> BaseException:
-    """The error for a call whose lane broke after the request left (module doc)."""
-    proc = fut._dest.proc
+def _timeout(fut: LaneFuture, leg: int) -> CallTimeout:
+    """As `palatine.mailbox.Pending` words it (a gather names its first rank's actor)."""
+    dest = fut._legs[0][1]
+    return CallTimeout(f"{fut._what} to {dest} timed out: no reply within {fut._timeout_s:g} s")
+
+
+def _broken(fut: LaneFuture, leg: int, why: str) -> BaseException:
+    """The error for a leg whose lane broke after the request left (module doc)."""
+    dest = fut._legs[leg][1]
+    proc = dest.proc
     client = fut._proc
     try:
         notice = runtime.call(lambda: client.watch(proc)).get(timeout=GONE_WAIT_S)
@@ -406,7 +526,7 @@ def _broken(fut: LaneFuture, why: str) -> BaseException:
         notice = None
     if notice is not None:
         return peer_gone_error(proc, notice)
-    return DeliveryError(f"broken link: {why} before the reply to {fut._what} from {fut._dest}")
+    return DeliveryError(f"broken link: {why} before the reply to {fut._what} from {dest}")
 
 
 class _Sweeper:

@@ -119,25 +119,29 @@ def _direct_envelope(
     )
 
 
-def _call_one_via(
-    dest: ActorId,
+def _call_via(
+    dests: list[tuple[int, ActorId]],
     what: str,
     timeout_s: float,
-    envelope: Callable[[Mailbox, PortId], Envelope],
+    envelope: Callable[[Mailbox, int, PortId], Envelope],
     go: Callable[[], Any],
+    transform: Callable[[Any], Any] | None = None,
 ) -> Future[Any]:
-    """A call_one's future: over the calling thread's lane when it may (`palatine.lane`),
-    else through the loop (``go`` runs there)."""
+    """A call's future: over the calling thread's lanes when it may (`palatine.lane`),
+    else through the loop (``go`` runs there). ``dests``: as `palatine.lane.try_call`."""
     if on_loop_thread():
-        return runtime.call(go)
+        return runtime.call(go, transform)
     client = _default_client
     if client is not None and _current_cx.get() is None:
         mb = client.mailbox
-        fut = lane.try_call(mb.actor_id, mb.proc, dest, what, timeout_s, lambda rt: envelope(mb, rt), go)
+        fut = lane.try_call(
+            mb.actor_id, mb.proc, dests, what, timeout_s,
+            lambda rank, rt: envelope(mb, rank, rt), go, transform,
+        )
         if fut is not None:
             return fut
-    fut = runtime.call(go)
-    lane.note_call(dest.proc, fut)
+    fut = runtime.call(go, transform)
+    lane.note_call(frozenset(dest.proc for _, dest in dests), fut)
     return fut
 
 
@@ -274,7 +278,7 @@ class ActorRef:
         dest = self.actor_id
         what = f"call {method}"
 
-        def envelope(mb: Mailbox, reply_to: PortId) -> Envelope:
+        def envelope(mb: Mailbox, _rank: int, reply_to: PortId) -> Envelope:
             return Envelope(
                 mb.actor_id, PortId(dest, ENDPOINT_CALL_TID), ENDPOINT_CALL_TID, ENC_PICKLE, data, reply_to,
                 None, None, bufs,
@@ -284,10 +288,10 @@ class ActorRef:
             mb = caller_mailbox()
             _self_call_check(mb, dest)
             p = mb.pending(dest, what, timeout_s)
-            mb.proc.post(envelope(mb, p.id))
+            mb.proc.post(envelope(mb, -1, p.id))
             return p
 
-        return _call_one_via(dest, what, timeout_s, envelope, go)
+        return _call_via([(-1, dest)], what, timeout_s, envelope, go)
 
     def _send(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         data, bufs = _encode_call(method, args, kwargs)
@@ -414,17 +418,29 @@ class ActorMesh:
 
     def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float) -> Future[ValueMesh]:
         dims, ranks = self._dims, list(self._ranks)
+        what = f"call {method}"
 
         def go() -> asyncio.Future[Any]:
             mb = caller_mailbox()
-            g = mb.gather(self.gang.actor(ranks[0]) if ranks else self.gang.actor(0), f"call {method}", timeout_s, self._procs())
+            g = mb.gather(self.gang.actor(ranks[0]) if ranks else self.gang.actor(0), what, timeout_s, self._procs())
             if not ranks:
                 g._complete()
             else:
                 self._cast(mb, method, args, kwargs, g.id)
             return g
 
-        return runtime.call(go, lambda res: ValueMesh(dims, ranks, [res[r] for r in ranks]))
+        def transform(res: dict[int, Any]) -> ValueMesh:
+            return ValueMesh(dims, ranks, [res[r] for r in ranks])
+
+        if not ranks or self._size > config.get().cast_fanout:  # the cast tree: never lanes
+            return runtime.call(go, transform)
+        data = _encode_in_band(method, args, kwargs)
+        size, gang = self._size, self.gang
+
+        def envelope(mb: Mailbox, rank: int, reply_to: PortId) -> Envelope:
+            return _direct_envelope(mb.actor_id, mb.actor_text, gang.actor(rank), rank, size, data, reply_to)
+
+        return _call_via([(r, gang.actor(r)) for r in ranks], what, timeout_s, envelope, go, transform)
 
     def _call_one(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float) -> Future[Any]:
         if len(self._ranks) != 1:
@@ -445,10 +461,10 @@ class ActorMesh:
         data = _encode_in_band(method, args, kwargs)
         size = self._size
 
-        def envelope(mb: Mailbox, reply_to: PortId) -> Envelope:
+        def envelope(mb: Mailbox, _rank: int, reply_to: PortId) -> Envelope:
             return _direct_envelope(mb.actor_id, mb.actor_text, dest, r, size, data, reply_to)
 
-        return _call_one_via(dest, what, timeout_s, envelope, go)
+        return _call_via([(-1, dest)], what, timeout_s, envelope, go)
 
     def _broadcast(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         def go() -> None:

@@ -236,6 +236,66 @@ def test_a_lane_ends_with_its_thread_and_the_server_forgets_it() -> None:
     assert out["STILL_SERVES"] == "6"
 
 
+def test_mesh_calls_gather_over_lanes_in_rank_order_with_the_same_errors() -> None:
+    out = run(
+        """
+        class Ranked(Actor):
+            def __init__(self):
+                self.n = 0
+
+            @endpoint
+            def bump(self, by):
+                self.n += by
+                return (self.rank, self.n)
+
+            @endpoint
+            def fail_odd(self):
+                if self.rank % 2:
+                    raise KeyError(f"rank {self.rank}")
+                return self.rank
+
+            @endpoint
+            def pid(self):
+                return os.getpid()
+
+            @endpoint
+            def nap(self, s):
+                time.sleep(s)
+                return s
+
+            @property
+            def rank(self):
+                return self.cx.rank["procs"]
+
+        more = this_host().spawn_procs(per_host={"procs": 4})
+        ranked = more.spawn("ranked", Ranked)
+        ranked.bump.call(0).get()
+        vm = ranked.bump.call(1).get()
+        print("LANES", lanes_of_this_thread(), vm.values())
+        ranked.bump.broadcast(10)
+        print("ORDERED", ranked.bump.call(0).get().values())
+        try:
+            ranked.fail_odd.call().get()
+        except RemoteException as e:
+            print("ERR", e.type_name, e.message, e.__notes__)
+        print("HALF", ranked.slice(procs=slice(0, 2)).bump.call(0).get().values())
+        pids = ranked.pid.call().get().values()
+        ranked.pid.call().get()
+        threading.Timer(0.3, os.kill, (pids[2], signal.SIGKILL)).start()
+        try:
+            ranked.nap.call(1.0).get()  # the others answer; rank 2 is reported
+        except PeerGoneError as e:
+            print("GONE", e.details["pid"] == pids[2], e.details["rank"])
+        more.stop().get(timeout=20)
+        """
+    )
+    assert out["LANES"] == "4 [(0, 1), (1, 1), (2, 1), (3, 1)]"
+    assert out["ORDERED"] == "[(0, 11), (1, 11), (2, 11), (3, 11)]"
+    assert out["ERR"] == "KeyError 'rank 1' ['call fail_odd failed on ranks 1, 3']"
+    assert out["HALF"] == "[(0, 11), (1, 11)]"
+    assert out["GONE"] == "True 2"
+
+
 def test_lanes_off_by_environment() -> None:
     out = run(
         """
