@@ -33,7 +33,7 @@ from palatine.channel.net import dial_net
 from palatine.channel.net_rx import NetRx
 from palatine.channel.net_tx import NetTx
 from palatine.errors import AddrParseError, ChannelClosed, ConfigError, SendError
-from palatine.ids import ActorId, ProcId
+from palatine.ids import ActorId, PortId, ProcId
 from palatine.testing.proxy import LossyProxy
 from palatine.wire.envelope import Envelope
 from palatine.wire.frames import (
@@ -135,8 +135,10 @@ class Raw:
         return cls(r, w)
 
     @classmethod
-    async def client(cls, addr: ChannelAddr, session_id: int = 42, next_seq: int = 0) -> Raw:
-        """Connect, authenticate, send ``Init``, and consume the server's Init ack."""
+    async def client(
+        cls, addr: ChannelAddr, session_id: int = 42, next_seq: int = 0, lane: ActorId | None = None
+    ) -> Raw:
+        """Connect, authenticate and send ``Init`` (opening a lane for ``lane``)."""
         raw = await cls.open(addr)
         hs = ClientHandshake(TOKEN.encode())
         auth = hs.receive(await raw.frame())
@@ -144,7 +146,7 @@ class Raw:
         raw.send(auth)
         assert hs.receive(await raw.frame()) is None and hs.done
         if session_id is not None:
-            raw.send(Init(session_id, next_seq))
+            raw.send(Init(session_id, next_seq, lane))
         return raw
 
     def send(self, frame: Frame) -> None:
@@ -980,6 +982,45 @@ async def test_peer_lost_reports_the_sender_procs_of_a_closed_connection() -> No
     await tx.close()
     await wait_for(lambda: bool(lost))
     assert lost == [{SENDER.proc, other.proc}]
+    await rx.stop()
+
+
+@pytest.mark.timeout(30)
+async def test_lane_carries_messages_back_and_is_forgotten_when_it_closes() -> None:
+    addr, rx = await net_rx("unix")
+    assert isinstance(rx, NetRx)
+    seen: list[Envelope] = []
+    lost: list[set[ProcId]] = []
+    rx.set_handler(seen.append, lost.append)
+    lane = ActorId.parse("src[0].lane[3]")
+    raw = await Raw.client(addr, session_id=77, lane=lane)
+    assert await raw.frame() == Ack(-1)
+    raw.send_msg(0, mk(0))
+    await wait_for(lambda: len(seen) == 1)
+    conn = rx.lanes[lane]
+    reply = Envelope(ActorId.parse("dst[0].actor[0]"), PortId(lane, 5), 7, 1, b"back")
+    assert conn.send_back(reply) is None
+    got = await raw.frame()
+    assert isinstance(got, Message) and got.seq == 0
+    assert got.envelope.dest == PortId(lane, 5) and got.envelope.data == b"back"
+    big = Envelope(reply.sender, reply.dest, 7, 1, b"x" * 64)
+    rx._max_frame = 64
+    assert "exceeds max frame size 64" in (conn.send_back(big) or "")
+    raw.close()
+    await wait_for(lambda: lane not in rx.lanes)
+    assert conn.send_back(reply) == "the lane's connection is closed"
+    assert lost == []  # a lane's end says nothing about its sender proc
+    await rx.stop()
+
+
+@pytest.mark.timeout(30)
+async def test_a_lane_must_name_a_lane_actor() -> None:
+    addr, rx = await net_rx("unix")
+    assert isinstance(rx, NetRx)
+    raw = await Raw.client(addr, session_id=78, lane=ActorId.parse("src[0].system[0]"))
+    frames = await raw.until_eof()
+    assert any(isinstance(f, Reject) and "a lane's actor is named 'lane'" in f.reason for f in frames)
+    assert rx.lanes == {}
     await rx.stop()
 
 

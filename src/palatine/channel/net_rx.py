@@ -221,6 +221,10 @@ class _ServerConn(asyncio.BufferedProtocol):
 
     def _init(self, frame: Init) -> None:
         rx = self.rx
+        if frame.lane is not None and frame.lane.name != "lane":
+            # A lane's replies never take over the route of a real actor.
+            self._fail(f"invalid lane {frame.lane}: a lane's actor is named 'lane'")
+            return
         session = rx._sessions.get(frame.session_id)
         if session is None:
             session = _Session(frame.session_id, frame.next_seq)
