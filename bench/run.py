@@ -639,21 +639,31 @@ def render_markdown(res: dict[str, Any]) -> str:
 # hand when the profile was taken; BENCHMARKS.md shows them under the current numbers.
 WHERE_TIME_GOES: dict[str, list[str]] = {
     "1_1_actor_calls_sync": [
-        "Profiled 2026-12-02 with py-spy on the caller and the actor's process: both are mostly "
-        "idle (the caller's `palatine-loop` thread in epoll, the user thread waiting on its "
-        "future, the actor's loop in epoll). A blocking call costs four thread wake-ups: user "
-        "thread -> palatine loop thread (send), actor process (handle, reply), loop thread "
-        "(reply), user thread. On this VM one wake-up from idle costs about 60-80 µs, so the "
-        "rate is set by wake-up latency, not CPU: the same program does ~6,000/s when the "
-        "machine is busy (cores never idle) and ~3,400/s when it is quiet. The channel alone, "
-        "single-threaded in each process, does 11,000-21,000 request/reply per second "
-        "(tests/integration/test_channel.py).",
-        "Done: a request completes the caller's future synchronously (no extra loop turn); "
-        "submissions from user threads are coalesced into one loop wake-up; id texts for cast "
-        "headers are cached; `palatine.Future` is a light single-assignment cell (no "
-        "Condition/RLock per call; async calls went from ≈ 14,000 to ≈ 30,000/s). Next: let "
-        "the calling thread write the request itself and receive the reply directly (one "
-        "fewer hop each way), which needs a transport shared between threads.",
+        "Measured 2026-12-03: a plain thread's blocking call now writes the request and reads "
+        "the reply on its own unix connection to the actor's proc (a lane, "
+        "`palatine/lane.py`), so the palatine loop thread is no longer in the path. The "
+        "caller's system time fell from ≈ 100-200 to ≈ 13-30 µs per call (context switches "
+        "from ≈ 4.3 to ≈ 1 per call), and the actor's proc runs a plain `def` endpoint "
+        "inline from the read callback (epoll, read, write: 3 syscalls per call). Per call "
+        "the caller spends ≈ 41-60 µs user and the actor's proc ≈ 36-55 µs user + 11-38 µs "
+        "system.",
+        "Left: this VM's floor. A blocking C-level echo between two processes takes 51-74 µs "
+        "per round trip and a blocking client against a uvloop echo server 67-86 µs; the "
+        "same program swings 3× over the day (5,300/s in a slow hour, 9,000-9,800/s in a "
+        "quiet one). What remains is Python on both sides (frame decode, unpickle, "
+        "dispatch, pickle, encode: ≈ 30-40 µs each).",
+    ],
+    "cast_gather_4": [
+        "Measured 2026-12-03: `mesh.call(...).get()` from a plain thread sends one request "
+        "per rank over the thread's lanes and polls the four sockets for the replies "
+        "(`palatine/lane.py`); before, each gather cost two loop-thread hops on the caller "
+        "(≈ 280 µs of system time per call in a slow hour).",
+    ],
+    "1_1_actor_calls_async": [
+        "Futures that are not waited on at once go through the loop as before (a lane "
+        "future is sent the ordinary way on its thread's next palatine operation): 1,000 "
+        "calls in flight are throughput-bound, ≈ 36 µs of caller CPU and ≈ 20 µs of actor "
+        "CPU per call.",
     ],
     "controller_invocations_per_s": [
         "Measured 2026-12-03 (`cpu_ms_per_1k_calls`): client ≈ 22-30 µs, the 4 workers "
