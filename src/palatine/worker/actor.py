@@ -36,6 +36,7 @@ from palatine.ids import PortId
 from palatine.mailbox import Mailbox, Port
 from palatine.wire.codec import decode_payload, type_name_of
 from palatine.wire.envelope import ENC_MSGPACK, Envelope
+from palatine.worker import torch_warmup
 from palatine.worker.messages import (
     BackendNetworkInit,
     BorrowCreate,
@@ -124,9 +125,15 @@ async def _raise(exc: BaseException) -> None:
 
 
 def _torch_installed() -> bool:
-    """Whether ``import torch`` can work here, without importing it (a path lookup)."""
+    """Whether ``import torch`` can work here, without importing it (a path lookup).
+
+    When it can, the first import will read torch's libraries through before loading
+    them, so it does not stall the heartbeat (`palatine.worker.torch_warmup`).
+    """
     if "torch" in sys.modules:
         return sys.modules["torch"] is not None  # None: imports of torch are blocked
+    if torch_warmup.install():
+        return True
     try:
         return importlib.util.find_spec("torch") is not None
     except (ImportError, ValueError):
