@@ -43,7 +43,7 @@ from typing import Any, Final
 
 from palatine import config, runtime
 from palatine.channel.addr import ChannelAddr
-from palatine.channel.blocking import BlockingConn, LinkLost, Stopped, Waiter
+from palatine.channel.blocking import BlockingConn, Waiter
 from palatine.channel.token import resolve_token
 from palatine.errors import CallTimeout, DeliveryError
 from palatine.future import _FINISHED, Future, _state_lock, on_loop_thread
@@ -231,8 +231,8 @@ class LaneFuture(Future[Any]):
         st, client = self._st, self._proc.proc_id
         try:
             lanes = [st.lane_to(addr, client) for _, _, addr in self._legs]
-        except (LinkLost, Stopped, OSError):
-            self._claim = _UNSENT  # nothing left: send it the ordinary way
+        except Exception:  # noqa: BLE001 - no lane (LinkLost, OSError, ...): nothing left,
+            self._claim = _UNSENT  # so send it the ordinary way
             self._demote()
             return False
         try:

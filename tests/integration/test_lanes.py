@@ -296,6 +296,19 @@ def test_mesh_calls_gather_over_lanes_in_rank_order_with_the_same_errors() -> No
     assert out["GONE"] == "True 2"
 
 
+def test_a_lane_that_cannot_connect_falls_back_to_the_loop() -> None:
+    out = run(
+        """
+        def refuse(*a, **k):
+            raise ConnectionRefusedError(111, "refused on purpose")
+        lane._Lane.open = refuse
+        vals = [one.add.call_one(1).get() for _ in range(5)]
+        print("FALLBACK", vals, lanes_of_this_thread())
+        """
+    )
+    assert out["FALLBACK"] == "[1, 2, 3, 4, 5] 0"
+
+
 def test_lanes_off_by_environment() -> None:
     out = run(
         """
