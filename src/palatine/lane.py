@@ -38,6 +38,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -159,7 +160,7 @@ def try_call(
         return None  # one lane per leg
     fut = LaneFuture(client_proc, st, legs, sender, what, timeout_s, make_env, go, transform)
     st.deferred = fut
-    _sweeper.add(fut)
+    _sweeper.add(st)
     return fut
 
 
@@ -206,7 +207,6 @@ class LaneFuture(Future[Any]):
         st = self._st
         if st.deferred is self:
             st.deferred = None
-        _sweeper.discard(self)
         return True
 
     def _demote(self) -> None:
@@ -530,37 +530,51 @@ def _broken(fut: LaneFuture, leg: int, why: str) -> BaseException:
 
 
 class _Sweeper:
-    """Sends untouched lane futures through the loop after `SWEEP_S` (a loop timer)."""
+    """Sends untouched lane futures through the loop after `SWEEP_S` (a loop timer).
+
+    It looks at the threads that ever held a lane future, so holding one costs the
+    caller nothing but a flag check; the timer runs only while some thread holds one.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._unsent: set[LaneFuture] = set()
-        self._armed = False
+        self._states: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
+        self.armed = False
 
-    def add(self, fut: LaneFuture) -> None:
+    def add(self, st: _ThreadState) -> None:
+        if st not in self._states:
+            with self._lock:
+                self._states.add(st)
+        if self.armed:
+            return
         with self._lock:
-            self._unsent.add(fut)
-            if self._armed:
+            if self.armed:
                 return
-            self._armed = True
+            self.armed = True
         loop = runtime.get_loop()
         loop.call_soon_threadsafe(loop.call_later, SWEEP_S, self._sweep)
-
-    def discard(self, fut: LaneFuture) -> None:
-        with self._lock:
-            self._unsent.discard(fut)
 
     def _sweep(self) -> None:
         now = time.monotonic()
         with self._lock:
-            stale = [f for f in self._unsent if now - f._born >= SWEEP_S]
-        for fut in stale:
-            fut._demote()
+            states = list(self._states)
+        held = False
+        for st in states:
+            fut = st.deferred
+            if fut is None:
+                continue
+            if now - fut._born >= SWEEP_S:
+                fut._demote()
+            else:
+                held = True
+        if held:
+            runtime.get_loop().call_later(SWEEP_S, self._sweep)
+            return
         with self._lock:
-            if not self._unsent:
-                self._armed = False
-                return
-        runtime.get_loop().call_later(SWEEP_S, self._sweep)
+            self.armed = False
+        # A future held between the scan and the disarm armed nothing: look once more.
+        if any(st.deferred is not None for st in states):
+            self.add(states[0])
 
 
 _sweeper = _Sweeper()

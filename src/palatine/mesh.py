@@ -334,7 +334,8 @@ class ActorMesh:
     def __getattr__(self, name: str) -> Endpoint:
         if name.startswith("_"):
             raise AttributeError(name)
-        return Endpoint(self, name)
+        ep = self.__dict__[name] = Endpoint(self, name)  # later lookups skip __getattr__
+        return ep
 
     def __len__(self) -> int:
         return len(self._ranks)
