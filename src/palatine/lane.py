@@ -8,21 +8,23 @@ the request and reads the reply with blocking socket calls. Its ``Init`` names t
 own reply actor (``<client proc>.lane[n]``); the serving proc sends whatever is addressed
 to that actor back on the same connection (`palatine.channel.net_rx`).
 
-A call goes through a lane only when all of these hold; otherwise nothing changes:
+A call goes through lanes only when all of these hold; otherwise nothing changes:
 
-* it is ``call_one`` to one actor, from a thread that is not a loop thread, with lanes on
-  (config ``lanes``, ``PALATINE_LANES=0`` turns them off);
-* the router already reaches the actor's proc at a ``unix:`` address. Lanes are local:
-  their connection ends only when the peer proc stops or dies;
-* the thread's last operation through the loop was a call to the same proc, and it has
-  completed. Everything the thread sent there earlier has then been delivered, so the
-  lane keeps per-sender order.
+* it is ``call_one`` to one actor, or ``call`` to a mesh small enough to be cast directly
+  (one request per rank, each on the thread's lane to that rank's proc), from a thread
+  that is not a loop thread, with lanes on (config ``lanes``; ``PALATINE_LANES=0`` turns
+  them off);
+* the router already reaches every destination proc at a ``unix:`` address. Lanes are
+  local: their connection ends only when the peer proc stops or dies;
+* the thread's last operation through the loop was a call to (a superset of) the same
+  procs, and it has completed. Everything the thread sent there earlier has then been
+  delivered, so lanes keep per-sender order.
 
 The request leaves when the calling thread waits on the future (``get``/``result``/
 ``exception``). Any other use — ``await``, ``done``, callbacks, a wait from another
 thread or with a shorter timeout, or the thread's next palatine operation — first sends
 it the ordinary way, through the loop. A future nobody touches is sent that way within
-`SWEEP_S`.
+about `SWEEP_S`. A lane that cannot be opened leaves the call to the loop path too.
 
 A lane that breaks after its request left fails the call with the peer's `PeerGoneError`
 once the system declares the proc dead (else a `DeliveryError`): whether the call ran is
