@@ -542,8 +542,11 @@ class _Sweeper:
         self._lock = threading.Lock()
         self._states: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
         self.armed = False
+        self._held = 0  # lane futures held so far (a racy count is fine: it only keeps us armed)
+        self._held_at_sweep = 0
 
     def add(self, st: _ThreadState) -> None:
+        self._held += 1
         if st not in self._states:
             with self._lock:
                 self._states.add(st)
@@ -569,7 +572,10 @@ class _Sweeper:
                 fut._demote()
             else:
                 held = True
-        if held:
+        # Stay armed while lanes are in use (one timer per sweep, no wake-up per call).
+        busy = self._held != self._held_at_sweep
+        self._held_at_sweep = self._held
+        if held or busy:
             runtime.get_loop().call_later(SWEEP_S, self._sweep)
             return
         with self._lock:
