@@ -31,7 +31,7 @@ from palatine.channel.addr import ChannelAddr
 from palatine.channel.base import Rx
 from palatine.channel.net import dial_net
 from palatine.channel.net_rx import NetRx
-from palatine.channel.net_tx import NetTx, flush_pending
+from palatine.channel.net_tx import NetTx
 from palatine.errors import AddrParseError, ChannelClosed, ConfigError, SendError
 from palatine.ids import ActorId, PortId, ProcId
 from palatine.testing.proxy import LossyProxy
@@ -1021,25 +1021,6 @@ async def test_a_lane_must_name_a_lane_actor() -> None:
     frames = await raw.until_eof()
     assert any(isinstance(f, Reject) and "a lane's actor is named 'lane'" in f.reason for f in frames)
     assert rx.lanes == {}
-    await rx.stop()
-
-
-@pytest.mark.timeout(30)
-async def test_flush_pending_writes_a_burst_in_the_same_loop_turn() -> None:
-    addr, rx = await net_rx("unix")
-    seen: list[Envelope] = []
-    rx.set_handler(seen.append)
-    tx = dial(addr)
-    assert isinstance(tx, NetTx)
-    await tx.send(mk(0))  # connected and acknowledged
-    tx.post(mk(1))
-    tx.post(mk(2))
-    assert len(tx._outbox) == 2 and tx._flush_scheduled  # would leave next turn
-    flush_pending()
-    assert not tx._outbox and not tx._flush_scheduled  # written now, in order
-    await wait_for(lambda: len(seen) == 3)
-    assert seqs(seen) == [0, 1, 2]
-    await tx.close()
     await rx.stop()
 
 

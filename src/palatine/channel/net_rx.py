@@ -37,7 +37,6 @@ from palatine.channel.net import (
     resolve_security,
     set_nodelay,
 )
-from palatine.channel.net_tx import flush_pending
 from palatine.ids import ActorId, ProcId
 from palatine.wire.envelope import Envelope
 from palatine.wire.frames import (
@@ -188,7 +187,6 @@ class _ServerConn(asyncio.BufferedProtocol):
                 self._send_ack(force=ack_now)
             elif self._ack_handle is None:
                 self._ack_handle = rx._loop.call_later(rx._ack_interval, self._ack_timer)
-        flush_pending()  # what the delivered messages caused leaves now, not next turn
 
     def _control(self, frame: Frame) -> None:
         """Every frame except an in-session ``Message``: handshake, ``Init``, errors."""

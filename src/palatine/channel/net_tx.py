@@ -23,7 +23,6 @@ import random
 import secrets
 import socket
 import ssl
-import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Final, cast
@@ -161,30 +160,6 @@ class _ClientConn(asyncio.Protocol):
             self.ready.set_exception(ConnectionError(reason))
             self.ready.exception()  # the connect loop may have stopped waiting
         self.tx._on_lost(self)
-
-
-# Txs with a flush scheduled for the next loop turn, per loop thread. A callback that
-# posted a burst (a read callback delivering a chunk, a worker draining its outbox) may
-# write them at its own end instead: one loop turn less per hop, still one write per burst.
-_pending = threading.local()
-
-
-def _dirty() -> list[NetTx]:
-    txs: list[NetTx] | None = getattr(_pending, "txs", None)
-    if txs is None:
-        txs = _pending.txs = []
-    return txs
-
-
-def flush_pending() -> None:
-    """Write this loop thread's scheduled flushes now (they then find nothing to do)."""
-    txs = getattr(_pending, "txs", None)
-    if not txs:
-        return
-    _pending.txs = []
-    for tx in txs:
-        if tx._flush_scheduled:
-            tx._flush()
 
 
 class NetTx(Tx):
@@ -326,7 +301,6 @@ class NetTx(Tx):
         if self._conn is not None:
             if not self._flush_scheduled:
                 self._flush_scheduled = True
-                _dirty().append(self)
                 self._loop.call_soon(self._flush)
         elif self._task is None:
             self._start()

@@ -32,7 +32,6 @@ from collections.abc import Callable
 from typing import Any
 
 from palatine.actor import Actor, handler
-from palatine.channel.net_tx import flush_pending
 from palatine.ids import PortId
 from palatine.mailbox import Mailbox, Port
 from palatine.wire.codec import decode_payload, type_name_of
@@ -270,7 +269,6 @@ class WorkerActor(Actor):
             if buffers:
                 env.buffers = buffers
             post(env)
-        flush_pending()  # the stream's results leave in this loop turn
 
     def _fail(self, exc: InfrastructureError) -> None:
         """Fail the actor with ``exc`` (once); streams are abandoned."""
