@@ -690,11 +690,12 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "on this VM, and the 4 workers' wake-ups share 2 cores. The controller's remaining "
         "CPU is mostly the socket writes themselves (`NetTx._flush` ≈ 45 % of its busy "
         "samples).",
-        "Since 2026-12-03 afternoon: a read callback and a worker's outbox drain write the "
-        "messages they caused at their own end instead of on the next loop turn (one turn "
-        "less per hop). The VM's speed swings about 3× over a day; this metric measured "
-        "0.91-1.07 ms in a quiet hour and 2-3 ms in a slow one. Next: save the worker's "
-        "stream → loop hand-off (a thread wake-up per command group).",
+        "The VM's speed swings about 3× over a day: this metric measured 0.91-1.07 ms in a "
+        "quiet hour and 2-3.7 ms in a slow one. Tried on 2026-12-03 and reverted: writing "
+        "what a read callback caused at its own end instead of on the next loop turn; "
+        "interleaved runs were slower (1.5-3.1 ms against 1.3-1.9 ms), as early writes wake "
+        "peers while this process still has work, with 6 processes on 2 cores. Next: save "
+        "the worker's stream → loop hand-off (a thread wake-up per command group).",
     ],
     "local_mesh_4_to_first_fetch_s": [
         "Measured 2026-12-03: CPU workers no longer import torch before they report ready "
