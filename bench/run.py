@@ -281,6 +281,27 @@ def _peer_versions() -> dict[str, Any]:
         return {}
 
 
+def cpu_ticks() -> list[int] | None:
+    """The aggregate ``cpu`` line of /proc/stat (user ... steal), or None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    return [int(x) for x in fields[1:9]]
+
+
+def steal_percent(before: list[int] | None, after: list[int] | None) -> float | None:
+    """The share of CPU time the hypervisor took from this machine between two samples."""
+    if before is None or after is None:
+        return None
+    delta = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(delta)
+    return round(100.0 * delta[7] / total, 1) if total > 0 else None
+
+
 def machine_info() -> dict[str, Any]:
     loop = "asyncio"
     uv = _version("uvloop")
@@ -481,6 +502,10 @@ def _machine_line(m: dict[str, Any]) -> str:
         parts.append(f"peers: {pv} (Python {peers.get('python', '?')})")
     if m.get("loadavg_at_start") is not None:
         parts.append(f"load average at start {m['loadavg_at_start'][0]}")
+    if m.get("steal_pct") is not None:
+        parts.append(
+            f"CPU time taken by the hypervisor during the run (steal) {m['steal_pct']} %"
+        )
     return "; ".join(parts)
 
 
@@ -791,6 +816,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_peers()
 
     machine = machine_info()
+    ticks = cpu_ticks()
     outcomes: list[RunOutcome] = []
     for prog in PROGRAMS:
         if prog.peer is not None and args.skip_peers:
@@ -802,6 +828,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{prog.path}: {out.note}")
         outcomes.append(out)
 
+    # On a shared VM the host may take a large share of the CPU (20-40 % has been seen
+    # here), which moves every latency figure: the run records it.
+    machine["steal_pct"] = steal_percent(ticks, cpu_ticks())
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{_today()}.json"
     previous = _load(path)
