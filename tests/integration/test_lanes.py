@@ -113,7 +113,9 @@ def test_blocking_calls_take_a_lane_with_the_same_results_and_errors() -> None:
             print("REMOTE", e.type_name, e.message)
         print("AFTER_ERROR", one.add.call_one(0).get())
         print("BIG", len(one.blob.call_one(3_000_000).get()))
-        print("REF", mesh.slice(procs=1).add.call_one(5).get())
+        from palatine.mesh import ActorRef
+        ref = ActorRef(mesh.gang.actor(1), Acc)  # a direct reference, not a mesh slice
+        print("REF", ref.add.call_one(5).get(), ref.add.call_one(5).get(), lanes_of_this_thread())
         """
     )
     assert out["FIRST"] == "1 0"  # the first call to a proc goes through the loop
@@ -121,7 +123,7 @@ def test_blocking_calls_take_a_lane_with_the_same_results_and_errors() -> None:
     assert out["REMOTE"] == "ValueError boom on purpose"
     assert out["AFTER_ERROR"] == "201"
     assert out["BIG"] == "3000000"
-    assert out["REF"] == "5"
+    assert out["REF"] == "5 10 2"  # its second call took a lane to the other proc
 
 
 def test_lane_keeps_per_sender_order_with_one_way_sends() -> None:
