@@ -216,6 +216,9 @@ class ActorInstance:
             pass
         except _Failure as f:
             self._push((_FAILED, None, f, None))
+        except BaseException as e:  # (CancelledError and such) a panic, as on the task
+            tb = traceback.format_exc()
+            self._push((_FAILED, None, _Failure(f"serving {self.id}: panic: {type(e).__name__}: {e}", tb), None))
         else:  # cannot happen for a plain def endpoint; never leave a coroutine half-run
             coro.close()
             raise RuntimeError(f"endpoint of {self.id} suspended while running inline")

@@ -487,3 +487,27 @@ async def test_undeliverable_hook_default_and_override(caplog: pytest.LogCapture
             "failed: serving w[0].m[0]: processing error: a message from w[0].m[0] to "
         )
         assert "was undeliverable and returned: mailbox error: no actor w[1].ghost[0] in w[1]" in status
+
+
+class CancelsItself(Actor):
+    @endpoint
+    def cancel(self) -> None:
+        raise asyncio.CancelledError()
+
+    @endpoint
+    def ok(self) -> int:
+        return 1
+
+
+async def test_a_plain_endpoint_raising_cancelled_error_fails_only_its_actor() -> None:
+    async with proc_cluster(2) as (procs, _):
+        events: list[SupervisionEvent] = []
+        procs[1].set_supervision_coordinator(events.append)
+        bad = await procs[1].spawn("bad", CancelsItself)
+        good = await procs[1].spawn("good", CancelsItself)
+        ActorRef(bad, CancelsItself).cancel.broadcast()
+        while not events:
+            await asyncio.sleep(0.01)
+        assert events[0].message.startswith("serving w[1].bad[0]: panic: CancelledError")
+        # The connection that carried it still serves the proc's other actors.
+        assert await ActorRef(good, CancelsItself).ok.call_one() == 1
