@@ -38,10 +38,11 @@ def torch_dir() -> str | None:
 
 
 def _shared_libraries(root: str) -> list[str]:
+    """torch's shared libraries, without its test and sample libraries (never loaded)."""
     out: list[str] = []
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
-            if ".so" in name:
+            if ".so" in name and "test" not in name and "backend_with_compiler" not in name:
                 out.append(os.path.join(dirpath, name))
     return sorted(out)
 
