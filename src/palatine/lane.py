@@ -121,7 +121,6 @@ Leg = tuple[int, ActorId, ChannelAddr]
 
 
 def try_call(
-    sender: ActorId,
     client_proc: Proc,
     dests: list[tuple[int, ActorId]],
     what: str,
@@ -160,7 +159,7 @@ def try_call(
         legs.append((rank, dest, addr))
     if len(legs) > 1 and len({addr for _, _, addr in legs}) < len(legs):
         return None  # one lane per leg
-    fut = LaneFuture(client_proc, st, legs, sender, what, timeout_s, make_env, go, transform)
+    fut = LaneFuture(client_proc, st, legs, what, timeout_s, make_env, go, transform)
     st.deferred = fut
     _sweeper.add(st)
     return fut
@@ -170,7 +169,7 @@ class LaneFuture(Future[Any]):
     """A call's future that its thread may complete over lanes (see the module doc)."""
 
     __slots__ = (
-        "_owner", "_st", "_legs", "_sender", "_proc", "_what", "_timeout_s",
+        "_owner", "_st", "_legs", "_proc", "_what", "_timeout_s",
         "_make_env", "_go", "_lane_transform", "_claim", "_born",
     )
 
@@ -179,7 +178,6 @@ class LaneFuture(Future[Any]):
         proc: Proc,
         st: _ThreadState,
         legs: list[Leg],
-        sender: ActorId,
         what: str,
         timeout_s: float,
         make_env: Callable[[int, PortId], Envelope],
@@ -190,7 +188,6 @@ class LaneFuture(Future[Any]):
         self._owner = threading.get_ident()
         self._st = st
         self._legs = legs
-        self._sender = sender
         self._proc = proc
         self._what = what
         self._timeout_s = timeout_s

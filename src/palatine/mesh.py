@@ -135,7 +135,7 @@ def _call_via(
     if client is not None and _current_cx.get() is None:
         mb = client.mailbox
         fut = lane.try_call(
-            mb.actor_id, mb.proc, dests, what, timeout_s,
+            mb.proc, dests, what, timeout_s,
             lambda rank, rt: envelope(mb, rank, rt), go, transform,
         )
         if fut is not None:

@@ -241,8 +241,9 @@ def test_a_lane_ends_with_its_thread_and_the_server_forgets_it() -> None:
 def test_mesh_calls_gather_over_lanes_in_rank_order_with_the_same_errors() -> None:
     out = run(
         """
-        class Ranked(Actor):
+        class Ranked(Acc):  # pid and nap come from Acc
             def __init__(self):
+                super().__init__()
                 self.n = 0
 
             @endpoint
@@ -255,15 +256,6 @@ def test_mesh_calls_gather_over_lanes_in_rank_order_with_the_same_errors() -> No
                 if self.rank % 2:
                     raise KeyError(f"rank {self.rank}")
                 return self.rank
-
-            @endpoint
-            def pid(self):
-                return os.getpid()
-
-            @endpoint
-            def nap(self, s):
-                time.sleep(s)
-                return s
 
             @property
             def rank(self):
