@@ -63,6 +63,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     cast_fanout: int = 8
     # a plain thread's blocking call_one may use its own connection (palatine.lane)
     lanes: bool = True
+    # a loop that just received, and a thread awaiting a reply, poll this long before
+    # sleeping (palatine.channel.spin); 0: off
+    idle_spin_us: int = 100
     log_dir: str | None = None
 
 
@@ -99,6 +102,16 @@ def _parse_int(text: str, *, name: str) -> int:
     return value
 
 
+def _parse_micros(text: str, *, name: str) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected microseconds >= 0, got {text!r}") from None
+    if value < 0:
+        raise ConfigError(f"{name}: expected microseconds >= 0, got {text!r}")
+    return value
+
+
 def _parse_loop(text: str, *, name: str) -> str:
     if text not in ("uvloop", "asyncio"):
         raise ConfigError(f"{name}: expected 'uvloop' or 'asyncio', got {text!r}")
@@ -132,6 +145,8 @@ def _parser_for(key: str, default: Any) -> Callable[..., Any]:
         return parse_size
     if key.endswith("_s"):
         return parse_seconds
+    if key.endswith("_us"):
+        return _parse_micros
     if key == "event_loop":
         return _parse_loop
     if isinstance(default, bool):

@@ -47,6 +47,7 @@ from typing import Any, Final
 from palatine import config, runtime
 from palatine.channel.addr import ChannelAddr
 from palatine.channel.blocking import BlockingConn, Waiter
+from palatine.channel.spin import poll_spinning, recv_spinning, spin_seconds
 from palatine.channel.token import resolve_token
 from palatine.errors import CallTimeout, DeliveryError
 from palatine.future import _FINISHED, Future, _state_lock, on_loop_thread
@@ -302,6 +303,7 @@ def _gather(fut: LaneFuture, lanes: list[_Lane]) -> dict[int, Any]:
             continue
         waiting[lane.sock.fileno()] = (rank, lane, reply_to, i)
     deadline = time.monotonic() + fut._timeout_s
+    spin_s = spin_seconds()
     poller = select.poll()
     for fd in waiting:
         poller.register(fd, select.POLLIN)
@@ -311,7 +313,7 @@ def _gather(fut: LaneFuture, lanes: list[_Lane]) -> dict[int, Any]:
             for rank, _lane, _port, i in waiting.values():
                 errors[rank] = _timeout(fut, i)
             break
-        for fd, _ev in poller.poll(max(1, int(left * 1000))):
+        for fd, _ev in poll_spinning(poller, max(1, int(left * 1000)), spin_s):
             rank, lane, reply_to, i = waiting[fd]
             try:
                 got, value = lane.take(reply_to, fut, i)
@@ -353,7 +355,7 @@ class _Broken(Exception):
 class _Lane:
     """One thread's connection to one proc's unix address."""
 
-    __slots__ = ("addr", "actor", "sock", "parser", "seq", "ports", "broken", "_rcvtimeo")
+    __slots__ = ("addr", "actor", "sock", "parser", "seq", "ports", "broken", "spin_s", "_rcvtimeo")
 
     def __init__(self, addr: ChannelAddr, actor: ActorId, sock: socket.socket, parser: FrameParser) -> None:
         self.addr = addr
@@ -363,6 +365,7 @@ class _Lane:
         self.seq = 0
         self.ports = itertools.count()
         self.broken = False
+        self.spin_s = spin_seconds()
         self._rcvtimeo = -1.0
 
     @classmethod
@@ -482,7 +485,9 @@ class _Lane:
             if self._rcvtimeo < 0 or self._rcvtimeo - left > 0.05 * left:
                 self._set_rcvtimeo(left)
         try:
-            data = self.sock.recv(_RECV_BYTES)
+            data = recv_spinning(self.sock, _RECV_BYTES, self.spin_s) if self.spin_s else None
+            if data is None:
+                data = self.sock.recv(_RECV_BYTES)
         except BlockingIOError:  # SO_RCVTIMEO expired: the caller checks its deadline
             self._rcvtimeo = -1.0
             return []

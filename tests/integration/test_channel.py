@@ -1209,3 +1209,28 @@ if __name__ == "__main__":
     else:
         print(f"loop: {type(bench_loop).__module__}")
         bench_loop.run_until_complete(_bench_main())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("spin_us", "lane", "spins"), [(200_000, True, True), (0, True, False), (200_000, False, False)])
+async def test_a_loop_stays_awake_for_the_idle_spin_after_a_lane_request(spin_us: int, lane: bool, spins: bool) -> None:
+    """A request on a lane keeps the receiving loop polling (`palatine.channel.spin`), so
+    the caller's next request is read without a wake-up; other connections do not, and
+    ``PALATINE_IDLE_SPIN_US=0`` turns it off."""
+    from palatine.channel.spin import _spins
+
+    loop = asyncio.get_running_loop()
+    _spins.pop(loop, None)
+    with config.override(idle_spin_us=spin_us):
+        addr, rx = await net_rx("unix")
+        seen: list[Envelope] = []
+        rx.set_handler(seen.append, lambda procs: None)
+        raw = await Raw.client(addr, session_id=78, lane=ActorId.parse("src[0].lane[4]") if lane else None)
+        assert await raw.frame() == Ack(-1)
+        raw.send_msg(0, mk(0))
+        await wait_for(lambda: bool(seen))
+        spinning = _spins[loop].spinning
+        raw.close()
+        await rx.stop()
+    _spins.pop(loop, None)
+    assert spinning is spins

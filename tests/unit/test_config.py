@@ -1,4 +1,5 @@
-"""Config keys from ``PALATINE_*`` variables: the boolean ones (``fork_server``)."""
+"""Config keys from ``PALATINE_*`` variables: the boolean ones (``fork_server``) and the
+microsecond ones (``idle_spin_us``)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,12 @@ def test_fork_server_is_on_by_default_and_a_bad_switch_is_a_config_error() -> No
     with pytest.raises(ConfigError, match="PALATINE_FORK_SERVER"):
         config.from_env({"PALATINE_FORK_SERVER": "maybe"})
     assert config.from_env({}, fork_server="0").fork_server is False
+
+
+def test_idle_spin_reads_microseconds_and_zero_turns_it_off() -> None:
+    assert config.from_env({}).idle_spin_us == 100
+    assert config.from_env({"PALATINE_IDLE_SPIN_US": "250"}).idle_spin_us == 250
+    assert config.from_env({"PALATINE_IDLE_SPIN_US": "0"}).idle_spin_us == 0
+    for bad in ("-1", "1.5", "soon"):
+        with pytest.raises(ConfigError, match="PALATINE_IDLE_SPIN_US: expected microseconds >= 0"):
+            config.from_env({"PALATINE_IDLE_SPIN_US": bad})

@@ -30,6 +30,7 @@ from palatine.channel import addr as addrs
 from palatine.channel.addr import ChannelAddr
 from palatine.channel.base import EnvelopeHandler, PeerLostHandler, Rx
 from palatine.channel.local import InboundQueue
+from palatine.channel.spin import loop_spin
 from palatine.channel.net import (
     PeerWarnings,
     describe_error,
@@ -153,6 +154,8 @@ class _ServerConn(asyncio.BufferedProtocol):
             self._fail(exc.reason, reject=not exc.before_body)
             return
         self._frames(frames)
+        if self.lane is not None:  # a blocking caller: its next request follows the reply
+            self.rx._spin()
 
     def _frames(self, frames: list[Frame]) -> None:
         """Deliver in-session ``Message`` frames, handle the rest; then maybe ack."""
@@ -414,6 +417,7 @@ class NetRx(Rx):
     ) -> None:
         self.addr = addr
         self._loop = asyncio.get_running_loop()
+        self._spin = loop_spin(self._loop).poke
         self._token, self._ssl = resolve_security(addr, token, ssl_context, server=True)
         cfg = config.get()
         self._max_frame = cfg.max_frame_bytes
