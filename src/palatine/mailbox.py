@@ -13,6 +13,7 @@ import abc
 import asyncio
 import collections
 import math
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,64 @@ __all__ = [
 ]
 
 FIRST_EPHEMERAL_PORT = 1024
+
+
+# Deadlines this long (the call default is an hour) share one sweep per loop instead of
+# a loop timer each: a timer costs about 2 µs to arm and cancel, most of a call's budget.
+SWEPT_TIMEOUT_S = 60.0
+SWEEP_EVERY_S = 0.5
+
+
+class _Swept:
+    """A long deadline in its loop's `_Sweep`; ``cancel()`` as on a timer handle."""
+
+    __slots__ = ("sweep", "when", "fire")
+
+    def __init__(self, sweep: _Sweep, when: float, fire: Callable[[], None]) -> None:
+        self.sweep = sweep
+        self.when = when
+        self.fire = fire
+
+    def cancel(self) -> None:
+        self.sweep.due.discard(self)
+
+
+class _Sweep:
+    """Fires long deadlines, checked every `SWEEP_EVERY_S` while any is set (so each
+    fires at most that late: under 1 % of its length)."""
+
+    __slots__ = ("loop", "due", "handle")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.due: set[_Swept] = set()
+        self.handle: asyncio.TimerHandle | None = None
+
+    def add(self, delay_s: float, fire: Callable[[], None]) -> _Swept:
+        swept = _Swept(self, self.loop.time() + delay_s, fire)
+        self.due.add(swept)
+        if self.handle is None:
+            self.handle = self.loop.call_later(SWEEP_EVERY_S, self._run)
+        return swept
+
+    def _run(self) -> None:
+        self.handle = None
+        now = self.loop.time()
+        for swept in [s for s in self.due if s.when <= now]:
+            self.due.discard(swept)
+            swept.fire()
+        if self.due:
+            self.handle = self.loop.call_later(SWEEP_EVERY_S, self._run)
+
+
+_sweeps: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Sweep] = weakref.WeakKeyDictionary()
+
+
+def _sweep_of(loop: asyncio.AbstractEventLoop) -> _Sweep:
+    sweep = _sweeps.get(loop)
+    if sweep is None:
+        sweep = _sweeps[loop] = _Sweep(loop)
+    return sweep
 
 
 class ErrorReply(Message, kw_only=True):
@@ -222,9 +281,12 @@ class Pending(Port):
         self.dest = dest
         self.what = what
         self.timeout_s = timeout_s
-        self.timer: asyncio.TimerHandle | None = (
-            loop.call_later(timeout_s, self._expire) if math.isfinite(timeout_s) else None
-        )
+        self.timer: asyncio.TimerHandle | _Swept | None = None
+        if timeout_s >= SWEPT_TIMEOUT_S:
+            if math.isfinite(timeout_s):
+                self.timer = _sweep_of(loop).add(timeout_s, self._expire)
+        else:
+            self.timer = loop.call_later(timeout_s, self._expire)
         # A thread-safe future completed synchronously with ours (saves a loop turn
         # for callers blocked in another thread): (future, transform or None).
         self.sink: tuple[Any, Callable[[Any], Any] | None] | None = None

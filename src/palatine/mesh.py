@@ -386,8 +386,8 @@ class ActorMesh:
     def _slice_ranks(self, ranks: list[int]) -> ActorMesh:
         return ActorMesh(self.gang, self._dims, ranks, self._cls)
 
-    def _cast(self, mb: Mailbox, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], reply_to: PortId | None) -> None:
-        data = _encode_in_band(method, args, kwargs)
+    def _cast(self, mb: Mailbox, data: bytes, reply_to: PortId | None) -> None:
+        """Cast ``data`` (`_encode_in_band`) to the selection."""
         fanout = config.get().cast_fanout
         if self._size <= fanout:
             # Root step of a tree whose blocks are all single ranks: direct deliveries.
@@ -421,13 +421,15 @@ class ActorMesh:
         dims, ranks = self._dims, list(self._ranks)
         what = f"call {method}"
 
+        data = _encode_in_band(method, args, kwargs)
+
         def go() -> asyncio.Future[Any]:
             mb = caller_mailbox()
             g = mb.gather(self.gang.actor(ranks[0]) if ranks else self.gang.actor(0), what, timeout_s, self._procs())
             if not ranks:
                 g._complete()
             else:
-                self._cast(mb, method, args, kwargs, g.id)
+                self._cast(mb, data, g.id)
             return g
 
         def transform(res: dict[int, Any]) -> ValueMesh:
@@ -435,7 +437,6 @@ class ActorMesh:
 
         if not ranks or self._size > config.get().cast_fanout:  # the cast tree: never lanes
             return runtime.call(go, transform)
-        data = _encode_in_band(method, args, kwargs)
         size, gang = self._size, self.gang
 
         def envelope(mb: Mailbox, rank: int, reply_to: PortId) -> Envelope:
@@ -449,17 +450,17 @@ class ActorMesh:
         r = self._ranks[0]
         dest = self.gang.actor(r)
         what = f"call {method}"
+        data = _encode_in_band(method, args, kwargs)
 
         def go() -> asyncio.Future[Any]:
             mb = caller_mailbox()
             _self_call_check(mb, dest)
             p = mb.pending(dest, what, timeout_s)
-            self._cast(mb, method, args, kwargs, p.id)
+            self._cast(mb, data, p.id)
             return p
 
         if self._size > config.get().cast_fanout:  # through the cast tree: never a lane
             return runtime.call(go)
-        data = _encode_in_band(method, args, kwargs)
         size = self._size
 
         def envelope(mb: Mailbox, _rank: int, reply_to: PortId) -> Envelope:
@@ -468,19 +469,21 @@ class ActorMesh:
         return _call_via([(-1, dest)], what, timeout_s, envelope, go)
 
     def _broadcast(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        data = _encode_in_band(method, args, kwargs)
+
         def go() -> None:
-            mb = caller_mailbox()
-            self._cast(mb, method, args, kwargs, None)
+            self._cast(caller_mailbox(), data, None)
 
         runtime.post(go)
 
     def _stream(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float) -> _Stream:
         st = _Stream(len(self._ranks))
+        data = _encode_in_band(method, args, kwargs)
 
         def go() -> None:
             mb = caller_mailbox()
             g = mb.gather(self.gang.actor(self._ranks[0]), f"stream {method}", timeout_s, self._procs(), st.push)
-            self._cast(mb, method, args, kwargs, g.id)
+            self._cast(mb, data, g.id)
 
         runtime.post(go)
         return st

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ from palatine.proc import Proc
 from palatine.router import Router
 from palatine.testing.procs import proc_cluster
 from palatine.wire.codec import Message, display, encode_message, type_id_for
-from palatine.wire.envelope import ENC_MSGPACK, Envelope
+from palatine.wire.envelope import ENC_MSGPACK, ENC_PICKLE, Envelope
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -196,3 +197,32 @@ def test_proc_routes_to_itself_without_channels() -> None:
             await p.stop(1.0)
 
     asyncio.run(main())
+
+
+async def test_long_deadlines_share_one_sweep_and_still_fire(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests with long timeouts are timed by one sweep per loop, not a timer each:
+    they still time out (a little late, never early), and an answered request leaves
+    the sweep at once."""
+    import palatine.mailbox as mailbox_mod
+    from palatine.errors import CallTimeout
+
+    monkeypatch.setattr(mailbox_mod, "SWEPT_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(mailbox_mod, "SWEEP_EVERY_S", 0.05)
+    loop = asyncio.get_running_loop()
+    async with proc_cluster(1) as (_procs, client):
+        mb = client.mailbox
+        dest = ActorId.parse("w[0].nobody[0]")
+        t0 = loop.time()
+        late = mb.pending(dest, "call slow", 0.3)
+        quick = mb.pending(dest, "call quick", 0.05)  # short: an ordinary timer
+        answered = mb.pending(dest, "call answered", 0.3)
+        sweep = mailbox_mod._sweeps[loop]
+        assert {late.timer, answered.timer} == sweep.due and quick.timer not in sweep.due
+        answered.deliver(Envelope(dest, answered.id, 0, ENC_PICKLE, pickle.dumps(7)))
+        assert answered.future.result() == 7 and answered.timer not in sweep.due
+        with pytest.raises(CallTimeout, match=r"call quick to w\[0\].nobody\[0\] timed out"):
+            await quick.future
+        with pytest.raises(CallTimeout, match=r"call slow to w\[0\].nobody\[0\] timed out: no reply within 0.3 s"):
+            await asyncio.wait_for(late.future, 5)
+        assert 0.3 <= loop.time() - t0 < 0.3 + 0.05 + 0.5
+        assert not sweep.due and sweep.handle is None  # nothing left: the sweep stops
