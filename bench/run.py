@@ -677,18 +677,38 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "same program swings 3× over the day (5,300/s in a slow hour, 9,000-9,800/s in a "
         "quiet one). What remains is Python on both sides (frame decode, unpickle, "
         "dispatch, pickle, encode: ≈ 30-40 µs each).",
+        "Measured 2026-12-03, later: most of that floor was waking idle vCPUs. This VM "
+        "halts an idle vCPU at once (guest halt-polling is off), and waking one costs "
+        "≈ 20-40 µs, once on each side of a round trip; a C echo that polls for 20 µs "
+        "before blocking takes ≈ 7 µs per round trip against ≈ 45-55 µs. The idle spin "
+        "(`palatine/channel/spin.py`, `PALATINE_IDLE_SPIN_US`, default 100) does the same: "
+        "a thread waiting for a lane reply polls its socket for up to 100 µs before it "
+        "blocks, and a proc whose loop just read a lane request keeps polling for 100 µs, "
+        "yielding the CPU on every round. Interleaved runs: 16,700-22,700/s with it against "
+        "4,200-5,600/s without.",
     ],
     "cast_gather_4": [
         "Measured 2026-12-03: `mesh.call(...).get()` from a plain thread sends one request "
         "per rank over the thread's lanes and polls the four sockets for the replies "
         "(`palatine/lane.py`); before, each gather cost two loop-thread hops on the caller "
         "(≈ 280 µs of system time per call in a slow hour).",
+        "The idle spin (see `1_1_actor_calls_sync`) also serves the four lanes of a gather "
+        "(the caller polls them for up to 100 µs before blocking): reps 0.29-0.36 ms, "
+        "0.20-0.34 ms in a quiet hour; 5 processes share the 2 cores.",
     ],
     "1_1_actor_calls_async": [
         "Futures that are not waited on at once go through the loop as before (a lane "
         "future is sent the ordinary way on its thread's next palatine operation): 1,000 "
         "calls in flight are throughput-bound, ≈ 36 µs of caller CPU and ≈ 20 µs of actor "
         "CPU per call.",
+        "Measured 2026-12-03, later, per thread: the caller's main thread spends ≈ 14 µs per "
+        "call issuing and waiting, its loop thread ≈ 23-25 µs sending and receiving (the "
+        "largest single item is decoding each reply frame's header, ≈ 1.3 µs alone and ≈ 3 µs "
+        "in the busy loop), and both share one GIL; the actor's proc spends ≈ 21 µs. Saved "
+        "≈ 3 µs of loop time per call: long deadlines (the call default is an hour) share "
+        "one sweep per loop instead of a timer each (arming and cancelling a uvloop timer "
+        "costs ≈ 2 µs), and a mesh call's payload is no longer pickled a second time on the "
+        "loop path. The idle spin does not help here: the caller is busy, not waiting.",
     ],
     "controller_invocations_per_s": [
         "Measured 2026-12-03 (`cpu_ms_per_1k_calls`): client ≈ 22-30 µs, the 4 workers "
@@ -721,6 +741,15 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "interleaved runs were slower (1.5-3.1 ms against 1.3-1.9 ms), as early writes wake "
         "peers while this process still has work, with 6 processes on 2 cores. Next: save "
         "the worker's stream → loop hand-off (a thread wake-up per command group).",
+        "Measured 2026-12-03, later (psutil per process over 5 s of round trips): client "
+        "≈ 320 µs user + 100 µs system, controller ≈ 320 + 130 µs, each worker ≈ 140-200 + "
+        "60-90 µs per round trip: ≈ 1.8 ms of CPU on 2 cores, so the metric is CPU-bound "
+        "in slow hours. A third of the controller's GIL-holding samples are inside the "
+        "socket write itself (`NetTx._flush`): the sender pays for waking the receiver's "
+        "halted vCPU. Tried and not kept: the idle spin on every loop (not only lanes), "
+        "and on the controller's loop alone; interleaved runs were no faster (1.26-1.99 ms "
+        "against 1.07-1.81 ms), as spinning processes take turns from the 4 workers and "
+        "from the threads that share their GIL.",
     ],
     "local_mesh_4_to_first_fetch_s": [
         "Measured 2026-12-03: CPU workers no longer import torch before they report ready "
