@@ -26,6 +26,11 @@ thread or with a shorter timeout, or the thread's next palatine operation — fi
 it the ordinary way, through the loop. A future nobody touches is sent that way within
 about `SWEEP_S`. A lane that cannot be opened leaves the call to the loop path too.
 
+While the thread waits for a reply it polls its lane for up to ``idle_spin_us`` before
+it blocks, and the serving loop keeps polling as long after each lane request
+(`palatine.channel.spin`): on a VM that halts idle vCPUs, each wake-up costs more than
+the rest of the call.
+
 A lane that breaks after its request left fails the call with the peer's `PeerGoneError`
 once the system declares the proc dead (else a `DeliveryError`): whether the call ran is
 then unknown, as when any peer dies mid-call.

@@ -36,7 +36,7 @@ from palatine import config
 
 __all__ = ["LoopSpin", "loop_spin", "recv_spinning", "poll_spinning", "spin_seconds"]
 
-_yield = os.sched_yield
+_yield = getattr(os, "sched_yield", lambda: None)  # every Unix we know has it
 _now = time.perf_counter
 
 
