@@ -26,6 +26,12 @@ thread or with a shorter timeout, or the thread's next palatine operation — fi
 it the ordinary way, through the loop. A future nobody touches is sent that way within
 about `SWEEP_S`. A lane that cannot be opened leaves the call to the loop path too.
 
+``call_one`` futures that a thread creates one after another for the same proc, without
+waiting in between, form a *batch* (up to `BATCH_MAX`): waiting on any of them writes
+all their requests in one go and reads until every one of them has its outcome, so a
+thousand calls in flight cost one write and a few reads, not a loop hop each. Any other
+use of a member sends the whole batch through the loop, in order, as above.
+
 While the thread waits for a reply it polls its lane for up to ``idle_spin_us`` before
 it blocks, and the serving loop keeps polling as long after each lane request
 (`palatine.channel.spin`): on a VM that halts idle vCPUs, each wake-up costs more than
@@ -38,11 +44,8 @@ then unknown, as when any peer dies mid-call.
 
 from __future__ import annotations
 
-import itertools
-import os
 import select
 import socket
-import struct
 import threading
 import time
 import weakref
@@ -51,28 +54,20 @@ from typing import Any, Final
 
 from palatine import config, runtime
 from palatine.channel.addr import ChannelAddr
-from palatine.channel.blocking import BlockingConn, Waiter
-from palatine.channel.spin import poll_spinning, recv_spinning, spin_seconds
-from palatine.channel.token import resolve_token
-from palatine.errors import CallTimeout, DeliveryError
+from palatine.channel.spin import poll_spinning, spin_seconds
 from palatine.future import _FINISHED, Future, _state_lock, on_loop_thread
 from palatine.ids import ActorId, PortId, ProcId
-from palatine.proc import Proc, peer_gone_error
-from palatine.wire.codec import decode_payload
+from palatine.lane_conn import Broken, Failed, LaneConn, NotSent, broken_errors, timeout_error
+from palatine.proc import Proc
 from palatine.wire.envelope import Envelope
-from palatine.wire.frames import Ack, FrameError, FrameParser, Message, Reject, encode_message
 
-__all__ = ["SWEEP_S", "LaneFuture", "note_call", "try_call"]
+__all__ = ["SWEEP_S", "BATCH_MAX", "LaneFuture", "note_call", "try_call"]
 
 SWEEP_S: Final = 0.005  # an untouched lane future is sent through the loop after this
-GONE_WAIT_S: Final = 2.0  # after a broken lane: how long to wait for the peer's verdict
-_RECV_BYTES: Final = 262144
-_timeval = struct.Struct("ll")
-_lane_ids = itertools.count(1)
+BATCH_MAX: Final = 4096  # call_one futures held unsent in one batch at most
 _tls = threading.local()
 
 _UNSENT, _LANE, _POSTED = 0, 1, 2
-
 
 class _ThreadState:
     """One thread's lanes and what it last sent through the loop (`runtime.post` hook)."""
@@ -80,24 +75,24 @@ class _ThreadState:
     __slots__ = ("deferred", "last_procs", "last_fut", "lanes", "__weakref__")
 
     def __init__(self) -> None:
-        self.deferred: LaneFuture | None = None  # created, not sent yet
+        self.deferred: _Batch | None = None  # created, not sent yet
         self.last_procs: frozenset[ProcId] = frozenset()  # the last loop-path call's procs
         self.last_fut: Future[Any] | None = None  # ... and its future (None: something else)
-        self.lanes: dict[ChannelAddr, _Lane] = {}
+        self.lanes: dict[ChannelAddr, LaneConn] = {}
 
     def on_post(self) -> None:
-        """The thread is about to post work to the loop: its unsent call goes first."""
+        """The thread is about to post work to the loop: its unsent calls go first."""
         d = self.deferred
         if d is not None:
             self.deferred = None
-            d._demote()
+            d.demote()
         self.last_fut = None
 
-    def lane_to(self, addr: ChannelAddr, client: ProcId) -> _Lane:
+    def lane_to(self, addr: ChannelAddr, client: ProcId) -> LaneConn:
         """This thread's open lane to ``addr`` (connecting it if needed)."""
         lane = self.lanes.get(addr)
         if lane is None or lane.broken:
-            lane = self.lanes[addr] = _Lane.open(addr, client)
+            lane = self.lanes[addr] = LaneConn.open(addr, client)
         return lane
 
     def __del__(self) -> None:
@@ -144,7 +139,10 @@ def try_call(
     is sent through the loop after all.
     """
     st: _ThreadState | None = getattr(_tls, "state", None)
-    if st is None or st.deferred is not None:
+    if st is None:
+        return None
+    batch = st.deferred
+    if batch is not None and (not batch.joinable or len(dests) != 1 or dests[0][0] >= 0):
         return None
     last = st.last_fut
     if last is None or not last._state:
@@ -163,26 +161,93 @@ def try_call(
         if addr is None or addr.transport != "unix":
             return None
         legs.append((rank, dest, addr))
+    if batch is not None:
+        return batch.join(client_proc, legs, what, timeout_s, make_env, go, transform)
     if len(legs) > 1 and len({addr for _, _, addr in legs}) < len(legs):
         return None  # one lane per leg
-    fut = LaneFuture(client_proc, st, legs, what, timeout_s, make_env, go, transform)
-    st.deferred = fut
+    batch = _Batch(st, legs[0][2], len(legs) == 1 and legs[0][0] < 0)
+    fut = LaneFuture(client_proc, batch, legs, what, timeout_s, make_env, go, transform)
+    batch.futs.append(fut)
+    st.deferred = batch
     _sweeper.add(st)
     return fut
+
+
+class _Batch:
+    """A thread's unsent lane futures, in the order they were made (module doc).
+
+    ``claim`` says who sends them: nobody yet, the lane (the owner waits), or the loop.
+    Only ``call_one`` futures to one proc batch (``joinable``); a gather is alone.
+    """
+
+    __slots__ = ("st", "addr", "joinable", "futs", "claim", "touched")
+
+    def __init__(self, st: _ThreadState, addr: ChannelAddr, joinable: bool) -> None:
+        self.st = st
+        self.addr = addr
+        self.joinable = joinable
+        self.futs: list[LaneFuture] = []
+        self.claim = _UNSENT
+        self.touched = time.monotonic()
+
+    def join(
+        self,
+        proc: Proc,
+        legs: list[Leg],
+        what: str,
+        timeout_s: float,
+        make_env: Callable[[int, PortId], Envelope],
+        go: Callable[[], Any],
+        transform: Callable[[Any], Any] | None,
+    ) -> LaneFuture | None:
+        """A new member for one ``call_one`` to this batch's proc, or None (not this batch)."""
+        if legs[0][2] != self.addr or len(self.futs) >= BATCH_MAX:
+            return None
+        fut = LaneFuture(proc, self, legs, what, timeout_s, make_env, go, transform)
+        with _state_lock:
+            if self.claim != _UNSENT:
+                return None  # the sweeper took it just now
+            self.futs.append(fut)
+            self.touched = time.monotonic()
+        return fut
+
+    def take(self, how: int) -> bool:
+        """Claim the unsent batch for the lane or the loop; False if already taken."""
+        with _state_lock:
+            if self.claim != _UNSENT:
+                return False
+            self.claim = how
+        st = self.st
+        if st.deferred is self:
+            st.deferred = None
+        return True
+
+    def demote(self) -> None:
+        """Send every member the ordinary way (through the loop), in order, if nobody has
+        sent them yet."""
+        if not self.take(_POSTED):
+            return
+        futs, self.futs = self.futs, []  # sent: members and batch no longer hold each other
+        last = futs[-1]
+        for fut in futs:
+            runtime.call_into(fut, fut._go, fut._lane_transform)
+        st = self.st
+        st.last_procs = frozenset(dest.proc for _, dest, _ in last._legs)
+        st.last_fut = last
 
 
 class LaneFuture(Future[Any]):
     """A call's future that its thread may complete over lanes (see the module doc)."""
 
     __slots__ = (
-        "_owner", "_st", "_legs", "_proc", "_what", "_timeout_s",
-        "_make_env", "_go", "_lane_transform", "_claim", "_born",
+        "_owner", "_batch", "_legs", "_proc", "_what", "_timeout_s",
+        "_make_env", "_go", "_lane_transform",
     )
 
     def __init__(
         self,
         proc: Proc,
-        st: _ThreadState,
+        batch: _Batch,
         legs: list[Leg],
         what: str,
         timeout_s: float,
@@ -192,7 +257,7 @@ class LaneFuture(Future[Any]):
     ) -> None:
         super().__init__(proc.loop)
         self._owner = threading.get_ident()
-        self._st = st
+        self._batch = batch
         self._legs = legs
         self._proc = proc
         self._what = what
@@ -200,60 +265,49 @@ class LaneFuture(Future[Any]):
         self._make_env = make_env
         self._go = go
         self._lane_transform = transform
-        self._claim = _UNSENT
-        self._born = time.monotonic()
-
-    def _take(self, how: int) -> bool:
-        """Claim the unsent request for the lane or the loop; False if already taken."""
-        with _state_lock:
-            if self._claim != _UNSENT:
-                return False
-            self._claim = how
-        st = self._st
-        if st.deferred is self:
-            st.deferred = None
-        return True
 
     def _demote(self) -> None:
-        """Send it the ordinary way (through the loop), if nobody has sent it yet."""
-        if not self._take(_POSTED):
-            return
-        st = self._st
-        runtime.call_into(self, self._go, self._lane_transform)
-        st.last_procs = frozenset(dest.proc for _, dest, _ in self._legs)
-        st.last_fut = self
+        """Send it (with its whole batch) the ordinary way, if nobody has sent it yet."""
+        self._batch.demote()
 
     # -- consumers -----------------------------------------------------------------------
 
     def _lane_wait(self, timeout: float | None) -> bool:
         """Complete this future over lanes if the caller may; False if it may not."""
-        if self._claim != _UNSENT or threading.get_ident() != self._owner:
+        batch = self._batch
+        if batch.claim != _UNSENT or threading.get_ident() != self._owner:
             return False
-        if timeout is not None and timeout < self._timeout_s:
-            return False  # the reply could outlive this wait: let the loop own it
-        if not self._take(_LANE):
+        if timeout is not None and any(timeout < f._timeout_s for f in batch.futs):
+            return False  # a reply could outlive this wait: let the loop own them
+        if not batch.take(_LANE):
             return False
-        st, client = self._st, self._proc.proc_id
+        client = self._proc.proc_id
         try:
-            lanes = [st.lane_to(addr, client) for _, _, addr in self._legs]
+            lanes = [batch.st.lane_to(addr, client) for _, _, addr in self._legs]
         except Exception:  # noqa: BLE001 - no lane (LinkLost, OSError, ...): nothing left,
-            self._claim = _UNSENT  # so send it the ordinary way
-            self._demote()
+            batch.claim = _UNSENT  # so send it the ordinary way
+            batch.demote()
             return False
         try:
+            if len(batch.futs) > 1:
+                _run_batch(lanes[0], batch.futs)
+                batch.futs = []
+                return True
             if self._legs[0][0] < 0:
-                value = lanes[0].call(self)
+                value = _call(lanes[0], self)
             else:
                 value = _gather(self, lanes)
                 if self._lane_transform is not None:
                     value = self._lane_transform(value)
-        except _NotSent:
-            self._claim = _UNSENT
-            self._demote()
+        except NotSent:
+            batch.claim = _UNSENT
+            batch.demote()
             return False
         except BaseException as e:  # noqa: BLE001 - the call's outcome
+            batch.futs = []
             self._finish(None, e)
             return True
+        batch.futs = []
         self._finish(value, None)
         return True
 
@@ -270,26 +324,110 @@ class LaneFuture(Future[Any]):
         return super().exception(timeout)
 
     def done(self) -> bool:
-        if self._claim == _UNSENT:
+        if self._batch.claim == _UNSENT:
             self._demote()
         return self._state == _FINISHED
 
     def add_done_callback(self, fn: Callable[[Future[Any]], Any]) -> None:
-        if self._claim == _UNSENT:
+        if self._batch.claim == _UNSENT:
             self._demote()
         super().add_done_callback(fn)
 
     def __await__(self) -> Any:
-        if self._claim == _UNSENT:
+        if self._batch.claim == _UNSENT:
             self._demote()
         return super().__await__()
 
 
-class _NotSent(Exception):
-    """The request never left (connect or write failed): the loop path may still send it."""
+def _dest(fut: LaneFuture, leg: int) -> ActorId:
+    return fut._legs[leg][1]
 
 
-def _gather(fut: LaneFuture, lanes: list[_Lane]) -> dict[int, Any]:
+def _call(lane: LaneConn, fut: LaneFuture) -> Any:
+    """Send ``fut``'s one request and read until its reply; the reply's value."""
+    (reply_to,) = lane.send([lambda rt: fut._make_env(-1, rt)])
+    deadline = time.monotonic() + fut._timeout_s
+    while True:
+        if deadline - time.monotonic() <= 0:
+            raise timeout_error(fut._what, _dest(fut, 0), fut._timeout_s)
+        try:
+            got, value = lane.take(reply_to, deadline)
+        except Broken as b:
+            raise broken_errors(fut._proc, [(fut._what, _dest(fut, 0))], b.why)[0] from None
+        if got:
+            if isinstance(value, Failed):
+                raise value.error
+            return value
+
+
+def _run_batch(lane: LaneConn, futs: list[LaneFuture]) -> None:
+    """Write every member's request (one buffer, in order) and read until each member
+    has its reply, its timeout or the lane's end. Writes never block: while the peer
+    is not reading, replies are read meanwhile, and a write left unfinished when no
+    member waits any more closes the lane."""
+    data, ports = lane.encode([lambda rt, f=f: f._make_env(-1, rt) for f in futs])  # NotSent: all to the loop
+    waiting = {p.port: f for p, f in zip(ports, futs, strict=True)}
+    now = time.monotonic()
+    due = sorted((now + f._timeout_s, p.port) for p, f in zip(ports, futs, strict=True))
+    k = 0
+    out = memoryview(data)
+    sock = lane.sock
+    poller: select.poll | None = None
+    try:
+        while waiting:
+            now = time.monotonic()
+            while due[k][0] <= now:
+                f = waiting.pop(due[k][1], None)
+                if f is not None:
+                    f._finish(None, timeout_error(f._what, _dest(f, 0), f._timeout_s))
+                k += 1
+                if k == len(due):
+                    break
+            if not waiting:
+                break
+            deadline = due[k][0]
+            if out:
+                try:
+                    out = out[sock.send(out, socket.MSG_DONTWAIT):]
+                except BlockingIOError:
+                    pass
+                if out:  # the peer is not reading: wait to write or read, whichever first
+                    if poller is None:
+                        poller = select.poll()
+                        poller.register(sock.fileno(), select.POLLIN | select.POLLOUT)
+                    ms = max(1, int((deadline - time.monotonic()) * 1000))
+                    if not any(ev & select.POLLIN for _, ev in poller.poll(ms)):
+                        continue
+                    deadline = None  # something to read: do not wait
+            for index, value in lane.read(deadline):
+                f = waiting.pop(index, None)
+                if f is None:
+                    continue  # a late reply to an earlier call that timed out
+                if isinstance(value, Failed):
+                    f._finish(None, value.error)
+                else:
+                    f._finish(value, None)
+    except Broken as b:
+        left = list(waiting.values())
+        errors = broken_errors(left[0]._proc, [(f._what, _dest(f, 0)) for f in left], b.why)
+        for f, err in zip(left, errors, strict=True):
+            f._finish(None, err)
+    except OSError as e:  # the write failed: the lane is gone
+        lane.close()
+        left = list(waiting.values())
+        errors = broken_errors(left[0]._proc, [(f._what, _dest(f, 0)) for f in left], e.strerror or str(e))
+        for f, err in zip(left, errors, strict=True):
+            f._finish(None, err)
+    except BaseException as e:  # an interrupt: nobody may wait on the rest for ever
+        lane.close()
+        for f in waiting.values():
+            f._finish(None, e)
+        raise
+    if out:
+        lane.close()  # part of a request may be on the wire: nothing may follow it
+
+
+def _gather(fut: LaneFuture, lanes: list[LaneConn]) -> dict[int, Any]:
     """Send one request per leg over its lane, then read every reply: {rank: value}.
 
     Errors follow `palatine.mailbox.Gather`: the lowest failed rank's error is raised,
@@ -297,14 +435,14 @@ def _gather(fut: LaneFuture, lanes: list[_Lane]) -> dict[int, Any]:
     """
     results: dict[int, Any] = {}
     errors: dict[int, BaseException] = {}
-    waiting: dict[int, tuple[int, _Lane, PortId, int]] = {}  # fd -> (rank, lane, port, leg)
-    for i, ((rank, _dest, _addr), lane) in enumerate(zip(fut._legs, lanes, strict=True)):
+    waiting: dict[int, tuple[int, LaneConn, PortId, int]] = {}  # fd -> (rank, lane, port, leg)
+    for i, ((rank, dest, _addr), lane) in enumerate(zip(fut._legs, lanes, strict=True)):
         try:
-            reply_to = lane.send(fut, rank)
-        except _NotSent:
+            (reply_to,) = lane.send([lambda rt, r=rank: fut._make_env(r, rt)])
+        except NotSent:
             if i == 0:
                 raise  # nothing left yet: the loop path sends it all
-            errors[rank] = _broken(fut, i, "the request could not be written")
+            errors[rank] = broken_errors(fut._proc, [(fut._what, dest)], "the request could not be written")[0]
             continue
         waiting[lane.sock.fileno()] = (rank, lane, reply_to, i)
     deadline = time.monotonic() + fut._timeout_s
@@ -315,19 +453,19 @@ def _gather(fut: LaneFuture, lanes: list[_Lane]) -> dict[int, Any]:
     while waiting:
         left = deadline - time.monotonic()
         if left <= 0:
-            for rank, _lane, _port, i in waiting.values():
-                errors[rank] = _timeout(fut, i)
+            for rank, _lane, _port, _i in waiting.values():
+                errors[rank] = timeout_error(fut._what, _dest(fut, 0), fut._timeout_s)
             break
         for fd, _ev in poll_spinning(poller, max(1, int(left * 1000)), spin_s):
             rank, lane, reply_to, i = waiting[fd]
             try:
-                got, value = lane.take(reply_to, fut, i)
-            except _Broken as b:
-                got, value = True, b.error
+                got, value = lane.take(reply_to, None)
+            except Broken as b:
+                got, value = True, Failed(broken_errors(fut._proc, [(fut._what, _dest(fut, i))], b.why)[0])
             if got:
                 del waiting[fd]
                 poller.unregister(fd)
-                if isinstance(value, _Failed):
+                if isinstance(value, Failed):
                     errors[rank] = value.error
                 else:
                     results[rank] = value
@@ -338,204 +476,6 @@ def _gather(fut: LaneFuture, lanes: list[_Lane]) -> dict[int, Any]:
             first.add_note(f"{fut._what} failed on ranks {ranks}")
         raise first
     return results
-
-
-class _Failed:
-    """A reply that is an error (kept apart from values in a gather)."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-class _Broken(Exception):
-    """A lane broke while waiting; ``error`` is what the call reports for its leg."""
-
-    def __init__(self, error: _Failed) -> None:
-        super().__init__(str(error.error))
-        self.error = error
-
-
-class _Lane:
-    """One thread's connection to one proc's unix address."""
-
-    __slots__ = ("addr", "actor", "sock", "parser", "seq", "ports", "broken", "spin_s", "_rcvtimeo")
-
-    def __init__(self, addr: ChannelAddr, actor: ActorId, sock: socket.socket, parser: FrameParser) -> None:
-        self.addr = addr
-        self.actor = actor
-        self.sock = sock
-        self.parser = parser
-        self.seq = 0
-        self.ports = itertools.count()
-        self.broken = False
-        self.spin_s = spin_seconds()
-        self._rcvtimeo = -1.0
-
-    @classmethod
-    def open(cls, addr: ChannelAddr, client: ProcId) -> _Lane:
-        cfg = config.get()
-        actor = ActorId(client, "lane", next(_lane_ids))
-        stop = threading.Event()
-        wake_r, wake_w = socket.socketpair()
-        waiter = Waiter(stop, wake_r)
-        try:
-            conn = BlockingConn.connect(
-                addr,
-                waiter,
-                token=resolve_token(),
-                ssl_context=None,
-                max_frame_bytes=cfg.max_frame_bytes,
-                connect_timeout_s=cfg.connect_timeout_s,
-                auth_timeout_s=cfg.auth_timeout_s,
-                limit=time.monotonic() + cfg.connect_timeout_s + cfg.auth_timeout_s,
-                lane=actor,
-            )
-        finally:
-            waiter.close()
-            wake_r.close()
-            wake_w.close()
-        sock = conn.sock
-        sock.setblocking(True)  # waits are bounded by SO_RCVTIMEO (`_recv`) or poll
-        return cls(addr, actor, sock, conn.parser)
-
-    def close(self) -> None:
-        self.broken = True
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-    def send(self, fut: LaneFuture, rank: int) -> PortId:
-        """Write one request of ``fut`` (its leg for ``rank``); the reply port it names."""
-        reply_to = PortId(self.actor, next(self.ports))
-        env = fut._make_env(rank, reply_to)
-        head, bufs, size = encode_message(self.seq, False, env)
-        if size > config.get().max_frame_bytes:
-            raise _NotSent  # the loop path reports the size error as usual
-        try:
-            if bufs:
-                self._send_all([head, *bufs])
-            else:
-                self.sock.sendall(head)
-        except OSError:
-            self.close()
-            raise _NotSent from None
-        self.seq += 1
-        return reply_to
-
-    def call(self, fut: LaneFuture) -> Any:
-        """Send ``fut``'s one request and read until its reply; the reply's value."""
-        reply_to = self.send(fut, -1)
-        deadline = time.monotonic() + fut._timeout_s
-        while True:
-            if deadline - time.monotonic() <= 0:
-                raise _timeout(fut, 0)
-            try:
-                got, value = self.take(reply_to, fut, 0, deadline)
-            except _Broken as b:
-                raise b.error.error from None
-            if got:
-                if isinstance(value, _Failed):
-                    raise value.error
-                return value
-
-    def take(self, reply_to: PortId, fut: LaneFuture, leg: int, deadline: float | None = None) -> tuple[bool, Any]:
-        """Read once (blocking until ``deadline``, if given); ``(True, value)`` once the
-        reply to ``reply_to`` is in (an error reply as `_Failed`), else ``(False, None)``."""
-        for frame in self._recv(deadline, fut, leg):
-            if type(frame) is Message:
-                reply = frame.envelope
-                if reply.dest != reply_to:
-                    continue  # a late reply to an earlier call that timed out
-                try:
-                    value = decode_payload(reply)
-                except Exception as e:  # noqa: BLE001 - as the loop path says it
-                    return True, _Failed(
-                        DeliveryError(f"mailbox error: cannot decode reply for {reply_to}: {e}")
-                    )
-                to_exc = getattr(type(value), "to_error", None)
-                if to_exc is not None:
-                    return True, _Failed(to_exc(value))
-                return True, value
-            if type(frame) is Reject:
-                self.close()
-                raise _Broken(_Failed(_broken(fut, leg, f"the peer rejected the lane: {frame.reason}")))
-            if type(frame) is not Ack:
-                self.close()
-                raise _Broken(_Failed(_broken(fut, leg, f"unexpected {type(frame).__name__} frame on the lane")))
-        return False, None
-
-    def _send_all(self, parts: list[Any]) -> None:
-        views = [memoryview(p).cast("B") for p in parts]
-        while views:
-            n = self.sock.sendmsg(views)
-            while n:
-                first = views[0]
-                if n >= len(first):
-                    n -= len(first)
-                    views.pop(0)
-                else:
-                    views[0] = first[n:]
-                    n = 0
-
-    def _recv(self, deadline: float | None, fut: LaneFuture, leg: int) -> list[Any]:
-        """The frames one read brings ([] on a timeout); raises `_Broken` when it ends."""
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return []
-            # Keep the kernel's timeout unless it would overshoot the deadline by > 5 %.
-            if self._rcvtimeo < 0 or self._rcvtimeo - left > 0.05 * left:
-                self._set_rcvtimeo(left)
-        try:
-            data = recv_spinning(self.sock, _RECV_BYTES, self.spin_s) if self.spin_s else None
-            if data is None:
-                data = self.sock.recv(_RECV_BYTES)
-        except BlockingIOError:  # SO_RCVTIMEO expired: the caller checks its deadline
-            self._rcvtimeo = -1.0
-            return []
-        except OSError as e:
-            self.close()
-            why = os.strerror(e.errno) if e.errno else str(e)
-            raise _Broken(_Failed(_broken(fut, leg, why))) from None
-        if not data:
-            self.close()
-            raise _Broken(_Failed(_broken(fut, leg, "the lane's connection was closed by the peer")))
-        try:
-            return self.parser.feed(data)
-        except FrameError as e:
-            self.close()
-            raise _Broken(_Failed(_broken(fut, leg, f"protocol error: {e.reason}"))) from None
-
-    def _set_rcvtimeo(self, seconds: float) -> None:
-        whole = int(seconds)
-        micros = int((seconds - whole) * 1e6)
-        if whole == 0 and micros == 0:
-            micros = 1  # zero would mean "no timeout"
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval.pack(whole, micros))
-        self._rcvtimeo = seconds
-
-
-def _timeout(fut: LaneFuture, leg: int) -> CallTimeout:
-    """As `palatine.mailbox.Pending` words it (a gather names its first rank's actor)."""
-    dest = fut._legs[0][1]
-    return CallTimeout(f"{fut._what} to {dest} timed out: no reply within {fut._timeout_s:g} s")
-
-
-def _broken(fut: LaneFuture, leg: int, why: str) -> BaseException:
-    """The error for a leg whose lane broke after the request left (module doc)."""
-    dest = fut._legs[leg][1]
-    proc = dest.proc
-    client = fut._proc
-    try:
-        notice = runtime.call(lambda: client.watch(proc)).get(timeout=GONE_WAIT_S)
-    except Exception:  # noqa: BLE001 - no verdict in time: say what we know
-        notice = None
-    if notice is not None:
-        return peer_gone_error(proc, notice)
-    return DeliveryError(f"broken link: {why} before the reply to {fut._what} from {dest}")
 
 
 class _Sweeper:
@@ -572,11 +512,11 @@ class _Sweeper:
             states = list(self._states)
         held = False
         for st in states:
-            fut = st.deferred
-            if fut is None:
+            batch = st.deferred
+            if batch is None:
                 continue
-            if now - fut._born >= SWEEP_S:
-                fut._demote()
+            if now - batch.touched >= SWEEP_S:
+                batch.demote()
             else:
                 held = True
         # Stay armed while lanes are in use (one timer per sweep, no wake-up per call).

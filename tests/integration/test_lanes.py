@@ -295,7 +295,7 @@ def test_a_lane_that_cannot_connect_falls_back_to_the_loop() -> None:
         """
         def refuse(*a, **k):
             raise ConnectionRefusedError(111, "refused on purpose")
-        lane._Lane.open = refuse
+        lane.LaneConn.open = refuse
         vals = [one.add.call_one(1).get() for _ in range(5)]
         print("FALLBACK", vals, lanes_of_this_thread())
         """
@@ -312,3 +312,88 @@ def test_lanes_off_by_environment() -> None:
         env={"PALATINE_LANES": "0"},
     )
     assert out["NOLANE"] == "0 20"
+
+
+def test_calls_made_before_waiting_go_out_as_one_batch_in_order() -> None:
+    out = run(
+        """
+        one.add.call_one(0).get()
+        one.add.call_one(0).get()  # the lane is open
+        futs = [one.add.call_one(1) for _ in range(1000)]
+        print("BATCH", [f.get() for f in futs] == list(range(1, 1001)), lanes_of_this_thread())
+        fs = [one.add.call_one(1) for _ in range(10)]
+        one.add.broadcast(100)  # through the loop: the unsent batch goes first, in order
+        print("ORDER", [f.get() for f in fs], one.get_total.call_one().get())
+        fs = [one.add.call_one(1) for _ in range(5)]
+        print("DONE_FIRST", fs[2].done() or fs[2].get(), [f.get() for f in fs])
+        fs = [one.add.call_one(1) for _ in range(5)]
+        got = []
+        th = threading.Thread(target=lambda: got.append(fs[3].get()))
+        th.start(); th.join()
+        print("OTHER_THREAD", got, [f.get() for f in fs])
+        fs = [one.add.call_one(1) for _ in range(3)]
+        other = mesh.slice(procs=1).add.call_one(7)  # another proc: not this batch
+        print("TWO_PROCS", [f.get() for f in fs], other.get())
+        """
+    )
+    assert out["BATCH"] == "True 1"
+    assert out["ORDER"] == "[1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008, 1009, 1010] 1110"
+    assert out["DONE_FIRST"] in ("1113 [1111, 1112, 1113, 1114, 1115]", "False [1111, 1112, 1113, 1114, 1115]")
+    assert out["OTHER_THREAD"] == "[1119] [1116, 1117, 1118, 1119, 1120]"
+    assert out["TWO_PROCS"] == "[1121, 1122, 1123] 7"
+
+
+def test_a_batch_reports_each_members_own_outcome() -> None:
+    out = run(
+        """
+        one.slow.call_one(0).get()
+        one.slow.call_one(0).get()
+        t = time.monotonic()
+        fs = [one.add.call_one(1), one.slow.call_one(1.0), one.boom.call_one(), one.add.call_one(1)]
+        print("LAST", fs[3].get(), round(time.monotonic() - t, 1))
+        for name, f in zip(["first", "slow", "boom"], fs[:3]):
+            try:
+                print("MEMBER_" + name, f.get())
+            except CallTimeout as e:
+                print("MEMBER_" + name, "timeout", "no reply within 0.3 s" in str(e))
+            except RemoteException as e:
+                print("MEMBER_" + name, e.type_name, e.message)
+        print("NEXT", one.add.call_one(1).get(), lanes_of_this_thread())
+        pid = one.pid.call_one().get()
+        fs = [one.nap.call_one(30), one.add.call_one(1)]
+        threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
+        for f in fs:
+            try:
+                f.get()
+            except PeerGoneError as e:
+                print("GONE", e.details["pid"] == pid, e.details["exit_signal"])
+        """
+    )
+    assert out["LAST"] == "2 1.0"  # the actor answers in order: after the slow call ran
+    assert out["MEMBER_first"] == "1"
+    assert out["MEMBER_slow"] == "timeout True"
+    assert out["MEMBER_boom"] == "ValueError boom on purpose"
+    assert out["NEXT"] == "3 1"
+    assert out["GONE"] == "True 9"
+
+
+def test_a_batch_larger_than_the_socket_buffer_waits_for_the_peer_to_read() -> None:
+    out = run(
+        """
+        class Sizer(Acc):
+            @endpoint
+            def size(self, b):
+                return len(b)
+
+        sizer = procs.spawn("sizer", Sizer).slice(procs=0)
+        sizer.size.call_one(b"").get()
+        sizer.size.call_one(b"").get()
+        # The first call blocks the proc's loop for 0.5 s: 2 MB of requests cannot all
+        # be written meanwhile, so the caller waits to write (and to read) in turn.
+        fs = [sizer.nap.call_one(0.5)] + [sizer.size.call_one(b"x" * 4096) for _ in range(500)]
+        print("BIG_BATCH", fs[-1].get(), all(f.get() == 4096 for f in fs[1:]), fs[0].get())
+        print("AFTER", sizer.size.call_one(b"abc").get(), lanes_of_this_thread())
+        """
+    )
+    assert out["BIG_BATCH"] == "4096 True 0.5"
+    assert out["AFTER"] == "3 1"  # one lane: the sizer shares the proc with the accumulator

@@ -1,0 +1,289 @@
+"""A lane's connection: one thread's blocking unix connection to one proc (`palatine.lane`).
+
+`LaneConn` writes requests and reads replies with plain blocking socket calls; waits are
+bounded by ``SO_RCVTIMEO`` or ``poll``, and start with the idle spin
+(`palatine.channel.spin`). It knows nothing of futures: callers hand it envelopes and get
+back replies by reply port, each a value or a `Failed` (an error reply). A broken
+connection raises `Broken` with what happened; `broken_errors` turns that into what a
+call reports (the peer's `PeerGoneError` once the system has ruled).
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+from palatine import config, runtime
+from palatine.channel.addr import ChannelAddr
+from palatine.channel.blocking import BlockingConn, Waiter
+from palatine.channel.spin import recv_spinning, spin_seconds
+from palatine.channel.token import resolve_token
+from palatine.errors import CallTimeout, DeliveryError
+from palatine.ids import ActorId, PortId, ProcId
+from palatine.proc import Proc, peer_gone_error
+from palatine.wire.codec import decode_payload
+from palatine.wire.envelope import Envelope
+from palatine.wire.frames import Ack, FrameError, FrameParser, Message, Reject, encode_message
+
+__all__ = ["LaneConn", "Failed", "Broken", "NotSent", "timeout_error", "broken_errors", "GONE_WAIT_S"]
+
+GONE_WAIT_S: Final = 2.0  # after a broken lane: how long to wait for the peer's verdict
+_RECV_BYTES: Final = 262144
+_timeval = struct.Struct("ll")
+_lane_ids = itertools.count(1)
+
+
+class Failed:
+    """A reply that is an error (kept apart from values)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class Broken(Exception):
+    """The lane's connection ended or misbehaved; ``why`` says how."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+class NotSent(Exception):
+    """The request never left (connect or write failed): the loop path may still send it."""
+
+
+def timeout_error(what: str, dest: ActorId, timeout_s: float) -> CallTimeout:
+    """As `palatine.mailbox.Pending` words it."""
+    return CallTimeout(f"{what} to {dest} timed out: no reply within {timeout_s:g} s")
+
+
+def broken_errors(client: Proc, calls: list[tuple[str, ActorId]], why: str) -> list[BaseException]:
+    """The error for each ``(what, dest)`` call whose lane broke after its request left:
+    the peer's `PeerGoneError` once the system declares the proc dead (waiting up to
+    `GONE_WAIT_S` once per proc), else a `DeliveryError` (whether it ran is unknown)."""
+    notices: dict[ProcId, Any] = {}
+    out: list[BaseException] = []
+    for what, dest in calls:
+        proc = dest.proc
+        if proc not in notices:
+            try:
+                notices[proc] = runtime.call(lambda p=proc: client.watch(p)).get(timeout=GONE_WAIT_S)
+            except Exception:  # noqa: BLE001 - no verdict in time: say what we know
+                notices[proc] = None
+        notice = notices[proc]
+        if notice is not None:
+            out.append(peer_gone_error(proc, notice))
+        else:
+            out.append(DeliveryError(f"broken link: {why} before the reply to {what} from {dest}"))
+    return out
+
+
+def _reply_value(reply: Envelope) -> Any:
+    try:
+        value = decode_payload(reply)
+    except Exception as e:  # noqa: BLE001 - as the loop path says it
+        return Failed(DeliveryError(f"mailbox error: cannot decode reply for {reply.dest}: {e}"))
+    to_exc = getattr(type(value), "to_error", None)
+    if to_exc is not None:
+        return Failed(to_exc(value))
+    return value
+
+
+class LaneConn:
+    """One thread's connection to one proc's unix address; replies come back on it,
+    addressed to the lane's own actor (``<client proc>.lane[n]``)."""
+
+    __slots__ = ("addr", "actor", "sock", "parser", "seq", "ports", "broken", "spin_s", "_rcvtimeo", "_ended")
+
+    def __init__(self, addr: ChannelAddr, actor: ActorId, sock: socket.socket, parser: FrameParser) -> None:
+        self.addr = addr
+        self.actor = actor
+        self.sock = sock
+        self.parser = parser
+        self.seq = 0
+        self.ports = itertools.count()
+        self.broken = False
+        self.spin_s = spin_seconds()
+        self._rcvtimeo = -1.0
+        self._ended: str | None = None  # why it broke, once replies read before that are out
+
+    @classmethod
+    def open(cls, addr: ChannelAddr, client: ProcId) -> LaneConn:
+        cfg = config.get()
+        actor = ActorId(client, "lane", next(_lane_ids))
+        stop = threading.Event()
+        wake_r, wake_w = socket.socketpair()
+        waiter = Waiter(stop, wake_r)
+        try:
+            conn = BlockingConn.connect(
+                addr,
+                waiter,
+                token=resolve_token(),
+                ssl_context=None,
+                max_frame_bytes=cfg.max_frame_bytes,
+                connect_timeout_s=cfg.connect_timeout_s,
+                auth_timeout_s=cfg.auth_timeout_s,
+                limit=time.monotonic() + cfg.connect_timeout_s + cfg.auth_timeout_s,
+                lane=actor,
+            )
+        finally:
+            waiter.close()
+            wake_r.close()
+            wake_w.close()
+        sock = conn.sock
+        sock.setblocking(True)  # waits are bounded by SO_RCVTIMEO (`read`) or poll
+        return cls(addr, actor, sock, conn.parser)
+
+    def close(self) -> None:
+        self.broken = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    # -- writing -------------------------------------------------------------------------
+
+    def send(self, make_envs: list[Callable[[PortId], Envelope]]) -> list[PortId]:
+        """Write one request per ``make_env(reply_to)``, in order, in one write; their
+        reply ports. Raises `NotSent` when nothing may be counted as sent (a request
+        over the frame limit, or a failed write: the lane is closed then)."""
+        limit = config.get().max_frame_bytes
+        parts: list[Any] = []
+        ports: list[PortId] = []
+        vectored = False
+        seq = self.seq
+        for make_env in make_envs:
+            reply_to = PortId(self.actor, next(self.ports))
+            head, bufs, size = encode_message(seq, False, make_env(reply_to))
+            if size > limit:
+                raise NotSent  # the loop path reports the size error as usual
+            seq += 1
+            ports.append(reply_to)
+            parts.append(head)
+            if bufs:
+                parts.extend(bufs)
+                vectored = True
+        try:
+            if vectored:
+                self._send_all(parts)
+            else:
+                self.sock.sendall(parts[0] if len(parts) == 1 else b"".join(parts))
+        except OSError:
+            self.close()
+            raise NotSent from None
+        self.seq = seq
+        return ports
+
+    def encode(self, make_envs: list[Callable[[PortId], Envelope]]) -> tuple[bytes, list[PortId]]:
+        """Requests for a batch as one buffer (buffers copied in) and their reply ports;
+        the caller writes it (the sequence numbers are taken). Raises `NotSent` for a
+        request over the frame limit (nothing taken then)."""
+        limit = config.get().max_frame_bytes
+        parts: list[Any] = []
+        ports: list[PortId] = []
+        seq = self.seq
+        for make_env in make_envs:
+            reply_to = PortId(self.actor, next(self.ports))
+            head, bufs, size = encode_message(seq, False, make_env(reply_to))
+            if size > limit:
+                raise NotSent
+            seq += 1
+            ports.append(reply_to)
+            parts.append(head)
+            parts.extend(bufs)
+        self.seq = seq
+        return b"".join(parts), ports
+
+    def _send_all(self, parts: list[Any]) -> None:
+        views = [memoryview(p).cast("B") for p in parts]
+        while views:
+            n = self.sock.sendmsg(views[:512])
+            while n:
+                first = views[0]
+                if n >= len(first):
+                    n -= len(first)
+                    views.pop(0)
+                else:
+                    views[0] = first[n:]
+                    n = 0
+
+    # -- reading -------------------------------------------------------------------------
+
+    def read(self, deadline: float | None) -> list[tuple[int, Any]]:
+        """The replies one read brings, as ``(reply port index, value or Failed)``; [] when
+        ``deadline`` passes first (no deadline: data is known to be there). Raises `Broken`
+        once the connection has ended, after the replies that came before the end."""
+        out: list[tuple[int, Any]] = []
+        for frame in self._recv(deadline):
+            if type(frame) is Message:
+                reply = frame.envelope
+                out.append((reply.dest.port, _reply_value(reply)))
+            elif type(frame) is not Ack:
+                why = (
+                    f"the peer rejected the lane: {frame.reason}"
+                    if type(frame) is Reject
+                    else f"unexpected {type(frame).__name__} frame on the lane"
+                )
+                self._end(why)
+                if not out:
+                    raise Broken(why)
+                break
+        return out
+
+    def take(self, reply_to: PortId, deadline: float | None) -> tuple[bool, Any]:
+        """Read once; ``(True, value or Failed)`` once the reply to ``reply_to`` is in,
+        else ``(False, None)``. Other replies are late ones to calls that timed out."""
+        port = reply_to.port
+        for index, value in self.read(deadline):
+            if index == port:
+                return True, value
+        return False, None
+
+    def _end(self, why: str) -> None:
+        self.close()
+        self._ended = why
+
+    def _recv(self, deadline: float | None) -> list[Any]:
+        """The frames one read brings ([] on a timeout); raises `Broken` when it ends."""
+        if self._ended is not None:
+            raise Broken(self._ended)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            # Keep the kernel's timeout unless it would overshoot the deadline by > 5 %.
+            if self._rcvtimeo < 0 or self._rcvtimeo - left > 0.05 * left:
+                self._set_rcvtimeo(left)
+        try:
+            data = recv_spinning(self.sock, _RECV_BYTES, self.spin_s) if self.spin_s else None
+            if data is None:
+                data = self.sock.recv(_RECV_BYTES)
+        except BlockingIOError:  # SO_RCVTIMEO expired: the caller checks its deadline
+            self._rcvtimeo = -1.0
+            return []
+        except OSError as e:
+            self.close()
+            raise Broken(e.strerror or str(e)) from None
+        if not data:
+            self.close()
+            raise Broken("the lane's connection was closed by the peer")
+        try:
+            return self.parser.feed(data)
+        except FrameError as e:
+            self.close()
+            raise Broken(f"protocol error: {e.reason}") from None
+
+    def _set_rcvtimeo(self, seconds: float) -> None:
+        whole = int(seconds)
+        micros = int((seconds - whole) * 1e6)
+        if whole == 0 and micros == 0:
+            micros = 1  # zero would mean "no timeout"
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval.pack(whole, micros))
+        self._rcvtimeo = seconds
