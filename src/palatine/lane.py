@@ -26,7 +26,7 @@ thread or with a shorter timeout, or the thread's next palatine operation — fi
 it the ordinary way, through the loop. A future nobody touches is sent that way within
 about `SWEEP_S`. A lane that cannot be opened leaves the call to the loop path too.
 
-``call_one`` futures that a thread creates one after another for the same proc, without
+``call_one`` futures that a thread creates one after another for the same actor, without
 waiting in between, form a *batch* (up to `BATCH_MAX`): waiting on any of them writes
 all their requests in one go and reads until every one of them has its outcome, so a
 thousand calls in flight cost one write and a few reads, not a loop hop each. Any other
@@ -50,7 +50,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from palatine import config, runtime
 from palatine.channel.addr import ChannelAddr
@@ -58,10 +58,12 @@ from palatine.channel.spin import poll_spinning, spin_seconds
 from palatine.future import _FINISHED, Future, _state_lock, on_loop_thread
 from palatine.ids import ActorId, PortId, ProcId
 from palatine.lane_conn import Broken, Failed, LaneConn, NotSent, broken_errors, timeout_error
-from palatine.proc import Proc
 from palatine.wire.envelope import Envelope
 
-__all__ = ["SWEEP_S", "BATCH_MAX", "LaneFuture", "note_call", "try_call"]
+if TYPE_CHECKING:
+    from palatine.mailbox import Mailbox
+
+__all__ = ["SWEEP_S", "BATCH_MAX", "Call", "LaneFuture", "note_call", "try_call"]
 
 SWEEP_S: Final = 0.005  # an untouched lane future is sent through the loop after this
 BATCH_MAX: Final = 4096  # call_one futures held unsent in one batch at most
@@ -121,52 +123,60 @@ def note_call(procs: frozenset[ProcId], fut: Future[Any]) -> None:
 Leg = tuple[int, ActorId, ChannelAddr]
 
 
-def try_call(
-    client_proc: Proc,
-    dests: list[tuple[int, ActorId]],
-    what: str,
-    timeout_s: float,
-    make_env: Callable[[int, PortId], Envelope],
-    go: Callable[[], Any],
-    transform: Callable[[Any], Any] | None = None,
-) -> LaneFuture | None:
-    """A `LaneFuture` for this call if it may take lanes (module doc), else None.
+class Call(Protocol):
+    """One call, as a lane future needs it (`palatine.mesh` makes them): one object per
+    call rather than closures, as calls in flight are many and each object costs the
+    garbage collector."""
+
+    what: str
+    timeout_s: float
+    transform: Callable[[Any], Any] | None  # of {rank: reply}, for a gather
+
+    def envelope(self, mb: Mailbox, rank: int, reply_to: PortId) -> Envelope:
+        """The request (for ``rank``; -1 for ``call_one``) from ``mb``."""
+
+    def go(self) -> Any:
+        """Send it the ordinary way (on the loop, as for `runtime.call`)."""
+
+
+def try_call(mb: Mailbox, dests: tuple[tuple[int, ActorId], ...], call: Call) -> LaneFuture | None:
+    """A `LaneFuture` for ``call`` from the client mailbox ``mb`` if it may take lanes
+    (module doc), else None.
 
     ``dests`` are (rank, actor) pairs: one with rank -1 for ``call_one`` (the future's
-    value is the reply), else one per rank (the value is ``transform({rank: reply})``).
-    ``make_env(rank, reply_to)`` builds a request; ``go`` and ``transform`` are the
-    ordinary loop-side closure and transform (as for `runtime.call`), used if the future
-    is sent through the loop after all.
+    value is the reply), else one per rank (the value is ``call.transform({rank:
+    reply})``).
     """
     st: _ThreadState | None = getattr(_tls, "state", None)
     if st is None:
         return None
     batch = st.deferred
-    if batch is not None and (not batch.joinable or len(dests) != 1 or dests[0][0] >= 0):
+    if batch is not None:
+        if len(dests) == 1 and dests[0] == batch.key:  # the same actor again: checked already
+            return batch.join(mb, call)
         return None
     last = st.last_fut
     if last is None or not last._state:
         return None
     procs = st.last_procs
+    client_proc = mb.proc
     me = client_proc.proc_id
     for _, dest in dests:
         if dest.proc not in procs or dest.proc == me:
             return None
     if not config.get().lanes or on_loop_thread():
         return None
-    legs: list[Leg] = []
     lookup = client_proc.router.lookup
+    legs: list[Leg] = []
     for rank, dest in dests:
         addr = lookup(dest)
         if addr is None or addr.transport != "unix":
             return None
         legs.append((rank, dest, addr))
-    if batch is not None:
-        return batch.join(client_proc, legs, what, timeout_s, make_env, go, transform)
     if len(legs) > 1 and len({addr for _, _, addr in legs}) < len(legs):
         return None  # one lane per leg
-    batch = _Batch(st, legs[0][2], len(legs) == 1 and legs[0][0] < 0)
-    fut = LaneFuture(client_proc, batch, legs, what, timeout_s, make_env, go, transform)
+    batch = _Batch(st, legs, dests[0] if len(legs) == 1 and legs[0][0] < 0 else None)
+    fut = LaneFuture(mb, batch, legs, call)
     batch.futs.append(fut)
     st.deferred = batch
     _sweeper.add(st)
@@ -177,33 +187,25 @@ class _Batch:
     """A thread's unsent lane futures, in the order they were made (module doc).
 
     ``claim`` says who sends them: nobody yet, the lane (the owner waits), or the loop.
-    Only ``call_one`` futures to one proc batch (``joinable``); a gather is alone.
+    Only ``call_one`` futures to one actor batch (``key``: its ``(-1, actor)``, checked
+    once for the first member); a gather is alone (``key`` None).
     """
 
-    __slots__ = ("st", "addr", "joinable", "futs", "claim", "touched")
+    __slots__ = ("st", "legs", "key", "futs", "claim", "touched")
 
-    def __init__(self, st: _ThreadState, addr: ChannelAddr, joinable: bool) -> None:
+    def __init__(self, st: _ThreadState, legs: list[Leg], key: tuple[int, ActorId] | None) -> None:
         self.st = st
-        self.addr = addr
-        self.joinable = joinable
+        self.legs = legs
+        self.key = key
         self.futs: list[LaneFuture] = []
         self.claim = _UNSENT
         self.touched = time.monotonic()
 
-    def join(
-        self,
-        proc: Proc,
-        legs: list[Leg],
-        what: str,
-        timeout_s: float,
-        make_env: Callable[[int, PortId], Envelope],
-        go: Callable[[], Any],
-        transform: Callable[[Any], Any] | None,
-    ) -> LaneFuture | None:
-        """A new member for one ``call_one`` to this batch's proc, or None (not this batch)."""
-        if legs[0][2] != self.addr or len(self.futs) >= BATCH_MAX:
+    def join(self, mb: Mailbox, call: Call) -> LaneFuture | None:
+        """A new member: one more ``call_one`` to this batch's actor; None when full."""
+        if len(self.futs) >= BATCH_MAX:
             return None
-        fut = LaneFuture(proc, self, legs, what, timeout_s, make_env, go, transform)
+        fut = LaneFuture(mb, self, self.legs, call)
         with _state_lock:
             if self.claim != _UNSENT:
                 return None  # the sweeper took it just now
@@ -230,7 +232,7 @@ class _Batch:
         futs, self.futs = self.futs, []  # sent: members and batch no longer hold each other
         last = futs[-1]
         for fut in futs:
-            runtime.call_into(fut, fut._go, fut._lane_transform)
+            runtime.call_into(fut, fut._call.go, fut._call.transform)
         st = self.st
         st.last_procs = frozenset(dest.proc for _, dest, _ in last._legs)
         st.last_fut = last
@@ -239,32 +241,28 @@ class _Batch:
 class LaneFuture(Future[Any]):
     """A call's future that its thread may complete over lanes (see the module doc)."""
 
-    __slots__ = (
-        "_owner", "_batch", "_legs", "_proc", "_what", "_timeout_s",
-        "_make_env", "_go", "_lane_transform",
-    )
+    __slots__ = ("_owner", "_batch", "_legs", "_mb", "_proc", "_call")
 
-    def __init__(
-        self,
-        proc: Proc,
-        batch: _Batch,
-        legs: list[Leg],
-        what: str,
-        timeout_s: float,
-        make_env: Callable[[int, PortId], Envelope],
-        go: Callable[[], Any],
-        transform: Callable[[Any], Any] | None,
-    ) -> None:
+    def __init__(self, mb: Mailbox, batch: _Batch, legs: list[Leg], call: Call) -> None:
+        proc = mb.proc
         super().__init__(proc.loop)
         self._owner = threading.get_ident()
         self._batch = batch
         self._legs = legs
+        self._mb = mb
         self._proc = proc
-        self._what = what
-        self._timeout_s = timeout_s
-        self._make_env = make_env
-        self._go = go
-        self._lane_transform = transform
+        self._call = call
+
+    @property
+    def _what(self) -> str:
+        return self._call.what
+
+    @property
+    def _timeout_s(self) -> float:
+        return self._call.timeout_s
+
+    def _envelope(self, rank: int, reply_to: PortId) -> Envelope:
+        return self._call.envelope(self._mb, rank, reply_to)
 
     def _demote(self) -> None:
         """Send it (with its whole batch) the ordinary way, if nobody has sent it yet."""
@@ -297,8 +295,9 @@ class LaneFuture(Future[Any]):
                 value = _call(lanes[0], self)
             else:
                 value = _gather(self, lanes)
-                if self._lane_transform is not None:
-                    value = self._lane_transform(value)
+                transform = self._call.transform
+                if transform is not None:
+                    value = transform(value)
         except NotSent:
             batch.claim = _UNSENT
             batch.demote()
@@ -345,7 +344,7 @@ def _dest(fut: LaneFuture, leg: int) -> ActorId:
 
 def _call(lane: LaneConn, fut: LaneFuture) -> Any:
     """Send ``fut``'s one request and read until its reply; the reply's value."""
-    (reply_to,) = lane.send([lambda rt: fut._make_env(-1, rt)])
+    (reply_to,) = lane.send(1, lambda _i, rt: fut._envelope(-1, rt))
     deadline = time.monotonic() + fut._timeout_s
     while True:
         if deadline - time.monotonic() <= 0:
@@ -365,7 +364,7 @@ def _run_batch(lane: LaneConn, futs: list[LaneFuture]) -> None:
     has its reply, its timeout or the lane's end. Writes never block: while the peer
     is not reading, replies are read meanwhile, and a write left unfinished when no
     member waits any more closes the lane."""
-    data, ports = lane.encode([lambda rt, f=f: f._make_env(-1, rt) for f in futs])  # NotSent: all to the loop
+    data, ports = lane.encode(len(futs), lambda i, rt: futs[i]._envelope(-1, rt))  # NotSent: all to the loop
     waiting = {p.port: f for p, f in zip(ports, futs, strict=True)}
     now = time.monotonic()
     due = sorted((now + f._timeout_s, p.port) for p, f in zip(ports, futs, strict=True))
@@ -438,7 +437,7 @@ def _gather(fut: LaneFuture, lanes: list[LaneConn]) -> dict[int, Any]:
     waiting: dict[int, tuple[int, LaneConn, PortId, int]] = {}  # fd -> (rank, lane, port, leg)
     for i, ((rank, dest, _addr), lane) in enumerate(zip(fut._legs, lanes, strict=True)):
         try:
-            (reply_to,) = lane.send([lambda rt, r=rank: fut._make_env(r, rt)])
+            (reply_to,) = lane.send(1, lambda _i, rt, r=rank: fut._envelope(r, rt))
         except NotSent:
             if i == 0:
                 raise  # nothing left yet: the loop path sends it all

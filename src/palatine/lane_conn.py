@@ -150,18 +150,18 @@ class LaneConn:
 
     # -- writing -------------------------------------------------------------------------
 
-    def send(self, make_envs: list[Callable[[PortId], Envelope]]) -> list[PortId]:
-        """Write one request per ``make_env(reply_to)``, in order, in one write; their
-        reply ports. Raises `NotSent` when nothing may be counted as sent (a request
-        over the frame limit, or a failed write: the lane is closed then)."""
+    def send(self, count: int, make_env: Callable[[int, PortId], Envelope]) -> list[PortId]:
+        """Write requests ``make_env(i, reply_to)`` for i in ``range(count)``, in order, in
+        one write; their reply ports. Raises `NotSent` when nothing may be counted as sent
+        (a request over the frame limit, or a failed write: the lane is closed then)."""
         limit = config.get().max_frame_bytes
         parts: list[Any] = []
         ports: list[PortId] = []
         vectored = False
         seq = self.seq
-        for make_env in make_envs:
+        for i in range(count):
             reply_to = PortId(self.actor, next(self.ports))
-            head, bufs, size = encode_message(seq, False, make_env(reply_to))
+            head, bufs, size = encode_message(seq, False, make_env(i, reply_to))
             if size > limit:
                 raise NotSent  # the loop path reports the size error as usual
             seq += 1
@@ -181,17 +181,17 @@ class LaneConn:
         self.seq = seq
         return ports
 
-    def encode(self, make_envs: list[Callable[[PortId], Envelope]]) -> tuple[bytes, list[PortId]]:
-        """Requests for a batch as one buffer (buffers copied in) and their reply ports;
-        the caller writes it (the sequence numbers are taken). Raises `NotSent` for a
-        request over the frame limit (nothing taken then)."""
+    def encode(self, count: int, make_env: Callable[[int, PortId], Envelope]) -> tuple[bytes, list[PortId]]:
+        """Requests ``make_env(i, reply_to)`` for a batch as one buffer (buffers copied
+        in) and their reply ports; the caller writes it (the sequence numbers are taken).
+        Raises `NotSent` for a request over the frame limit (nothing taken then)."""
         limit = config.get().max_frame_bytes
         parts: list[Any] = []
         ports: list[PortId] = []
         seq = self.seq
-        for make_env in make_envs:
+        for i in range(count):
             reply_to = PortId(self.actor, next(self.ports))
-            head, bufs, size = encode_message(seq, False, make_env(reply_to))
+            head, bufs, size = encode_message(seq, False, make_env(i, reply_to))
             if size > limit:
                 raise NotSent
             seq += 1

@@ -119,30 +119,103 @@ def _direct_envelope(
     )
 
 
-def _call_via(
-    dests: list[tuple[int, ActorId]],
-    what: str,
-    timeout_s: float,
-    envelope: Callable[[Mailbox, int, PortId], Envelope],
-    go: Callable[[], Any],
-    transform: Callable[[Any], Any] | None = None,
-) -> Future[Any]:
+def _call_via(dests: tuple[tuple[int, ActorId], ...], call: lane.Call) -> Future[Any]:
     """A call's future: over the calling thread's lanes when it may (`palatine.lane`),
-    else through the loop (``go`` runs there). ``dests``: as `palatine.lane.try_call`."""
+    else through the loop (``call.go`` runs there). ``dests``: as `palatine.lane.try_call`."""
     if on_loop_thread():
-        return runtime.call(go, transform)
+        return runtime.call(call.go, call.transform)
     client = _default_client
     if client is not None and _current_cx.get() is None:
-        mb = client.mailbox
-        fut = lane.try_call(
-            mb.proc, dests, what, timeout_s,
-            lambda rank, rt: envelope(mb, rank, rt), go, transform,
-        )
+        fut = lane.try_call(client.mailbox, dests, call)
         if fut is not None:
             return fut
-    fut = runtime.call(go, transform)
+    fut = runtime.call(call.go, call.transform)
     lane.note_call(frozenset(dest.proc for _, dest in dests), fut)
     return fut
+
+
+class _RefCall:
+    """``ActorRef.x.call_one(...)``: one envelope straight to the actor (`palatine.lane.Call`)."""
+
+    __slots__ = ("dest", "data", "bufs", "what", "timeout_s")
+    transform = None
+
+    def __init__(self, dest: ActorId, data: bytes, bufs: list[Any], what: str, timeout_s: float) -> None:
+        self.dest = dest
+        self.data = data
+        self.bufs = bufs
+        self.what = what
+        self.timeout_s = timeout_s
+
+    def envelope(self, mb: Mailbox, rank: int, reply_to: PortId) -> Envelope:
+        dest = self.dest
+        return Envelope(
+            mb.actor_id, PortId(dest, ENDPOINT_CALL_TID), ENDPOINT_CALL_TID, ENC_PICKLE, self.data, reply_to,
+            None, None, self.bufs,
+        )
+
+    def go(self) -> asyncio.Future[Any]:
+        mb = caller_mailbox()
+        _self_call_check(mb, self.dest)
+        p = mb.pending(self.dest, self.what, self.timeout_s)
+        mb.proc.post(self.envelope(mb, -1, p.id))
+        return p
+
+
+class _MeshCallOne:
+    """``mesh.x.call_one(...)`` on a one-actor selection (`palatine.lane.Call`)."""
+
+    __slots__ = ("mesh", "dest", "rank", "data", "what", "timeout_s")
+    transform = None
+
+    def __init__(self, mesh: ActorMesh, rank: int, data: bytes, what: str, timeout_s: float) -> None:
+        self.mesh = mesh
+        self.dest = mesh.gang.actor(rank)
+        self.rank = rank
+        self.data = data
+        self.what = what
+        self.timeout_s = timeout_s
+
+    def envelope(self, mb: Mailbox, rank: int, reply_to: PortId) -> Envelope:
+        return _direct_envelope(mb.actor_id, mb.actor_text, self.dest, self.rank, self.mesh._size, self.data, reply_to)
+
+    def go(self) -> asyncio.Future[Any]:
+        mb = caller_mailbox()
+        _self_call_check(mb, self.dest)
+        p = mb.pending(self.dest, self.what, self.timeout_s)
+        self.mesh._cast(mb, self.data, p.id)
+        return p
+
+
+class _MeshCall:
+    """``mesh.x.call(...)``: one request per selected rank, replies gathered in rank order
+    (`palatine.lane.Call`)."""
+
+    __slots__ = ("mesh", "ranks", "data", "what", "timeout_s")
+
+    def __init__(self, mesh: ActorMesh, ranks: list[int], data: bytes, what: str, timeout_s: float) -> None:
+        self.mesh = mesh
+        self.ranks = ranks
+        self.data = data
+        self.what = what
+        self.timeout_s = timeout_s
+
+    def envelope(self, mb: Mailbox, rank: int, reply_to: PortId) -> Envelope:
+        m = self.mesh
+        return _direct_envelope(mb.actor_id, mb.actor_text, m.gang.actor(rank), rank, m._size, self.data, reply_to)
+
+    def go(self) -> asyncio.Future[Any]:
+        m, ranks = self.mesh, self.ranks
+        mb = caller_mailbox()
+        g = mb.gather(m.gang.actor(ranks[0]) if ranks else m.gang.actor(0), self.what, self.timeout_s, m._procs())
+        if not ranks:
+            g._complete()
+        else:
+            m._cast(mb, self.data, g.id)
+        return g
+
+    def transform(self, res: dict[int, Any]) -> ValueMesh:
+        return ValueMesh(self.mesh._dims, self.ranks, [res[r] for r in self.ranks])
 
 
 class Endpoint:
@@ -276,22 +349,7 @@ class ActorRef:
     def _call_one(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float) -> Future[Any]:
         data, bufs = _encode_call(method, args, kwargs)
         dest = self.actor_id
-        what = f"call {method}"
-
-        def envelope(mb: Mailbox, _rank: int, reply_to: PortId) -> Envelope:
-            return Envelope(
-                mb.actor_id, PortId(dest, ENDPOINT_CALL_TID), ENDPOINT_CALL_TID, ENC_PICKLE, data, reply_to,
-                None, None, bufs,
-            )
-
-        def go() -> asyncio.Future[Any]:
-            mb = caller_mailbox()
-            _self_call_check(mb, dest)
-            p = mb.pending(dest, what, timeout_s)
-            mb.proc.post(envelope(mb, -1, p.id))
-            return p
-
-        return _call_via([(-1, dest)], what, timeout_s, envelope, go)
+        return _call_via(((-1, dest),), _RefCall(dest, data, bufs, f"call {method}", timeout_s))
 
     def _send(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         data, bufs = _encode_call(method, args, kwargs)
@@ -418,55 +476,20 @@ class ActorMesh:
         return {r: w.proc(r) for r in self._ranks}
 
     def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float) -> Future[ValueMesh]:
-        dims, ranks = self._dims, list(self._ranks)
-        what = f"call {method}"
-
-        data = _encode_in_band(method, args, kwargs)
-
-        def go() -> asyncio.Future[Any]:
-            mb = caller_mailbox()
-            g = mb.gather(self.gang.actor(ranks[0]) if ranks else self.gang.actor(0), what, timeout_s, self._procs())
-            if not ranks:
-                g._complete()
-            else:
-                self._cast(mb, data, g.id)
-            return g
-
-        def transform(res: dict[int, Any]) -> ValueMesh:
-            return ValueMesh(dims, ranks, [res[r] for r in ranks])
-
+        ranks = list(self._ranks)
+        call = _MeshCall(self, ranks, _encode_in_band(method, args, kwargs), f"call {method}", timeout_s)
         if not ranks or self._size > config.get().cast_fanout:  # the cast tree: never lanes
-            return runtime.call(go, transform)
-        size, gang = self._size, self.gang
-
-        def envelope(mb: Mailbox, rank: int, reply_to: PortId) -> Envelope:
-            return _direct_envelope(mb.actor_id, mb.actor_text, gang.actor(rank), rank, size, data, reply_to)
-
-        return _call_via([(r, gang.actor(r)) for r in ranks], what, timeout_s, envelope, go, transform)
+            return runtime.call(call.go, call.transform)
+        gang = self.gang
+        return _call_via(tuple((r, gang.actor(r)) for r in ranks), call)
 
     def _call_one(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float) -> Future[Any]:
         if len(self._ranks) != 1:
             raise ValueError(f"call_one needs a selection of exactly one actor, this one has {len(self._ranks)}")
-        r = self._ranks[0]
-        dest = self.gang.actor(r)
-        what = f"call {method}"
-        data = _encode_in_band(method, args, kwargs)
-
-        def go() -> asyncio.Future[Any]:
-            mb = caller_mailbox()
-            _self_call_check(mb, dest)
-            p = mb.pending(dest, what, timeout_s)
-            self._cast(mb, data, p.id)
-            return p
-
+        call = _MeshCallOne(self, self._ranks[0], _encode_in_band(method, args, kwargs), f"call {method}", timeout_s)
         if self._size > config.get().cast_fanout:  # through the cast tree: never a lane
-            return runtime.call(go)
-        size = self._size
-
-        def envelope(mb: Mailbox, _rank: int, reply_to: PortId) -> Envelope:
-            return _direct_envelope(mb.actor_id, mb.actor_text, dest, r, size, data, reply_to)
-
-        return _call_via([(-1, dest)], what, timeout_s, envelope, go)
+            return runtime.call(call.go)
+        return _call_via(((-1, call.dest),), call)
 
     def _broadcast(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         data = _encode_in_band(method, args, kwargs)

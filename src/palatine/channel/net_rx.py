@@ -110,6 +110,7 @@ class _ServerConn(asyncio.BufferedProtocol):
         self.peer_key = "?"
         self.lane: ActorId | None = None  # set by a lane's Init (`send_back`)
         self._back_seq = 0
+        self._back: list[Any] | None = None  # lane replies held until the read is handled
 
     # -- connection events ---------------------------------------------------------------
 
@@ -153,9 +154,22 @@ class _ServerConn(asyncio.BufferedProtocol):
         except FrameError as exc:
             self._fail(exc.reason, reject=not exc.before_body)
             return
-        self._frames(frames)
-        if self.lane is not None:  # a blocking caller: its next request follows the reply
-            self.rx._spin()
+        if self.lane is None:
+            self._frames(frames)
+            return
+        # A lane: replies made while these requests are handled go out in one write.
+        self._back = out = []
+        try:
+            self._frames(frames)
+        finally:
+            self._back = None
+            transport = self.transport
+            if out and transport is not None and not transport.is_closing():
+                if len(out) == 1:
+                    transport.write(out[0])
+                else:
+                    transport.writelines(out)
+        self.rx._spin()  # a blocking caller: its next request follows the reply
 
     def _frames(self, frames: list[Frame]) -> None:
         """Deliver in-session ``Message`` frames, handle the rest; then maybe ack."""
@@ -275,7 +289,11 @@ class _ServerConn(asyncio.BufferedProtocol):
         if size > self.rx._max_frame:
             return f"message of {size} bytes exceeds max frame size {self.rx._max_frame}"
         self._back_seq += 1
-        if bufs:
+        out = self._back
+        if out is not None:  # inside `data_received`: written when it ends
+            out.append(head)
+            out.extend(bufs)
+        elif bufs:
             transport.writelines([head, *bufs])
         else:
             transport.write(head)
