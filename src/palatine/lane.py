@@ -227,15 +227,22 @@ class _Batch:
     def demote(self) -> None:
         """Send every member the ordinary way (through the loop), in order, if nobody has
         sent them yet."""
-        if not self.take(_POSTED):
-            return
-        futs, self.futs = self.futs, []  # sent: members and batch no longer hold each other
-        last = futs[-1]
-        for fut in futs:
-            runtime.call_into(fut, fut._call.go, fut._call.transform)
-        st = self.st
+        with _state_lock:
+            if self.claim != _UNSENT:
+                return
+            self.claim = _POSTED
+            futs, self.futs = self.futs, []  # sent: members and batch no longer hold each other
+        st, last = self.st, futs[-1]
+        # Before the batch stops being the thread's: a call the thread makes meanwhile
+        # (the sweeper demotes from the loop thread) must see these as unfinished, so it
+        # goes through the loop too, after them.
         st.last_procs = frozenset(dest.proc for _, dest, _ in last._legs)
         st.last_fut = last
+        if st.deferred is self:
+            st.deferred = None
+        for fut in futs:
+            runtime.call_into(fut, fut._call.go, fut._call.transform)
+        st.last_fut = last  # (posting from the owner's thread reset it)
 
 
 class LaneFuture(Future[Any]):
