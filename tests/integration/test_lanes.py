@@ -334,6 +334,12 @@ def test_calls_made_before_waiting_go_out_as_one_batch_in_order() -> None:
         fs = [one.add.call_one(1) for _ in range(3)]
         other = mesh.slice(procs=1).add.call_one(7)  # another proc: not this batch
         print("TWO_PROCS", [f.get() for f in fs], other.get())
+        fs = [one.add.call_one(1) for _ in range(3)]
+        time.sleep(0.3)  # never waited on for a while: the batch is swept through the loop
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(one.get_total.call_one().get()))
+        t.start(); t.join()
+        print("SWEPT", seen, [f.get() for f in fs])
         """
     )
     assert out["BATCH"] == "True 1"
@@ -341,6 +347,7 @@ def test_calls_made_before_waiting_go_out_as_one_batch_in_order() -> None:
     assert out["DONE_FIRST"] in ("1113 [1111, 1112, 1113, 1114, 1115]", "False [1111, 1112, 1113, 1114, 1115]")
     assert out["OTHER_THREAD"] == "[1119] [1116, 1117, 1118, 1119, 1120]"
     assert out["TWO_PROCS"] == "[1121, 1122, 1123] 7"
+    assert out["SWEPT"] == "[1126] [1124, 1125, 1126]"
 
 
 def test_a_batch_reports_each_members_own_outcome() -> None:
