@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import re
 import threading
 from typing import Any, ClassVar, Final
 
@@ -181,6 +182,16 @@ class _PickledValue:
 PICKLED_VALUE_TID = register(_PickledValue)
 
 
+# What a stdlib pickle names when it refers to code it cannot import by name elsewhere.
+_BY_VALUE_ONLY = re.compile(rb"__main__|<lambda>|<locals>")
+
+
+def needs_cloudpickle(data: bytes) -> bool:
+    """Whether a stdlib pickle refers to ``__main__``, a lambda or a local function (code
+    another process cannot import by name): such values are pickled by value."""
+    return _BY_VALUE_ONLY.search(data) is not None
+
+
 def dumps(value: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle ``value`` (protocol 5), returning the bytes and out-of-band buffers."""
     buffers: list[pickle.PickleBuffer] = []
@@ -188,7 +199,7 @@ def dumps(value: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
         data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     except (pickle.PicklingError, AttributeError, TypeError):
         data = b"__main__"  # force the cloudpickle path below
-    if b"__main__" in data or b"<lambda>" in data or b"<locals>" in data:
+    if needs_cloudpickle(data):
         import cloudpickle
 
         buffers = []

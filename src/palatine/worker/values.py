@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from palatine.wire.buffers import take_buffer
+from palatine.wire.codec import needs_cloudpickle
 from palatine.worker.messages import Cloudpickle, FunctionPath, FunctionRef, Pickled, WorkerError
 from palatine.worker.user_errors import qualified_type_name, register_sources
 
@@ -283,7 +284,7 @@ def _dumps(value: Any, refs: bool, detach: bool, on_ref: OnRef | None = None) ->
         data = f.getvalue()
     except (pickle.PicklingError, AttributeError, TypeError):
         data = None
-    if data is None or b"__main__" in data or b"<lambda>" in data or b"<locals>" in data or _by_value(data):
+    if data is None or needs_cloudpickle(data) or _by_value(data):
         bufs = []
         seen = []
         f = io.BytesIO()
