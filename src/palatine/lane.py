@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 __all__ = ["SWEEP_S", "BATCH_MAX", "Call", "LaneFuture", "note_call", "try_call"]
 
 SWEEP_S: Final = 0.005  # an untouched lane future is sent through the loop after this
-BATCH_MAX: Final = 4096  # call_one futures held unsent in one batch at most
+BATCH_MAX: Final = 65536  # call_one futures held unsent in one batch at most
 _tls = threading.local()
 
 _UNSENT, _LANE, _POSTED = 0, 1, 2
