@@ -1212,7 +1212,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("spin_us", "lane", "spins"), [(200_000, True, True), (0, True, False), (200_000, False, False)])
+@pytest.mark.parametrize(("spin_us", "lane", "spins"), [(1_000_000, True, True), (0, True, False), (1_000_000, False, False)])
 async def test_a_loop_stays_awake_for_the_idle_spin_after_a_lane_request(spin_us: int, lane: bool, spins: bool) -> None:
     """A request on a lane keeps the receiving loop polling (`palatine.channel.spin`), so
     the caller's next request is read without a wake-up; other connections do not, and
