@@ -24,7 +24,8 @@ The request leaves when the calling thread waits on the future (``get``/``result
 ``exception``). Any other use — ``await``, ``done``, callbacks, a wait from another
 thread or with a shorter timeout, or the thread's next palatine operation — first sends
 it the ordinary way, through the loop. A future nobody touches is sent that way within
-about `SWEEP_S`. A lane that cannot be opened leaves the call to the loop path too.
+about `SWEEP_S` (a growing batch within `BATCH_AGE_S`). A lane that cannot be opened
+leaves the call to the loop path too.
 
 ``call_one`` futures that a thread creates one after another for the same actor, without
 waiting in between, form a *batch* (up to `BATCH_MAX`): waiting on any of them writes
@@ -66,6 +67,8 @@ if TYPE_CHECKING:
 __all__ = ["SWEEP_S", "BATCH_MAX", "Call", "LaneFuture", "note_call", "try_call"]
 
 SWEEP_S: Final = 0.005  # an untouched lane future is sent through the loop after this
+BATCH_AGE_S: Final = 0.1  # ... and a batch still growing, once it is this old
+_POSTING_WAIT_S: Final = 5.0  # the owner's wait while another thread posts its batch
 BATCH_MAX: Final = 65536  # call_one futures held unsent in one batch at most
 _tls = threading.local()
 
@@ -191,7 +194,7 @@ class _Batch:
     once for the first member); a gather is alone (``key`` None).
     """
 
-    __slots__ = ("st", "legs", "key", "futs", "claim", "touched")
+    __slots__ = ("st", "legs", "key", "futs", "claim", "born", "touched", "posted")
 
     def __init__(self, st: _ThreadState, legs: list[Leg], key: tuple[int, ActorId] | None) -> None:
         self.st = st
@@ -199,7 +202,8 @@ class _Batch:
         self.key = key
         self.futs: list[LaneFuture] = []
         self.claim = _UNSENT
-        self.touched = time.monotonic()
+        self.born = self.touched = time.monotonic()
+        self.posted: threading.Event | None = None  # set once a demoted batch is posted
 
     def join(self, mb: Mailbox, call: Call) -> LaneFuture | None:
         """A new member: one more ``call_one`` to this batch's actor; None when full."""
@@ -225,24 +229,36 @@ class _Batch:
         return True
 
     def demote(self) -> None:
-        """Send every member the ordinary way (through the loop), in order, if nobody has
-        sent them yet."""
+        """Send every member the ordinary way (through the loop), in order, as one post,
+        if nobody has sent them yet. The owner's own next post waits until they are
+        posted, so nothing it sends later can land before them."""
         with _state_lock:
-            if self.claim != _UNSENT:
-                return
-            self.claim = _POSTED
-            futs, self.futs = self.futs, []  # sent: members and batch no longer hold each other
+            claim = self.claim
+            if claim == _UNSENT:
+                self.claim = _POSTED
+                self.posted = threading.Event()
+                futs, self.futs = self.futs, []  # sent: members and batch no longer hold each other
+        if claim != _UNSENT:
+            posted = self.posted
+            if claim == _POSTED and posted is not None and not on_loop_thread():
+                posted.wait(_POSTING_WAIT_S)  # another thread is posting them right now
+            return
         st, last = self.st, futs[-1]
-        # Before the batch stops being the thread's: a call the thread makes meanwhile
-        # (the sweeper demotes from the loop thread) must see these as unfinished, so it
-        # goes through the loop too, after them.
-        st.last_procs = frozenset(dest.proc for _, dest, _ in last._legs)
-        st.last_fut = last
-        if st.deferred is self:
-            st.deferred = None
-        for fut in futs:
-            runtime.call_into(fut, fut._call.go, fut._call.transform)
-        st.last_fut = last  # (posting from the owner's thread reset it)
+        procs = frozenset(dest.proc for _, dest, _ in last._legs)
+        calls = [(f, f._call.go, f._call.transform) for f in futs]
+        if threading.get_ident() == last._owner:
+            if st.deferred is self:
+                st.deferred = None
+            runtime.call_all_into(calls)  # (this thread's post hook forgets its last call)
+            st.last_procs, st.last_fut = procs, last
+        else:
+            # Before the batch stops being the thread's: a call the owner makes meanwhile
+            # must see these as unfinished, so it goes through the loop too, after them.
+            st.last_procs, st.last_fut = procs, last
+            runtime.call_all_into(calls)
+            if st.deferred is self:
+                st.deferred = None
+        self.posted.set()
 
 
 class LaneFuture(Future[Any]):
@@ -289,9 +305,11 @@ class LaneFuture(Future[Any]):
         client = self._proc.proc_id
         try:
             lanes = [batch.st.lane_to(addr, client) for _, _, addr in self._legs]
-        except Exception:  # noqa: BLE001 - no lane (LinkLost, OSError, ...): nothing left,
+        except BaseException as e:  # no lane (LinkLost, OSError, an interrupt): nothing left,
             batch.claim = _UNSENT  # so send it the ordinary way
             batch.demote()
+            if not isinstance(e, Exception):
+                raise
             return False
         try:
             if len(batch.futs) > 1:
@@ -368,13 +386,37 @@ def _call(lane: LaneConn, fut: LaneFuture) -> Any:
 
 def _run_batch(lane: LaneConn, futs: list[LaneFuture]) -> None:
     """Write every member's request (one buffer, in order) and read until each member
-    has its reply, its timeout or the lane's end. Writes never block: while the peer
-    is not reading, replies are read meanwhile, and a write left unfinished when no
-    member waits any more closes the lane."""
-    data, ports = lane.encode(len(futs), lambda i, rt: futs[i]._envelope(-1, rt))  # NotSent: all to the loop
-    waiting = {p.port: f for p, f in zip(ports, futs, strict=True)}
+    has its reply, its timeout or the lane's end; then complete them all (so no
+    callback runs while the lane is mid-batch). Raises `NotSent` if nothing was sent.
+    Any other exception (an interrupt) completes every member still open with it."""
+    outcomes: dict[int, tuple[Any, BaseException | None]] = {}  # member index -> outcome
+    try:
+        _batch_io(lane, futs, outcomes)
+    except NotSent:
+        raise
+    except BaseException as e:
+        lane.close()  # a request may be cut short on the wire
+        for i in range(len(futs)):
+            outcomes.setdefault(i, (None, e))
+        _finish_all(futs, outcomes)
+        raise
+    _finish_all(futs, outcomes)
+
+
+def _finish_all(futs: list[LaneFuture], outcomes: dict[int, tuple[Any, BaseException | None]]) -> None:
+    for i, f in enumerate(futs):
+        value, exc = outcomes[i]
+        f._finish(value, exc)
+
+
+def _batch_io(lane: LaneConn, futs: list[LaneFuture], outcomes: dict[int, tuple[Any, BaseException | None]]) -> None:
+    """The writes and reads of `_run_batch`. Writes never block: while the peer is not
+    reading, replies are read meanwhile, and a write left unfinished when no member
+    waits any more closes the lane (nothing may follow a cut frame)."""
+    data, ports = lane.encode(len(futs), lambda i, rt: futs[i]._envelope(-1, rt))
+    waiting = {p.port: i for i, p in enumerate(ports)}
     now = time.monotonic()
-    due = sorted((now + f._timeout_s, p.port) for p, f in zip(ports, futs, strict=True))
+    due = sorted((now + f._timeout_s, p.port, i) for i, (p, f) in enumerate(zip(ports, futs, strict=True)))
     k = 0
     out = memoryview(data)
     sock = lane.sock
@@ -382,16 +424,15 @@ def _run_batch(lane: LaneConn, futs: list[LaneFuture]) -> None:
     try:
         while waiting:
             now = time.monotonic()
-            while due[k][0] <= now:
-                f = waiting.pop(due[k][1], None)
-                if f is not None:
-                    f._finish(None, timeout_error(f._what, _dest(f, 0), f._timeout_s))
+            while k < len(due) and due[k][0] <= now:
+                _, port, i = due[k]
+                if waiting.pop(port, None) is not None:
+                    f = futs[i]
+                    outcomes[i] = (None, timeout_error(f._what, _dest(f, 0), f._timeout_s))
                 k += 1
-                if k == len(due):
-                    break
             if not waiting:
                 break
-            deadline = due[k][0]
+            deadline: float | None = due[k][0]
             if out:
                 try:
                     out = out[sock.send(out, socket.MSG_DONTWAIT):]
@@ -401,34 +442,23 @@ def _run_batch(lane: LaneConn, futs: list[LaneFuture]) -> None:
                     if poller is None:
                         poller = select.poll()
                         poller.register(sock.fileno(), select.POLLIN | select.POLLOUT)
-                    ms = max(1, int((deadline - time.monotonic()) * 1000))
+                    ms = max(1, int((due[k][0] - time.monotonic()) * 1000))
                     if not any(ev & select.POLLIN for _, ev in poller.poll(ms)):
                         continue
                     deadline = None  # something to read: do not wait
             for index, value in lane.read(deadline):
-                f = waiting.pop(index, None)
-                if f is None:
+                i = waiting.pop(index, -1)
+                if i < 0:
                     continue  # a late reply to an earlier call that timed out
-                if isinstance(value, Failed):
-                    f._finish(None, value.error)
-                else:
-                    f._finish(value, None)
-    except Broken as b:
-        left = list(waiting.values())
-        errors = broken_errors(left[0]._proc, [(f._what, _dest(f, 0)) for f in left], b.why)
-        for f, err in zip(left, errors, strict=True):
-            f._finish(None, err)
-    except OSError as e:  # the write failed: the lane is gone
+                outcomes[i] = (None, value.error) if isinstance(value, Failed) else (value, None)
+    except (Broken, OSError) as e:  # the lane ended (or a write failed: it is gone)
         lane.close()
+        why = e.why if isinstance(e, Broken) else lane.ended or e.strerror or str(e)
         left = list(waiting.values())
-        errors = broken_errors(left[0]._proc, [(f._what, _dest(f, 0)) for f in left], e.strerror or str(e))
-        for f, err in zip(left, errors, strict=True):
-            f._finish(None, err)
-    except BaseException as e:  # an interrupt: nobody may wait on the rest for ever
-        lane.close()
-        for f in waiting.values():
-            f._finish(None, e)
-        raise
+        errors = broken_errors(futs[0]._proc, [(futs[i]._what, _dest(futs[i], 0)) for i in left], why)
+        for i, err in zip(left, errors, strict=True):
+            outcomes[i] = (None, err)
+        return
     if out:
         lane.close()  # part of a request may be on the wire: nothing may follow it
 
@@ -521,7 +551,7 @@ class _Sweeper:
             batch = st.deferred
             if batch is None:
                 continue
-            if now - batch.touched >= SWEEP_S:
+            if now - batch.touched >= SWEEP_S or now - batch.born >= BATCH_AGE_S:
                 batch.demote()
             else:
                 held = True
@@ -533,9 +563,14 @@ class _Sweeper:
             return
         with self._lock:
             self.armed = False
-        # A future held between the scan and the disarm armed nothing: look once more.
-        if any(st.deferred is not None for st in states):
-            self.add(states[0])
+        # A future held between the scan and the disarm armed nothing: look once more,
+        # at every thread (one may have held its first future meanwhile).
+        with self._lock:
+            states = list(self._states)
+        for st in states:
+            if st.deferred is not None:
+                self.add(st)
+                break
 
 
 _sweeper = _Sweeper()

@@ -25,6 +25,7 @@ from palatine.channel.spin import recv_spinning, spin_seconds
 from palatine.channel.token import resolve_token
 from palatine.errors import CallTimeout, DeliveryError
 from palatine.ids import ActorId, PortId, ProcId
+from palatine.mailbox import Undeliverable
 from palatine.proc import Proc, peer_gone_error
 from palatine.wire.codec import decode_payload
 from palatine.wire.envelope import Envelope
@@ -90,6 +91,9 @@ def _reply_value(reply: Envelope) -> Any:
         value = decode_payload(reply)
     except Exception as e:  # noqa: BLE001 - as the loop path says it
         return Failed(DeliveryError(f"mailbox error: cannot decode reply for {reply.dest}: {e}"))
+    if type(value) is Undeliverable:  # the request came back (`Proc.return_envelope`)
+        returned = value.envelope
+        return Failed(DeliveryError("; ".join(returned.errors or ()) or "returned", returned))
     to_exc = getattr(type(value), "to_error", None)
     if to_exc is not None:
         return Failed(to_exc(value))
@@ -100,7 +104,7 @@ class LaneConn:
     """One thread's connection to one proc's unix address; replies come back on it,
     addressed to the lane's own actor (``<client proc>.lane[n]``)."""
 
-    __slots__ = ("addr", "actor", "sock", "parser", "seq", "ports", "broken", "spin_s", "_rcvtimeo", "_ended")
+    __slots__ = ("addr", "actor", "sock", "parser", "seq", "ports", "broken", "spin_s", "_rcvtimeo", "ended")
 
     def __init__(self, addr: ChannelAddr, actor: ActorId, sock: socket.socket, parser: FrameParser) -> None:
         self.addr = addr
@@ -112,7 +116,7 @@ class LaneConn:
         self.broken = False
         self.spin_s = spin_seconds()
         self._rcvtimeo = -1.0
-        self._ended: str | None = None  # why it broke, once replies read before that are out
+        self.ended: str | None = None  # why it broke, once replies read before that are out
 
     @classmethod
     def open(cls, addr: ChannelAddr, client: ProcId) -> LaneConn:
@@ -178,6 +182,9 @@ class LaneConn:
         except OSError:
             self.close()
             raise NotSent from None
+        except BaseException:  # an interrupt mid-write: a frame may be cut short
+            self.close()
+            raise
         self.seq = seq
         return ports
 
@@ -248,12 +255,12 @@ class LaneConn:
 
     def _end(self, why: str) -> None:
         self.close()
-        self._ended = why
+        self.ended = why
 
     def _recv(self, deadline: float | None) -> list[Any]:
         """The frames one read brings ([] on a timeout); raises `Broken` when it ends."""
-        if self._ended is not None:
-            raise Broken(self._ended)
+        if self.ended is not None:
+            raise Broken(self.ended)
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import logging
 import math
 import weakref
 from collections.abc import Callable
@@ -52,6 +53,8 @@ __all__ = [
 
 FIRST_EPHEMERAL_PORT = 1024
 
+log = logging.getLogger(__name__)
+
 
 # Deadlines this long (the call default is an hour) share one sweep per loop instead of
 # a loop timer each: a timer costs about 2 µs to arm and cancel, most of a call's budget.
@@ -77,28 +80,42 @@ class _Sweep:
     """Fires long deadlines, checked every `SWEEP_EVERY_S` while any is set (so each
     fires at most that late: under 1 % of its length)."""
 
-    __slots__ = ("loop", "due", "handle")
+    __slots__ = ("_loop", "due", "handle")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        self._loop = weakref.ref(loop)  # (the loop keys `_sweeps`: do not keep it alive)
         self.due: set[_Swept] = set()
         self.handle: asyncio.TimerHandle | None = None
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop()
+        if loop is None:
+            raise RuntimeError("the loop of this deadline sweep is gone")
+        return loop
+
     def add(self, delay_s: float, fire: Callable[[], None]) -> _Swept:
-        swept = _Swept(self, self.loop.time() + delay_s, fire)
+        loop = self.loop
+        swept = _Swept(self, loop.time() + delay_s, fire)
         self.due.add(swept)
         if self.handle is None:
-            self.handle = self.loop.call_later(SWEEP_EVERY_S, self._run)
+            self.handle = loop.call_later(SWEEP_EVERY_S, self._run)
         return swept
 
     def _run(self) -> None:
         self.handle = None
-        now = self.loop.time()
-        for swept in [s for s in self.due if s.when <= now]:
-            self.due.discard(swept)
-            swept.fire()
-        if self.due:
-            self.handle = self.loop.call_later(SWEEP_EVERY_S, self._run)
+        loop = self.loop
+        try:
+            now = loop.time()
+            for swept in [s for s in self.due if s.when <= now]:
+                self.due.discard(swept)
+                try:
+                    swept.fire()
+                except Exception:  # one failing expiry must not hold up the others
+                    log.exception("a request's deadline handler failed")
+        finally:
+            if self.due:
+                self.handle = loop.call_later(SWEEP_EVERY_S, self._run)
 
 
 _sweeps: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Sweep] = weakref.WeakKeyDictionary()

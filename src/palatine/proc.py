@@ -241,12 +241,18 @@ class Proc:
             log.warning("%s: dropping an undeliverable that could not be returned: %s", self.proc_id, error)
             return
         sender = env.sender
-        if sender.proc == self.proc_id:
+        reply_to = env.reply_to
+        if reply_to is not None and self._lanes and reply_to.actor in self._lanes:
+            # A request that came on a lane: its caller reads that lane, not its mailbox.
+            dest = reply_to
+        elif sender.proc == self.proc_id:
             self._returned_here(env)
             return
+        else:
+            dest = PortId(sender, UNDELIVERABLE_TID)
         wrapper = Envelope(
             self.return_sender,
-            PortId(sender, UNDELIVERABLE_TID),
+            dest,
             UNDELIVERABLE_TID,
             ENC_MSGPACK,
             encode_message(Undeliverable(env)),

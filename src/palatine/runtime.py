@@ -170,6 +170,27 @@ def call_into(
     transform: Callable[[Any], T] | None = None,
 ) -> None:
     """`call`, completing the given future ``out`` instead of a new one."""
+    post(_runner(out, fn, transform))
+
+
+def call_all_into(calls: list[tuple[Future[Any], Callable[[], Any], Callable[[Any], Any] | None]]) -> None:
+    """`call_into` for each ``(out, fn, transform)``, in order, as one post: no other
+    post from any thread lands between them."""
+    runners = [_runner(out, fn, transform) for out, fn, transform in calls]
+
+    def run_all() -> None:
+        for run in runners:
+            run()
+
+    post(run_all)
+
+
+def _runner(
+    out: Future[T],
+    fn: Callable[[], Any],
+    transform: Callable[[Any], T] | None,
+) -> Callable[[], None]:
+    """What `call_into` runs on the loop thread."""
 
     def run() -> None:
         try:
@@ -186,7 +207,7 @@ def call_into(
         else:
             out.chain(inner, transform)
 
-    post(run)
+    return run
 
 
 def _copy(src: Future[Any], dst: Future[Any], transform: Callable[[Any], Any] | None = None) -> None:

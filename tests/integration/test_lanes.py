@@ -404,3 +404,64 @@ def test_a_batch_larger_than_the_socket_buffer_waits_for_the_peer_to_read() -> N
     )
     assert out["BIG_BATCH"] == "4096 True 0.5"
     assert out["AFTER"] == "3 1"  # one lane: the sizer shares the proc with the accumulator
+
+
+def test_a_request_that_bounces_fails_at_once_on_its_lane() -> None:
+    out = run(
+        """
+        from palatine.ids import ActorId
+        from palatine.mesh import ActorRef
+        from palatine.errors import DeliveryError
+        one.add.call_one(0).get()
+        ghost = ActorRef(ActorId(mesh.gang.actor(0).proc, "nosuch", 0), Acc)
+        t = time.monotonic()
+        try:
+            ghost.add.call_one(1).get()
+        except DeliveryError as e:
+            print("BOUNCED", round(time.monotonic() - t, 1), "no actor mesh0[0].nosuch[0]" in str(e), lanes_of_this_thread())
+        print("STILL", one.add.call_one(1).get())
+        """
+    )
+    assert out["BOUNCED"] == "0.0 True 1"
+    assert out["STILL"] == "1"
+
+
+def test_a_batch_sent_by_another_thread_stays_ahead_of_the_owners_next_call() -> None:
+    out = run(
+        """
+        one.mark.call_one().get()
+        one.mark.call_one().get()
+        fs = [one.mark.call_one() for _ in range(3000)]
+        batch = fs[0]._batch
+        t2 = threading.Thread(target=fs[0].done)  # another thread: the batch goes through the loop
+        t2.start()
+        while batch.claim == 0:
+            pass
+        g = one.mark.call_one()  # made while the other thread may still be posting the batch
+        t2.join()
+        vals = [f.get(timeout=60) for f in fs]
+        print("AHEAD", vals == list(range(3, 3003)), g.get(timeout=60))
+        """
+    )
+    assert out["AHEAD"] == "True 3003"
+
+
+def test_an_interrupt_while_a_lane_opens_leaves_no_call_waiting() -> None:
+    out = run(
+        """
+        one.mark.call_one().get()
+        real_open = lane.LaneConn.open
+        def interrupted(*a, **k):
+            raise KeyboardInterrupt
+        lane.LaneConn.open = interrupted
+        fs = [one.mark.call_one() for _ in range(3)]
+        try:
+            fs[0].get()
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+        lane.LaneConn.open = real_open
+        print("ALL", [f.get(timeout=10) for f in fs])
+        """
+    )
+    assert "INTERRUPTED" in out
+    assert out["ALL"] == "[2, 3, 4]"

@@ -55,7 +55,7 @@ class LoopSpin:
     __slots__ = ("_loop", "_spin_s", "_until", "_armed", "__weakref__")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, spin_s: float) -> None:
-        self._loop = loop
+        self._loop = weakref.ref(loop)  # (the loop keys `_spins`: do not keep it alive)
         self._spin_s = spin_s
         self._until = 0.0
         self._armed = False
@@ -70,15 +70,18 @@ class LoopSpin:
             return
         self._until = _now() + self._spin_s
         if not self._armed:
-            self._armed = True
-            self._loop.call_soon(self._turn)
+            loop = self._loop()
+            if loop is not None:
+                self._armed = True
+                loop.call_soon(self._turn)
 
     def _turn(self) -> None:
-        if _now() >= self._until or self._loop.is_closed():
+        loop = self._loop()
+        if loop is None or _now() >= self._until or loop.is_closed():
             self._armed = False
             return
         _yield()
-        self._loop.call_soon(self._turn)
+        loop.call_soon(self._turn)
 
 
 _spins: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopSpin] = weakref.WeakKeyDictionary()
