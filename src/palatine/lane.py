@@ -58,7 +58,7 @@ from palatine.channel.addr import ChannelAddr
 from palatine.channel.spin import poll_spinning, spin_seconds
 from palatine.future import _FINISHED, Future, _state_lock, on_loop_thread
 from palatine.ids import ActorId, PortId, ProcId
-from palatine.lane_conn import Broken, Failed, LaneConn, NotSent, broken_errors, timeout_error
+from palatine.lane_conn import Broken, Failed, LaneConn, NotSent, WriteTimeout, broken_errors, timeout_error
 from palatine.wire.envelope import Envelope
 
 if TYPE_CHECKING:
@@ -369,8 +369,11 @@ def _dest(fut: LaneFuture, leg: int) -> ActorId:
 
 def _call(lane: LaneConn, fut: LaneFuture) -> Any:
     """Send ``fut``'s one request and read until its reply; the reply's value."""
-    (reply_to,) = lane.send(1, lambda _i, rt: fut._envelope(-1, rt))
     deadline = time.monotonic() + fut._timeout_s
+    try:
+        reply_to = lane.send(lambda rt: fut._envelope(-1, rt), deadline)
+    except WriteTimeout:
+        raise timeout_error(fut._what, _dest(fut, 0), fut._timeout_s) from None
     while True:
         if deadline - time.monotonic() <= 0:
             raise timeout_error(fut._what, _dest(fut, 0), fut._timeout_s)
@@ -472,16 +475,19 @@ def _gather(fut: LaneFuture, lanes: list[LaneConn]) -> dict[int, Any]:
     results: dict[int, Any] = {}
     errors: dict[int, BaseException] = {}
     waiting: dict[int, tuple[int, LaneConn, PortId, int]] = {}  # fd -> (rank, lane, port, leg)
+    deadline = time.monotonic() + fut._timeout_s
     for i, ((rank, dest, _addr), lane) in enumerate(zip(fut._legs, lanes, strict=True)):
         try:
-            (reply_to,) = lane.send(1, lambda _i, rt, r=rank: fut._envelope(r, rt))
+            reply_to = lane.send(lambda rt, r=rank: fut._envelope(r, rt), deadline)
         except NotSent:
             if i == 0:
                 raise  # nothing left yet: the loop path sends it all
             errors[rank] = broken_errors(fut._proc, [(fut._what, dest)], "the request could not be written")[0]
             continue
+        except WriteTimeout:
+            errors[rank] = timeout_error(fut._what, _dest(fut, 0), fut._timeout_s)
+            continue
         waiting[lane.sock.fileno()] = (rank, lane, reply_to, i)
-    deadline = time.monotonic() + fut._timeout_s
     spin_s = spin_seconds()
     poller = select.poll()
     for fd in waiting:

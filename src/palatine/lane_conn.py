@@ -11,6 +11,7 @@ call reports (the peer's `PeerGoneError` once the system has ruled).
 from __future__ import annotations
 
 import itertools
+import select
 import socket
 import struct
 import threading
@@ -31,7 +32,7 @@ from palatine.wire.codec import decode_payload
 from palatine.wire.envelope import Envelope
 from palatine.wire.frames import Ack, FrameError, FrameParser, Message, Reject, encode_message
 
-__all__ = ["LaneConn", "Failed", "Broken", "NotSent", "timeout_error", "broken_errors", "GONE_WAIT_S"]
+__all__ = ["LaneConn", "Failed", "Broken", "NotSent", "WriteTimeout", "timeout_error", "broken_errors", "GONE_WAIT_S"]
 
 GONE_WAIT_S: Final = 2.0  # after a broken lane: how long to wait for the peer's verdict
 _RECV_BYTES: Final = 262144
@@ -58,6 +59,10 @@ class Broken(Exception):
 
 class NotSent(Exception):
     """The request never left (connect or write failed): the loop path may still send it."""
+
+
+class WriteTimeout(Exception):
+    """The peer read nothing more of a request before its call's deadline."""
 
 
 def timeout_error(what: str, dest: ActorId, timeout_s: float) -> CallTimeout:
@@ -154,39 +159,66 @@ class LaneConn:
 
     # -- writing -------------------------------------------------------------------------
 
-    def send(self, count: int, make_env: Callable[[int, PortId], Envelope]) -> list[PortId]:
-        """Write requests ``make_env(i, reply_to)`` for i in ``range(count)``, in order, in
-        one write; their reply ports. Raises `NotSent` when nothing may be counted as sent
-        (a request over the frame limit, or a failed write: the lane is closed then)."""
-        limit = config.get().max_frame_bytes
-        parts: list[Any] = []
-        ports: list[PortId] = []
-        vectored = False
-        seq = self.seq
-        for i in range(count):
-            reply_to = PortId(self.actor, next(self.ports))
-            head, bufs, size = encode_message(seq, False, make_env(i, reply_to))
-            if size > limit:
-                raise NotSent  # the loop path reports the size error as usual
-            seq += 1
-            ports.append(reply_to)
-            parts.append(head)
-            if bufs:
-                parts.extend(bufs)
-                vectored = True
+    def send(self, make_env: Callable[[PortId], Envelope], deadline: float) -> PortId:
+        """Write one request ``make_env(reply_to)``; its reply port. Raises `NotSent` when
+        it may not be counted as sent (over the frame limit, or a failed write: the lane
+        is closed then), and `WriteTimeout` when the peer reads nothing more before
+        ``deadline`` (a request cut short closes the lane)."""
+        reply_to = PortId(self.actor, next(self.ports))
+        head, bufs, size = encode_message(self.seq, False, make_env(reply_to))
+        if size > config.get().max_frame_bytes:
+            raise NotSent  # the loop path reports the size error as usual
+        sock = self.sock
         try:
-            if vectored:
-                self._send_all(parts)
+            if not bufs:
+                try:
+                    n = sock.send(head, socket.MSG_DONTWAIT)  # the usual case: all at once
+                except BlockingIOError:
+                    n = 0
+                if n < len(head):
+                    self._write_rest([memoryview(head)[n:]], n > 0, deadline)
             else:
-                self.sock.sendall(parts[0] if len(parts) == 1 else b"".join(parts))
+                self._write_rest([memoryview(head), *(memoryview(b).cast("B") for b in bufs)], False, deadline)
+        except (NotSent, WriteTimeout):
+            raise
         except OSError:
             self.close()
             raise NotSent from None
         except BaseException:  # an interrupt mid-write: a frame may be cut short
             self.close()
             raise
-        self.seq = seq
-        return ports
+        self.seq += 1
+        return reply_to
+
+    def _write_rest(self, views: list[memoryview], started: bool, deadline: float) -> None:
+        """Write ``views`` without blocking past ``deadline`` (``started``: part of the
+        frame is out already)."""
+        sock = self.sock
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLOUT)
+        while views:
+            try:
+                n = sock.sendmsg(views[:512], [], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                n = 0
+            except OSError:
+                self.close()
+                raise NotSent from None
+            started = started or n > 0
+            while n:
+                first = views[0]
+                if n >= len(first):
+                    n -= len(first)
+                    views.pop(0)
+                else:
+                    views[0] = first[n:]
+                    n = 0
+            if views:
+                left = deadline - time.monotonic()
+                if left <= 0 or not poller.poll(max(1, int(left * 1000))):
+                    if started:
+                        self.close()  # nothing may follow a cut frame
+                    raise WriteTimeout
 
     def encode(self, count: int, make_env: Callable[[int, PortId], Envelope]) -> tuple[bytes, list[PortId]]:
         """Requests ``make_env(i, reply_to)`` for a batch as one buffer (buffers copied
@@ -207,19 +239,6 @@ class LaneConn:
             parts.extend(bufs)
         self.seq = seq
         return b"".join(parts), ports
-
-    def _send_all(self, parts: list[Any]) -> None:
-        views = [memoryview(p).cast("B") for p in parts]
-        while views:
-            n = self.sock.sendmsg(views[:512])
-            while n:
-                first = views[0]
-                if n >= len(first):
-                    n -= len(first)
-                    views.pop(0)
-                else:
-                    views[0] = first[n:]
-                    n = 0
 
     # -- reading -------------------------------------------------------------------------
 

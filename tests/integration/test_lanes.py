@@ -465,3 +465,28 @@ def test_an_interrupt_while_a_lane_opens_leaves_no_call_waiting() -> None:
     )
     assert "INTERRUPTED" in out
     assert out["ALL"] == "[2, 3, 4]"
+
+
+def test_a_lane_call_to_a_proc_that_stopped_reading_times_out() -> None:
+    out = run(
+        """
+        class Sizer(Acc):
+            @endpoint(timeout=0.5)
+            def size(self, b):
+                return len(b)
+
+        sizer = procs.spawn("sizer", Sizer).slice(procs=0)
+        pid = sizer.pid.call_one().get()
+        sizer.size.call_one(b"").get()
+        os.kill(pid, signal.SIGSTOP)  # reads nothing: 4 MB cannot all be written
+        t = time.monotonic()
+        try:
+            sizer.size.call_one(b"x" * 4_000_000).get()
+        except CallTimeout as e:
+            print("TIMED_OUT", round(time.monotonic() - t, 1), "no reply within 0.5 s" in str(e))
+        os.kill(pid, signal.SIGCONT)
+        print("AFTER", sizer.size.call_one(b"abc").get(timeout=3600))
+        """
+    )
+    assert out["TIMED_OUT"] == "0.5 True"
+    assert out["AFTER"] == "3"
