@@ -1,8 +1,8 @@
 """A lane's connection: one thread's blocking unix connection to one proc (`palatine.lane`).
 
-`LaneConn` writes requests and reads replies with plain blocking socket calls; waits are
-bounded by ``SO_RCVTIMEO`` or ``poll``, and start with the idle spin
-(`palatine.channel.spin`). It knows nothing of futures: callers hand it envelopes and get
+`LaneConn` reads replies with plain blocking socket calls, bounded by ``SO_RCVTIMEO`` or
+``poll`` and started with the idle spin (`palatine.channel.spin`); it writes requests
+without ever blocking past the call's deadline (`WriteTimeout`). It knows nothing of futures: callers hand it envelopes and get
 back replies by reply port, each a value or a `Failed` (an error reply). A broken
 connection raises `Broken` with what happened; `broken_errors` turns that into what a
 call reports (the peer's `PeerGoneError` once the system has ruled).
