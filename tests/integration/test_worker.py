@@ -1038,7 +1038,9 @@ class Gang:
         )
         s = self.seq()
         self.send(fetch_call(s, open_store), ranks=[0])
-        store_addr = self.fetched(s, 0)
+        # Rank 0 imports torch for this: in a fresh venv with a cold page cache that alone
+        # has taken over 10 s (see the status wait below).
+        store_addr = self.fetched(s, 0, timeout=80.0)
         assert isinstance(store_addr, str) and store_addr.startswith("127.0.0.1:")
         s = self.seq()
         self.send(BackendNetworkInit(seq=s, result=self.CTX, store_addr=store_addr, stream=0))
@@ -1170,7 +1172,7 @@ def _rank_offset_arange(m: Any) -> Any:
     return torch.arange(4.0) + 10 * m.rank("proc")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)  # the first one also starts the gang (cold torch imports)
 def test_reduce_ops_across_four_gloo_workers(gang: Gang) -> None:
     x = gang.make(_rank_tensor, Ref(Gang.MESH_1D))
     expected = {"sum": [6.0], "avg": [1.5], "max": [3.0], "min": [0.0], "product": [0.0]}
@@ -1192,7 +1194,7 @@ def test_reduce_ops_across_four_gloo_workers(gang: Gang) -> None:
     assert gang.rec.of(RemoteFunctionFailed) == []
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)  # the first one also starts the gang (cold torch imports)
 def test_reduce_over_each_dim_of_a_2x2_mesh(gang: Gang) -> None:
     x = gang.make(_rank_tensor, Ref(Gang.MESH_1D))  # rank r holds [r]
     ref, _ = gang.reduce(x, ["proc"], mesh=Gang.MESH_2X2)
@@ -1203,7 +1205,7 @@ def test_reduce_over_each_dim_of_a_2x2_mesh(gang: Gang) -> None:
     assert [t.item() for t in gang.fetch_all(ref)] == [6.0] * 4
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)  # the first one also starts the gang (cold torch imports)
 def test_reduce_in_place_and_into_out(gang: Gang) -> None:
     x = gang.make(_rank_tensor, Ref(Gang.MESH_1D))
     ref, _ = gang.reduce(x, ["proc"], in_place=True)
@@ -1243,7 +1245,7 @@ def _fail_on_rank_1(m: Any) -> Any:
     return torch.ones(1)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)  # the first one also starts the gang (cold torch imports)
 def test_reduce_whose_input_failed_on_one_rank_completes_everywhere(gang: Gang) -> None:
     before = len(gang.rec.of(RemoteFunctionFailed))
     x_seq = gang.seq()
@@ -1281,7 +1283,7 @@ def _shape_by_rank(m: Any) -> Any:
     return torch.ones(1 + m.rank("proc") % 2)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)  # the first one also starts the gang (cold torch imports)
 def test_inconsistent_reduce_inputs_are_a_user_error_on_every_rank(gang: Gang) -> None:
     before = len(gang.rec.of(RemoteFunctionFailed))
     x = gang.make(_shape_by_rank, Ref(Gang.MESH_1D))
@@ -1303,7 +1305,7 @@ def _all_reduce_rank(pg: Any, m: Any) -> float:
     return float(t.item())
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)  # the first one also starts the gang (cold torch imports)
 def test_process_groups_in_remote_functions(gang: Gang) -> None:
     before = len(gang.rec.of(RemoteFunctionFailed))
     pg1, pg2, sub = gang.ref(), gang.ref(), gang.ref()
