@@ -63,8 +63,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     cast_fanout: int = 8
     # a plain thread's blocking call_one may use its own connection (palatine.lane)
     lanes: bool = True
-    # a loop that just received, and a thread awaiting a reply, poll this long before
-    # sleeping (palatine.channel.spin); 0: off
+    # a loop that just read a lane request, and a thread awaiting a lane reply, poll this
+    # long before sleeping (palatine.channel.spin); 0: off
     idle_spin_us: int = 100
     log_dir: str | None = None
 

@@ -229,6 +229,12 @@ class _Batch:
             st.deferred = None
         return True
 
+    def back_to_loop(self) -> None:
+        """The lane could not take the batch it claimed (nothing was sent): the loop does."""
+        with _state_lock:
+            self.claim = _UNSENT
+        self.demote()
+
     def demote(self) -> None:
         """Send every member the ordinary way (through the loop), in order, as one post,
         if nobody has sent them yet. The owner's own next post waits until they are
@@ -307,15 +313,13 @@ class LaneFuture(Future[Any]):
         try:
             lanes = [batch.st.lane_to(addr, client) for _, _, addr in self._legs]
         except BaseException as e:  # no lane (LinkLost, OSError, an interrupt): nothing left,
-            batch.claim = _UNSENT  # so send it the ordinary way
-            batch.demote()
+            batch.back_to_loop()  # so send it the ordinary way
             if not isinstance(e, Exception):
                 raise
             return False
         try:
             if len(batch.futs) > 1:
                 _run_batch(lanes[0], batch.futs)
-                batch.futs = []
                 return True
             if self._legs[0][0] < 0:
                 value = _call(lanes[0], self)
@@ -325,14 +329,13 @@ class LaneFuture(Future[Any]):
                 if transform is not None:
                     value = transform(value)
         except NotSent:
-            batch.claim = _UNSENT
-            batch.demote()
+            batch.back_to_loop()
             return False
         except BaseException as e:  # noqa: BLE001 - the call's outcome
-            batch.futs = []
             self._finish(None, e)
             return True
-        batch.futs = []
+        finally:
+            batch.futs = []  # done with: members and batch no longer hold each other
         self._finish(value, None)
         return True
 
