@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -52,3 +53,15 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 @pytest.fixture(autouse=True)
 def _quiet_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="palatine")
+
+
+@pytest.fixture
+def module_token(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The test module's ``TOKEN`` as the cluster token, with the token cache reset."""
+    from palatine.channel import token as token_mod
+
+    token: str = request.module.TOKEN
+    monkeypatch.setenv("PALATINE_CLUSTER_TOKEN", token)
+    token_mod.reset_token_cache()
+    yield token
+    token_mod.reset_token_cache()

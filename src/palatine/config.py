@@ -61,7 +61,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # hosts fork `python -m palatine worker` procs from a pre-imported server (palatine.forkserver)
     fork_server: bool = True
     cast_fanout: int = 8
-    # a plain thread's blocking call_one may use its own connection (palatine.lane)
+    # a plain thread's blocking call_one may use its own connection (palatine.lane), and
+    # workers and clients talk to a local controller on direct sessions (channel.direct_tx)
     lanes: bool = True
     # a loop that just read a lane request, and a thread awaiting a lane reply, poll this
     # long before sleeping (palatine.channel.spin); 0: off

@@ -14,16 +14,14 @@ import itertools
 import select
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Final
 
 from palatine import config, runtime
 from palatine.channel.addr import ChannelAddr
-from palatine.channel.blocking import BlockingConn, Waiter
+from palatine.channel.blocking import BlockingConn
 from palatine.channel.spin import recv_spinning, spin_seconds
-from palatine.channel.token import resolve_token
 from palatine.errors import CallTimeout, DeliveryError
 from palatine.ids import ActorId, PortId, ProcId
 from palatine.mailbox import Undeliverable
@@ -125,27 +123,8 @@ class LaneConn:
 
     @classmethod
     def open(cls, addr: ChannelAddr, client: ProcId) -> LaneConn:
-        cfg = config.get()
         actor = ActorId(client, "lane", next(_lane_ids))
-        stop = threading.Event()
-        wake_r, wake_w = socket.socketpair()
-        waiter = Waiter(stop, wake_r)
-        try:
-            conn = BlockingConn.connect(
-                addr,
-                waiter,
-                token=resolve_token(),
-                ssl_context=None,
-                max_frame_bytes=cfg.max_frame_bytes,
-                connect_timeout_s=cfg.connect_timeout_s,
-                auth_timeout_s=cfg.auth_timeout_s,
-                limit=time.monotonic() + cfg.connect_timeout_s + cfg.auth_timeout_s,
-                lane=actor,
-            )
-        finally:
-            waiter.close()
-            wake_r.close()
-            wake_w.close()
+        conn = BlockingConn.connect_configured(addr, lane=actor)
         sock = conn.sock
         sock.setblocking(True)  # waits are bounded by SO_RCVTIMEO (`read`) or poll
         return cls(addr, actor, sock, conn.parser)

@@ -535,13 +535,17 @@ class Mailbox:
 
     def tell(self, dest: ActorId | PortId, msg: Any) -> None:
         """One-way typed message to an actor's handler port, or to an explicit port."""
+        self.proc.post(self.envelope(dest, msg))
+
+    def envelope(self, dest: ActorId | PortId, msg: Any) -> Envelope:
+        """The envelope `tell` sends (any thread)."""
         tid = type(msg).__palatine_type_id__
         port = dest if isinstance(dest, PortId) else PortId(dest, tid)
         data, buffers = encode_message_oob(msg)  # pickled values' buffers stay out of band
         env = Envelope(self.actor_id, port, tid, ENC_MSGPACK, data)
         if buffers:
             env.buffers = buffers
-        self.proc.post(env)
+        return env
 
     def gather(
         self,

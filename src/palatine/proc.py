@@ -186,6 +186,16 @@ class Proc:
     def _tx_returned(self, env: Envelope, reason: str) -> None:
         self.return_envelope(env, f"broken link: {reason}")
 
+    async def address_of(self, dest: ActorId) -> ChannelAddr | None:
+        """Where ``dest`` is reached: the routing table's binding, else the resolver's
+        answer for its proc (bound for later); None when neither knows it."""
+        addr = self.router.lookup(dest)
+        proc = dest.proc
+        if addr is None and self.resolver is not None and proc not in self.gone:
+            addr = await self.resolver(proc)
+            self.router.bind(proc, addr, dynamic=True)
+        return addr
+
     def _route_miss(self, env: Envelope) -> None:
         proc = env.dest.actor.proc
         gone = self.gone.get(proc)

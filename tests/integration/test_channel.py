@@ -18,7 +18,7 @@ import struct
 import sys
 import time
 import tracemalloc
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +60,8 @@ NET = ["tcp", "unix"]
 
 
 @pytest.fixture(autouse=True)
-def cluster_token(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("PALATINE_CLUSTER_TOKEN", TOKEN)
-    token_mod.reset_token_cache()
-    yield
-    token_mod.reset_token_cache()
+def _token(module_token: str) -> None:
+    """Every test here runs with this module's cluster token."""
 
 
 def mk(i: int, *, buffers: list[Any] | None = None, data: bytes | None = None) -> Envelope:

@@ -92,6 +92,44 @@ def test_remote_calls_and_fetches_on_four_workers(mesh: DeviceMesh) -> None:
         assert inspect({"a": [r, 5]}, shard=3) == {"a": [3, 5]}
 
 
+def touch(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("ran")
+
+
+def test_calls_nobody_fetches_still_run_and_fetches_go_out_at_once(mesh: DeviceMesh, tmp_path: object) -> None:
+    session = mesh.session
+    assert session.direct is not None  # a local mesh: calls leave on the direct session
+    with mesh.activate():
+        r = mesh.rank("proc")
+        remote(lambda rank, d: touch(f"{d}/{rank}"))(r, str(tmp_path))
+        # No fetch, no wait: the sweep sends the call within milliseconds.
+        deadline = time.monotonic() + 10
+        while len(os.listdir(str(tmp_path))) < 4:
+            assert time.monotonic() < deadline, "a call nobody fetched never ran"
+            time.sleep(0.005)
+        t0 = time.monotonic()
+        assert fetch(remote(plus_one)(r), shard=3).result(timeout=30) == 4
+        assert time.monotonic() - t0 < 5
+
+
+def test_without_lanes_the_loop_sends_for_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    from palatine import config
+
+    monkeypatch.setenv("PALATINE_LANES", "0")
+    with config.override(lanes=False):
+        m = local_mesh(hosts=1, procs_per_host=2, startup_timeout_in_sec=60)
+        try:
+            assert m.session.direct is None
+            with m.activate():
+                r = m.rank("proc")
+                y = remote(plus_one)(r)
+                remote(plus_one)(y)
+                assert [inspect(y, shard=i) for i in range(2)] == [1, 2]
+        finally:
+            m.shutdown()
+
+
 def test_user_error_on_one_rank_has_both_tracebacks_and_independents_survive(mesh: DeviceMesh) -> None:
     with mesh.activate():
         r = mesh.rank("proc")

@@ -155,6 +155,34 @@ class BlockingConn:
             raise
         return conn
 
+    @classmethod
+    def connect_configured(cls, addr: ChannelAddr, lane: ActorId | None = None) -> BlockingConn:
+        """`connect` with the cluster token and the configured frame limit and timeouts,
+        from a thread nobody needs to interrupt (a lane's, or to open a direct session)."""
+        from palatine import config
+        from palatine.channel.token import resolve_token
+
+        cfg = config.get()
+        stop = threading.Event()
+        wake_r, wake_w = socket.socketpair()
+        waiter = Waiter(stop, wake_r)
+        try:
+            return cls.connect(
+                addr,
+                waiter,
+                token=resolve_token(),
+                ssl_context=None,
+                max_frame_bytes=cfg.max_frame_bytes,
+                connect_timeout_s=cfg.connect_timeout_s,
+                auth_timeout_s=cfg.auth_timeout_s,
+                limit=time.monotonic() + cfg.connect_timeout_s + cfg.auth_timeout_s,
+                lane=lane,
+            )
+        finally:
+            waiter.close()
+            wake_r.close()
+            wake_w.close()
+
     def buffered(self) -> bool:
         """True when TLS has decrypted bytes that a select would not report."""
         return isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0

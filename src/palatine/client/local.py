@@ -18,6 +18,8 @@ import time
 from typing import Any
 
 from palatine import config, runtime
+from palatine.channel.blocking import LinkLost
+from palatine.channel.direct_tx import open_direct
 from palatine.client.mesh import DeviceMesh
 from palatine.client.procs import RoleProcess
 from palatine.client.session import ClientActor, Session
@@ -246,6 +248,7 @@ async def _connect(system_addr: str, worker_world: str | None, timeout: float) -
             system_client=client,
             loop=loop,
         )
+        session.direct = await open_direct(client.proc, reply.controller_actor_id)
         session.start_keepalive()
         session.watch_controller(client.proc, reply.controller_actor_id.proc)
         return session
@@ -309,6 +312,12 @@ def shutdown_session(session: Session, local: LocalCluster | None, timeout: floa
 
         async def stop_worlds() -> None:
             worlds = [session.worker_world, session.controller.proc.world.name]
+            direct = session.direct
+            if direct is not None:  # Detach and all before it are written: let it go
+                try:
+                    await direct.aclose(2.0)
+                except LinkLost as e:
+                    log.warning("shutdown: %s", e.reason)
             try:
                 await client.stop(worlds, 5.0)
                 end = asyncio.get_running_loop().time() + 10

@@ -16,10 +16,11 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from palatine import runtime
 from palatine.actor import Actor, handler
+from palatine.channel.direct_tx import DirectTx
 from palatine.controller.history import Error
 from palatine.controller.messages import (
     Batch,
@@ -113,6 +114,8 @@ def _slice_key(sl: Slice) -> tuple[Any, ...]:
     return (sl.offset, tuple(sl.sizes), tuple(sl.strides))
 
 
+SWEEP_S: Final = 0.002  # calls not followed by a fetch leave on the direct session within this
+DIRECT_BATCH: Final = 256  # ... or once this many are queued
 _PER_RANK_LIMIT = 4096  # world size × commands up to which a flush is grouped per rank
 
 
@@ -226,6 +229,10 @@ class Session:
         self._out_cmds: list[tuple[Slice, Message]] = []
         self._flush_posted = False
         self._out_lock = threading.Lock()  # the outbox above; never held while waiting
+        self.direct: DirectTx | None = None  # the session to the controller's proc, if local
+        self._sweep_armed = False
+        self._deferred = 0  # calls left for the sweep so far (only compared between sweeps)
+        self._deferred_at_sweep = 0
         self._drop_lock = threading.Lock()
         self.collective_ref: int | None = None
         self._keepalive: asyncio.TimerHandle | None = None
@@ -265,19 +272,58 @@ class Session:
             with self._out_lock:
                 self._out_nodes.append(Node(seq=seq, defs=defs, uses=uses, label=label))
                 self._out_cmds += cmds
-                post = self._claim_flush()
+                if self.direct is not None:
+                    # A fetch (somebody will wait) goes out now, with the calls before it;
+                    # plain calls wait for one, for the sweep, or for a full batch.
+                    if future is not None or len(self._out_nodes) >= DIRECT_BATCH:
+                        self._send_direct()
+                        return seq
+                    self._deferred += 1
+                    if self._sweep_armed:
+                        return seq
+                    self._sweep_armed = True
+                    post = False
+                else:
+                    post = self._claim_flush()
             if post:
                 runtime.post(self._flush)
+            elif self.direct is not None:
+                self.loop.call_soon_threadsafe(self.loop.call_later, SWEEP_S, self._sweep)
             return seq
 
     def send_commands(self, commands: list[tuple[Slice, Message]]) -> None:
-        """Commands without a seq of their own (CreateStream, DeleteRefs, Exit)."""
+        """Commands without a seq of their own (CreateStream, DeleteRefs, Exit): sent now."""
         with self.lock:
             with self._out_lock:
                 self._out_cmds += commands
+                if self.direct is not None:
+                    self._send_direct()
+                    return
                 post = self._claim_flush()
             if post:
                 runtime.post(self._flush)
+
+    def _send_direct(self) -> None:
+        """Send the outbox as one `Batch` on the direct session, from this thread
+        (``_out_lock`` held: batches leave in the order they were taken)."""
+        batch = self._take_batch()
+        if batch is not None:
+            assert self.direct is not None
+            self.direct.send([self.mailbox.envelope(self.controller, batch)])
+
+    def _sweep(self) -> None:
+        """Send calls nobody fetched yet (loop thread, every `SWEEP_S` while calls come)."""
+        with self._out_lock:
+            if self.direct is None or self.closed:
+                self._sweep_armed = False
+                return
+            self._send_direct()
+            busy = self._deferred != self._deferred_at_sweep
+            self._deferred_at_sweep = self._deferred
+            if not busy:
+                self._sweep_armed = False
+                return
+        self.loop.call_later(SWEEP_S, self._sweep)
 
     def _claim_flush(self) -> bool:
         """Whether the caller must post the flush (``_out_lock`` held; post after
@@ -298,18 +344,34 @@ class Session:
         """
         with self._out_lock:
             self._flush_posted = False
-            nodes, self._out_nodes = self._out_nodes, []
-            cmds, self._out_cmds = self._out_cmds, []
-            drops = self._take_drops() if not (self.closed or self.failure is not None) else []
+            if self.direct is not None:
+                self._send_direct()
+                return
+            batch = self._take_batch()
+        if batch is not None:
+            self.mailbox.tell(self.controller, batch)
+
+    def _take_batch(self) -> Batch | None:
+        """The queued Nodes, commands and drops as one `Batch` (``_out_lock`` held)."""
+        nodes, self._out_nodes = self._out_nodes, []
+        cmds, self._out_cmds = self._out_cmds, []
+        drops = self._take_drops() if not (self.closed or self.failure is not None) else []
         drop_refs: list[int] = []
         if drops:
             cmds += self._drop_commands(drops)
             drop_refs = [r for r, _, _ in drops]
         if not (nodes or cmds or drop_refs):
+            return None
+        return Batch(nodes=nodes, sends=_group_sends(cmds), drop_refs=drop_refs)
+
+    def tell(self, msg: Any) -> None:
+        """A message for the controller after every Batch sent so far (any thread)."""
+        if self.direct is not None:
+            with self._out_lock:
+                self._send_direct()
+                self.direct.send([self.mailbox.envelope(self.controller, msg)])
             return
-        self.mailbox.tell(
-            self.controller, Batch(nodes=nodes, sends=_group_sends(cmds), drop_refs=drop_refs)
-        )
+        runtime.post(lambda: self.mailbox.tell(self.controller, msg))
 
     # ------------------------------------------------------------ refs lifetime
     def drop_later(self, ref: int, ranks: Slice, borrow: int | None = None) -> None:
@@ -350,6 +412,9 @@ class Session:
             if not self._drops:
                 return
         with self._out_lock:
+            if self.direct is not None:
+                self._send_direct()
+                return
             post = self._claim_flush()
         if post:
             runtime.post(self._flush)
@@ -449,7 +514,7 @@ class Session:
             if self.closed or self.detached:
                 return
             self.flush_drops()
-            self.mailbox.tell(self.controller, KeepAlive())
+            self.tell(KeepAlive())
             self._keepalive = self.loop.call_later(interval, beat)
 
         self._keepalive = self.loop.call_later(interval, beat)
@@ -478,10 +543,13 @@ class Session:
         self.detached = True
         if self._keepalive is not None:
             self._keepalive.cancel()
-        runtime.post(lambda: self.mailbox.tell(self.controller, Detach()))
+        self.tell(Detach())
 
     def wait_drained(self, timeout_s: float) -> int:
         """Wait until no seq is pending (the timeout restarts on each Result)."""
+        if self.direct is not None:
+            with self._out_lock:
+                self._send_direct()
         with self._result_event:
             last = len(self.pending)
             while self.pending and self.failure is None:

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 from palatine.actor import Actor, handler
+from palatine.channel.blocking import LinkLost
+from palatine.channel.direct_tx import DirectTx, open_direct
 from palatine.ids import PortId
 from palatine.mailbox import Mailbox, Port
 from palatine.wire.codec import decode_payload, type_name_of
@@ -69,6 +71,7 @@ from palatine.worker.stream import (
     OutItem,
     Stream,
     WorkerState,
+    current_stream,
 )
 from palatine.worker.values import import_torch
 
@@ -158,6 +161,7 @@ class WorkerActor(Actor):
         self._outbox: collections.deque[OutItem] = collections.deque()
         self._out_lock = threading.Lock()
         self._drain_scheduled = False
+        self._direct: DirectTx | None = None  # the session to the controller's proc, if local
         self._loop: asyncio.AbstractEventLoop | None = None
         self._exiting = False
         self._ignored_logged = False
@@ -206,8 +210,10 @@ class WorkerActor(Actor):
             store_host=store_host,
             controller=p.controller_actor,
             emit=self._emit,
+            flush=self._flush_outbox,
             torch_available=torch_available,
         )
+        self._direct = await open_direct(proc, p.controller_actor)
         self._install_command_ports()
         log.debug("worker rank %d ready on %s (%s)", p.rank, proc.proc_id, device)
 
@@ -236,15 +242,68 @@ class WorkerActor(Actor):
             if s.alive:
                 log.warning("stream %s still running at stop: %s", s.name, _op_text(s))
         self._drain()
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            try:
+                await direct.aclose(_STOP_JOIN_S)
+            except LinkLost as e:
+                log.warning("worker rank %d: %s", self.params.rank, e.reason)
 
     # ---------------------------------------------------------------- outbox
     def _emit(self, item: OutItem) -> None:
-        """Queue an outbox item (any thread); the loop drains in order."""
+        """Queue an outbox item (any thread); the loop drains in order.
+
+        A stream thread only queues: it wakes the loop at its next flush point
+        (`_flush_outbox`: before it runs user code or waits, after each work item), so
+        a fetched value and the `Status` after it cost the loop one wake-up, which
+        comes when the stream is about to let go of the GIL.
+        """
         with self._out_lock:
             self._outbox.append(item)
-            if self._drain_scheduled:
+            if self._drain_scheduled or current_stream() is not None:
                 return
             self._drain_scheduled = True
+        self._wake_drain()
+
+    def _flush_outbox(self) -> None:
+        """Send what stream threads queued (a stream's flush point).
+
+        Messages for the controller's proc go out on the direct session from this
+        thread, without waking the loop; the loop drains anything else, in order.
+        """
+        if not self._outbox or self._drain_scheduled:
+            return
+        with self._out_lock:
+            outbox = self._outbox
+            if not outbox or self._drain_scheduled:
+                return
+            direct = self._direct
+            if direct is not None:
+                envs = []
+                while outbox and self._is_direct(outbox[0]):
+                    envs.append(self._envelope(outbox.popleft()))  # type: ignore[arg-type]
+                if envs:
+                    direct.send(envs)  # under the outbox lock: in outbox order
+                if not outbox:
+                    return
+            self._drain_scheduled = True
+        self._wake_drain()
+
+    def _is_direct(self, item: OutItem) -> bool:
+        return (
+            type(item) is tuple
+            and self._direct is not None
+            and item[0].actor.proc == self.params.controller_actor.proc
+        )
+
+    def _envelope(self, item: tuple[PortId, int, bytes, list[Any]]) -> Envelope:
+        port, tid, data, buffers = item
+        env = Envelope(self.cx.actor_id, port, tid, ENC_MSGPACK, data)
+        if buffers:
+            env.buffers = buffers
+        return env
+
+    def _wake_drain(self) -> None:
         loop = self._loop
         if loop is None:
             return
@@ -258,17 +317,18 @@ class WorkerActor(Actor):
             items = list(self._outbox)
             self._outbox.clear()
             self._drain_scheduled = False
+            direct = self._direct
+            if direct is not None:
+                envs = [self._envelope(i) for i in items if self._is_direct(i)]  # type: ignore[arg-type]
+                if envs:
+                    direct.send(envs)  # under the outbox lock: after what streams sent
+                    items = [i for i in items if not self._is_direct(i)]
         post = self.cx.proc.post
-        me = self.cx.actor_id
         for item in items:
             if isinstance(item, InfrastructureError):
                 self._fail(item)
                 continue
-            port, tid, data, buffers = item
-            env = Envelope(me, port, tid, ENC_MSGPACK, data)
-            if buffers:
-                env.buffers = buffers
-            post(env)
+            post(self._envelope(item))
 
     def _fail(self, exc: InfrastructureError) -> None:
         """Fail the actor with ``exc`` (once); streams are abandoned."""

@@ -5,9 +5,11 @@ A `Stream` owns a FIFO, a thread named ``palatine-stream-<name>`` and a **refs t
 posts work items (bound ``run_*`` methods) and never waits for them. What a stream
 produces for the controller — `RemoteFunctionFailed`, `FetchResult`, the `Status` of a
 completed barrier, replies to test hooks — is encoded on the stream thread and handed
-to the worker's single outbox (`WorkerState.send`), which the actor drains on its loop
-in production order. That is what keeps a root error or a fetched value ahead of any
-`Status` covering its seq: a stream emits them before it reaches a later barrier.
+to the worker's single outbox (`WorkerState.send`), which goes out in production order:
+at the stream's flush points (before user code, before a wait, after each work item) on
+the worker's direct session to the controller's proc, else through the actor's loop.
+That is what keeps a root error or a fetched value ahead of any `Status` covering its
+seq: a stream emits them before it reaches a later barrier.
 
 Error classes (§1.5): an exception raised by user code, by resolving or unpickling, or
 by binding results is a **user error** (reported once, results and mutated refs
@@ -187,6 +189,7 @@ class WorkerState:
         controller: ActorId,
         emit: Callable[[OutItem], None],
         torch_available: bool,
+        flush: Callable[[], None] = lambda: None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -208,6 +211,7 @@ class WorkerState:
         self.borrows: dict[int, Borrow] = {}
         self.functions = _FUNCTIONS
         self._emit = emit
+        self.flush = flush  # a stream thread's flush point: what it queued goes out
 
     # ---------------------------------------------------------------- outbox
     def send(self, msg: Any) -> None:
@@ -323,9 +327,12 @@ class Stream:
             self._q.put(held[0] if len(held) == 1 else (self._run_all, held))
 
     def _run_all(self, items: list[_WorkItem]) -> None:
+        flush = self.worker.flush
         for fn, arg in items:
             if self._abandoned:
                 return
+            if getattr(fn, "__func__", None) not in _QUICK:
+                flush()  # what came before goes out before user code runs
             fn(arg)  # type: ignore[misc]
 
     @property
@@ -350,6 +357,7 @@ class Stream:
         try:
             self._setup_device()
             get = self._q.get
+            flush = self.worker.flush
             while True:
                 try:
                     fn, arg = get(timeout=1.0)
@@ -362,6 +370,7 @@ class Stream:
                 if self._abandoned:
                     continue
                 fn(arg)
+                flush()
         except _Stopped:
             return
         except InfrastructureError as e:
@@ -379,6 +388,7 @@ class Stream:
         finally:
             self.current = None
             _local.stream = None
+            self.worker.flush()
 
     def _setup_device(self) -> None:
         w = self.worker
@@ -396,6 +406,7 @@ class Stream:
 
     def wait_event(self, ev: threading.Event) -> None:
         """Wait for ``ev`` in slices, so an abandoned stream still unwinds."""
+        self.worker.flush()
         while not ev.wait(0.1):
             if self._abandoned:
                 raise _Stopped()
@@ -660,3 +671,6 @@ _COLLECTIVE_LABELS: dict[type[Any], str] = {
     CreateProcessGroup: "process_group",
     Reduce: "reduce",
 }
+
+_QUICK = frozenset({Stream.run_marker, Stream.run_delete, Stream.run_set_ref})
+"""Work that runs no user code and never waits: no flush point before it."""

@@ -1,0 +1,293 @@
+"""`DirectTx`: a session to one local proc that any thread writes, without the loop.
+
+A `NetTx` belongs to its loop: a message from another thread first wakes the loop,
+which then writes it. Where waking an idle CPU costs tens of microseconds (a VM that
+halts idle vCPUs), that hop is the dearest part of a small message, and it sits on
+the path of every result a worker stream sends and every call a client thread makes.
+
+A DirectTx is an ordinary session (10-runtime.md §2.4–2.6) on a connection of its own,
+opened with `BlockingConn`. `send` encodes and writes from the calling thread, without
+blocking, under one lock: messages leave in the order of the `send` calls of all
+threads together. What the socket does not take at once waits in a backlog that the
+loop writes out when the socket is writable; later sends queue behind it, so order
+holds and no thread ever waits for the peer. The loop reads the peer's acks; a message
+is held until acked, and when the connection ends every message not acked goes back to
+its sender (``on_return``), as a NetTx returns what it cannot deliver.
+
+Local (``unix:``) addresses only: such a connection ends only when one of the two
+procs ends, so there is no reconnect and no resend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+from palatine import config
+from palatine.channel.addr import ChannelAddr
+from palatine.channel.blocking import BlockingConn, LinkLost, error_text
+from palatine.ids import ActorId
+from palatine.wire.envelope import Envelope
+from palatine.wire.frames import Ack, FrameError, Reject, encode_message
+
+__all__ = ["DirectTx", "ReturnCallback", "open_direct"]
+
+log = logging.getLogger(__name__)
+
+ReturnCallback = Callable[[Envelope, str], None]
+"""Takes back a message that was not delivered, with the reason (``broken link: …``)."""
+_RECV_BYTES: Final = 65536
+_IOV_MAX: Final = 512  # buffers per sendmsg call
+
+
+class DirectTx:
+    """One session to ``addr`` written by any thread (module doc)."""
+
+    __slots__ = (
+        "addr", "_sock", "_parser", "_loop", "_on_return", "_lock", "_seq", "_backlog",
+        "_unacked", "_max_frame", "_writing", "_flushed", "closed",
+    )
+
+    def __init__(
+        self,
+        conn: BlockingConn,
+        addr: ChannelAddr,
+        loop: asyncio.AbstractEventLoop,
+        on_return: ReturnCallback,
+    ) -> None:
+        self.addr = addr
+        self._sock = conn.sock
+        self._sock.setblocking(False)
+        self._parser = conn.parser
+        self._loop = loop
+        self._on_return = on_return
+        self._lock = threading.Lock()
+        self._seq = conn.next_seq
+        self._backlog: collections.deque[memoryview] = collections.deque()
+        self._unacked: collections.deque[tuple[int, Envelope]] = collections.deque()
+        self._max_frame = config.get().max_frame_bytes
+        self._writing = False  # the loop watches for writability (a backlog is waiting)
+        self._flushed: asyncio.Future[None] | None = None
+        self.closed: str | None = None  # why it ended
+
+    @classmethod
+    def open(
+        cls, addr: ChannelAddr, loop: asyncio.AbstractEventLoop, on_return: ReturnCallback
+    ) -> DirectTx:
+        """Connect and open the session (blocking: call it off the loop thread).
+
+        Raises `LinkLost` when the proc cannot be reached within the configured connect
+        and handshake timeouts. The loop starts reading acks at once.
+        """
+        if addr.transport != "unix":
+            raise LinkLost(f"a direct session needs a unix address, not {addr}", fatal=True)
+        conn = BlockingConn.connect_configured(addr)
+        tx = cls(conn, addr, loop, on_return)
+        loop.call_soon_threadsafe(tx._watch)
+        return tx
+
+    def __repr__(self) -> str:
+        state = f"closed: {self.closed}" if self.closed is not None else f"next seq {self._seq}"
+        return f"DirectTx({self.addr}, {state})"
+
+    # -- any thread ---------------------------------------------------------------------
+
+    def send(self, envs: Sequence[Envelope]) -> None:
+        """Write ``envs`` in this order, after everything sent before (never blocks).
+
+        A message over the frame limit, or sent after the session ended, goes back to
+        its sender through ``on_return`` (on the loop).
+        """
+        returned: list[tuple[Envelope, str]] = []
+        with self._lock:
+            if self.closed is not None:
+                returned = [(env, self.closed) for env in envs]
+            else:
+                parts: list[Any] = []
+                for env in envs:
+                    head, bufs, size = encode_message(self._seq, False, env)
+                    if size > self._max_frame:
+                        returned.append(
+                            (env, f"message of {size} bytes exceeds max frame size {self._max_frame}")
+                        )
+                        continue
+                    self._unacked.append((self._seq, env))
+                    self._seq += 1
+                    parts.append(head)
+                    parts.extend(bufs)
+                if parts:
+                    self._write(parts)
+        if returned:
+            self._loop.call_soon_threadsafe(self._return, returned)
+
+    def _write(self, parts: list[Any]) -> None:
+        """Write now what the socket takes; queue the rest (lock held)."""
+        backlog = self._backlog
+        if backlog:
+            backlog.extend(memoryview(p).cast("B") for p in parts)
+            return
+        try:
+            if len(parts) == 1:
+                n = self._sock.send(parts[0])
+            else:
+                n = self._sock.sendmsg(parts[:_IOV_MAX])
+        except BlockingIOError:
+            n = 0
+        except OSError as exc:
+            self._loop.call_soon_threadsafe(self._end, error_text(exc))
+            return
+        for p in parts:
+            view = memoryview(p).cast("B")
+            if n >= len(view):
+                n -= len(view)
+                continue
+            backlog.append(view[n:] if n else view)
+            n = 0
+        if backlog and not self._writing:
+            self._writing = True
+            self._loop.call_soon_threadsafe(self._watch_writable)
+
+    # -- loop thread --------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        if self.closed is None:
+            self._loop.add_reader(self._sock.fileno(), self._on_readable)
+
+    def _watch_writable(self) -> None:
+        if self.closed is None:
+            self._loop.add_writer(self._sock.fileno(), self._on_writable)
+
+    def _on_writable(self) -> None:
+        with self._lock:
+            backlog = self._backlog
+            try:
+                n = self._sock.sendmsg(list(_first(backlog, _IOV_MAX)))
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                reason: str | None = error_text(exc)
+            else:
+                reason = None
+                while n and backlog:
+                    first = backlog[0]
+                    if n >= len(first):
+                        n -= len(first)
+                        backlog.popleft()
+                    else:
+                        backlog[0] = first[n:]
+                        n = 0
+                if backlog:
+                    return
+                self._writing = False
+            self._loop.remove_writer(self._sock.fileno())
+        if reason is not None:
+            self._end(reason)
+            return
+        if self._flushed is not None and not self._flushed.done():
+            self._flushed.set_result(None)
+
+    def _on_readable(self) -> None:
+        try:
+            data = self._sock.recv(_RECV_BYTES)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._end(error_text(exc))
+            return
+        if not data:
+            self._end(f"connection to {self.addr} closed by the peer")
+            return
+        try:
+            frames = self._parser.feed(data)
+        except FrameError as exc:
+            self._end(f"protocol error: {exc.reason}")
+            return
+        for frame in frames:
+            if type(frame) is Ack:
+                with self._lock:
+                    unacked = self._unacked
+                    while unacked and unacked[0][0] <= frame.seq:
+                        unacked.popleft()
+            elif type(frame) is Reject:
+                self._end(f"the peer rejected the session: {frame.reason}")
+                return
+
+    def _end(self, reason: str) -> None:
+        """The session is over: close, and return every message not acked."""
+        with self._lock:
+            if self.closed is not None:
+                return
+            self.closed = reason
+            returned = [(env, reason) for _, env in self._unacked]
+            self._unacked.clear()
+            self._backlog.clear()
+            self._writing = False
+        fd = self._sock.fileno()
+        if fd >= 0:
+            self._loop.remove_reader(fd)
+            self._loop.remove_writer(fd)
+        self._sock.close()
+        if self._flushed is not None and not self._flushed.done():
+            self._flushed.set_result(None)
+        self._return(returned)
+
+    def _return(self, returned: list[tuple[Envelope, str]]) -> None:
+        for env, reason in returned:
+            self._on_return(env, f"broken link: {reason}")
+
+    async def aclose(self, timeout_s: float) -> None:
+        """Write out the backlog (up to ``timeout_s``), then close (loop thread).
+
+        What was written stays readable by the peer after the close; nothing is
+        returned for it.
+        """
+        if self.closed is not None:
+            return
+        if self._backlog:
+            self._flushed = self._loop.create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._flushed), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        with self._lock:
+            if self.closed is not None:
+                return
+            left = len(self._backlog)
+            self.closed = "closed"
+            self._unacked.clear()
+            self._backlog.clear()
+        fd = self._sock.fileno()
+        self._loop.remove_reader(fd)
+        self._loop.remove_writer(fd)
+        self._sock.close()
+        if left:
+            raise LinkLost(f"closed {self} with {left} buffers unwritten after {timeout_s:g} s")
+
+
+def _first(items: collections.deque[memoryview], n: int) -> Any:
+    for i, item in enumerate(items):
+        if i == n:
+            return
+        yield item
+
+
+async def open_direct(proc: Any, dest: ActorId) -> DirectTx | None:
+    """A direct session from ``proc`` (a `palatine.proc.Proc`, on its loop) to ``dest``'s
+    proc; messages it cannot deliver go back through ``proc.return_envelope``. None (the
+    loop sends instead) when lanes are off (config ``lanes``), ``dest`` is not local, or
+    the session cannot be opened."""
+    if not config.get().lanes:
+        return None
+    try:
+        addr = await proc.address_of(dest)
+        if addr is None or addr.transport != "unix":
+            return None
+        loop = asyncio.get_running_loop()
+        return await asyncio.to_thread(DirectTx.open, addr, loop, proc.return_envelope)
+    except Exception as e:  # noqa: BLE001 - the loop path reports an unreachable peer itself
+        log.info("no direct session to %s (the loop sends instead): %s", dest.proc, e)
+        return None
