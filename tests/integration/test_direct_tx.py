@@ -15,7 +15,9 @@ from palatine.channel.blocking import LinkLost
 from palatine.channel.direct_tx import DirectTx
 from palatine.ids import ActorId
 from palatine.wire.envelope import Envelope
-from palatine.wire.frames import encode_message
+from palatine.channel.addr import ChannelAddr
+from palatine.wire.frames import Init, encode_message
+from test_channel import Raw, server_handshake
 
 TOKEN = "direct-tx-test-token-0123456789abcdef"
 SENDER = ActorId.parse("src[0].actor[0]")
@@ -165,3 +167,51 @@ async def test_only_unix_addresses_are_opened() -> None:
     with pytest.raises(LinkLost, match="unix address"):
         await asyncio.to_thread(DirectTx.open, addr, loop, Returns())
     await rx.stop()
+
+
+async def test_an_empty_buffer_queued_behind_a_backlog_does_not_keep_the_loop_writing() -> None:
+    returns = Returns()
+    _, rx, tx = await open_pair(returns)
+    tx.send([mk(b"big", [b"\x01" * (8 * 1024 * 1024)])])
+    assert tx._backlog
+    tx.send([mk(b"empty-last", [b"ab", b""])])  # a pickle of an empty array ends so
+    async with asyncio.timeout(WAIT_S):
+        await rx.recv()
+        last = await rx.recv()
+    assert [bytes(b) for b in last.buffers] == [b"ab", b""]
+    await wait_for(lambda: not tx._writing)
+    t0 = time.monotonic()
+    await tx.aclose(5.0)  # nothing left to write: no wait for a backlog that never empties
+    assert time.monotonic() - t0 < 2.0
+    await rx.stop()
+
+
+async def test_a_peer_that_stops_reading_ends_the_session_after_the_delivery_timeout(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "s")
+    conns: list[Raw] = []
+    opened = asyncio.Event()
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        raw = Raw(r, w)
+        conns.append(raw)
+        await server_handshake(raw, TOKEN)
+        assert isinstance(await raw.frame(), Init)
+        opened.set()  # then never read again, never ack
+
+    server = await asyncio.start_unix_server(handle, path)
+    returns = Returns()
+    loop = asyncio.get_running_loop()
+    with config.override(message_delivery_timeout_s=0.3):
+        tx = await asyncio.to_thread(DirectTx.open, ChannelAddr.parse(f"unix:{path}"), loop, returns)
+    async with asyncio.timeout(WAIT_S):
+        await opened.wait()
+    sent = mk(b"never acked")
+    t0 = time.monotonic()
+    tx.send([sent])
+    await wait_for(lambda: tx.closed is not None)
+    assert 0.25 < time.monotonic() - t0 < 3.0
+    assert tx.closed == "delivery timeout: no ack within 0.3 s"
+    assert returns.items == [(sent, "broken link: delivery timeout: no ack within 0.3 s")]
+    for raw in conns:
+        raw.writer.close()
+    server.close()

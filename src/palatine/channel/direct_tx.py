@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -42,6 +44,7 @@ ReturnCallback = Callable[[Envelope, str], None]
 """Takes back a message that was not delivered, with the reason (``broken link: …``)."""
 _RECV_BYTES: Final = 65536
 _IOV_MAX: Final = 512  # buffers per sendmsg call
+_CLOSING: Final = "closed"  # `closed` while `aclose` waits for the peer to read to the end
 
 
 class DirectTx:
@@ -49,7 +52,7 @@ class DirectTx:
 
     __slots__ = (
         "addr", "_sock", "_parser", "_loop", "_on_return", "_lock", "_seq", "_backlog",
-        "_unacked", "_max_frame", "_writing", "_flushed", "closed",
+        "_unacked", "_max_frame", "_timeout", "_writing", "_waiter", "_check", "closed",
     )
 
     def __init__(
@@ -68,10 +71,13 @@ class DirectTx:
         self._lock = threading.Lock()
         self._seq = conn.next_seq
         self._backlog: collections.deque[memoryview] = collections.deque()
-        self._unacked: collections.deque[tuple[int, Envelope]] = collections.deque()
-        self._max_frame = config.get().max_frame_bytes
+        self._unacked: collections.deque[tuple[int, Envelope, float]] = collections.deque()
+        cfg = config.get()
+        self._max_frame = cfg.max_frame_bytes
+        self._timeout = cfg.message_delivery_timeout_s
         self._writing = False  # the loop watches for writability (a backlog is waiting)
-        self._flushed: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[None] | None = None  # `aclose`: the backlog is out / EOF
+        self._check: asyncio.TimerHandle | None = None
         self.closed: str | None = None  # why it ended
 
     @classmethod
@@ -108,18 +114,25 @@ class DirectTx:
                 returned = [(env, self.closed) for env in envs]
             else:
                 parts: list[Any] = []
-                for env in envs:
-                    head, bufs, size = encode_message(self._seq, False, env)
+                taken: list[Envelope] = []
+                seq = self._seq
+                for env in envs:  # encode all before taking any seq: a failure takes none
+                    head, bufs, size = encode_message(seq, False, env)
                     if size > self._max_frame:
                         returned.append(
                             (env, f"message of {size} bytes exceeds max frame size {self._max_frame}")
                         )
                         continue
-                    self._unacked.append((self._seq, env))
-                    self._seq += 1
+                    seq += 1
+                    taken.append(env)
                     parts.append(head)
                     parts.extend(bufs)
                 if parts:
+                    now = time.monotonic()
+                    unacked = self._unacked
+                    for i, env in enumerate(taken):
+                        unacked.append((self._seq + i, env, now))
+                    self._seq = seq
                     self._write(parts)
         if returned:
             self._loop.call_soon_threadsafe(self._return, returned)
@@ -128,7 +141,10 @@ class DirectTx:
         """Write now what the socket takes; queue the rest (lock held)."""
         backlog = self._backlog
         if backlog:
-            backlog.extend(memoryview(p).cast("B") for p in parts)
+            for p in parts:
+                view = memoryview(p).cast("B")
+                if view:  # an empty buffer would never be taken off the backlog
+                    backlog.append(view)
             return
         try:
             if len(parts) == 1:
@@ -145,7 +161,7 @@ class DirectTx:
             if n >= len(view):
                 n -= len(view)
                 continue
-            backlog.append(view[n:] if n else view)
+            backlog.append(view[n:] if n else view)  # not empty: n < len(view)
             n = 0
         if backlog and not self._writing:
             self._writing = True
@@ -156,6 +172,19 @@ class DirectTx:
     def _watch(self) -> None:
         if self.closed is None:
             self._loop.add_reader(self._sock.fileno(), self._on_readable)
+            self._check = self._loop.call_later(min(1.0, self._timeout / 10), self._check_acks)
+
+    def _check_acks(self) -> None:
+        """End the session when the oldest message waits for its ack past the delivery
+        timeout (a peer alive but not reading), as a NetTx returns it."""
+        self._check = None
+        if self.closed is not None:
+            return
+        unacked = self._unacked
+        if unacked and time.monotonic() - unacked[0][2] > self._timeout:
+            self._end(f"delivery timeout: no ack within {self._timeout:g} s")
+            return
+        self._check = self._loop.call_later(min(1.0, self._timeout / 10), self._check_acks)
 
     def _watch_writable(self) -> None:
         if self.closed is None:
@@ -187,8 +216,12 @@ class DirectTx:
         if reason is not None:
             self._end(reason)
             return
-        if self._flushed is not None and not self._flushed.done():
-            self._flushed.set_result(None)
+        self._wake_closer()
+
+    def _wake_closer(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _on_readable(self) -> None:
         try:
@@ -196,9 +229,17 @@ class DirectTx:
         except BlockingIOError:
             return
         except OSError as exc:
+            if self.closed is not None:  # closing: nothing more to read
+                self._loop.remove_reader(self._sock.fileno())
+                self._wake_closer()
+                return
             self._end(error_text(exc))
             return
         if not data:
+            if self.closed == _CLOSING:  # the peer read everything we wrote, then closed
+                self._loop.remove_reader(self._sock.fileno())
+                self._wake_closer()
+                return
             self._end(f"connection to {self.addr} closed by the peer")
             return
         try:
@@ -212,7 +253,7 @@ class DirectTx:
                     unacked = self._unacked
                     while unacked and unacked[0][0] <= frame.seq:
                         unacked.popleft()
-            elif type(frame) is Reject:
+            elif type(frame) is Reject and self.closed is None:
                 self._end(f"the peer rejected the session: {frame.reason}")
                 return
 
@@ -222,50 +263,71 @@ class DirectTx:
             if self.closed is not None:
                 return
             self.closed = reason
-            returned = [(env, reason) for _, env in self._unacked]
+            returned = [(env, reason) for _, env, _ in self._unacked]
             self._unacked.clear()
             self._backlog.clear()
             self._writing = False
+        self._close_socket()
+        self._return(returned)
+
+    def _close_socket(self) -> None:
+        if self._check is not None:
+            self._check.cancel()
+            self._check = None
         fd = self._sock.fileno()
         if fd >= 0:
             self._loop.remove_reader(fd)
             self._loop.remove_writer(fd)
         self._sock.close()
-        if self._flushed is not None and not self._flushed.done():
-            self._flushed.set_result(None)
-        self._return(returned)
+        self._wake_closer()
 
     def _return(self, returned: list[tuple[Envelope, str]]) -> None:
         for env, reason in returned:
             self._on_return(env, f"broken link: {reason}")
 
     async def aclose(self, timeout_s: float) -> None:
-        """Write out the backlog (up to ``timeout_s``), then close (loop thread).
+        """Write out the backlog, let the peer read everything, then close (loop thread;
+        ``timeout_s`` bounds it all). Raises `LinkLost` if the backlog did not go out.
 
-        What was written stays readable by the peer after the close; nothing is
-        returned for it.
+        The write side is shut first and the socket closed only once the peer has read
+        to the end and closed its side, so nothing written is lost to the close.
         """
         if self.closed is not None:
             return
+        loop = self._loop
+        deadline = loop.time() + timeout_s
         if self._backlog:
-            self._flushed = self._loop.create_future()
-            try:
-                await asyncio.wait_for(asyncio.shield(self._flushed), timeout_s)
-            except asyncio.TimeoutError:
-                pass
+            await self._wait(deadline)
         with self._lock:
             if self.closed is not None:
                 return
             left = len(self._backlog)
-            self.closed = "closed"
-            self._unacked.clear()
+            self.closed = _CLOSING  # later sends come back; EOF now means "all read"
             self._backlog.clear()
-        fd = self._sock.fileno()
-        self._loop.remove_reader(fd)
-        self._loop.remove_writer(fd)
-        self._sock.close()
+            self._writing = False
+        if not left:
+            try:
+                self._sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            else:
+                await self._wait(deadline)
+        with self._lock:
+            self._unacked.clear()  # read by the peer, or given up at the deadline
+            self.closed = "closed"
+        self._close_socket()
         if left:
             raise LinkLost(f"closed {self} with {left} buffers unwritten after {timeout_s:g} s")
+
+    async def _wait(self, deadline: float) -> None:
+        """Until `_wake_closer` (the backlog is out, EOF, or the end) or ``deadline``."""
+        self._waiter = waiter = self._loop.create_future()
+        try:
+            await asyncio.wait_for(waiter, max(0.0, deadline - self._loop.time()))
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._waiter = None
 
 
 def _first(items: collections.deque[memoryview], n: int) -> Any:

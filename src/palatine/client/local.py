@@ -229,6 +229,7 @@ async def _connect(system_addr: str, worker_world: str | None, timeout: float) -
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     client = await System(system_addr).attach(timeout_s=timeout)
+    session: Session | None = None
     try:
         world, controller = await _find_worlds(client, system_addr, worker_world, deadline, timeout)
         actor = ClientActor()
@@ -253,6 +254,8 @@ async def _connect(system_addr: str, worker_world: str | None, timeout: float) -
         session.watch_controller(client.proc, reply.controller_actor_id.proc)
         return session
     except BaseException:
+        if session is not None and session.direct is not None:
+            await session.direct.aclose(1.0)
         await client.close()
         raise
 

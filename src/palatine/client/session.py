@@ -288,7 +288,12 @@ class Session:
             if post:
                 runtime.post(self._flush)
             elif self.direct is not None:
-                self.loop.call_soon_threadsafe(self.loop.call_later, SWEEP_S, self._sweep)
+                try:
+                    self.loop.call_soon_threadsafe(self.loop.call_later, SWEEP_S, self._sweep)
+                except RuntimeError:  # the loop is closed: nothing will sweep
+                    with self._out_lock:
+                        self._sweep_armed = False
+                    raise
             return seq
 
     def send_commands(self, commands: list[tuple[Slice, Message]]) -> None:
@@ -541,8 +546,9 @@ class Session:
 
     def detach(self) -> None:
         self.detached = True
-        if self._keepalive is not None:
-            self._keepalive.cancel()
+        keepalive = self._keepalive
+        if keepalive is not None:
+            self.loop.call_soon_threadsafe(keepalive.cancel)  # a loop timer: cancel it there
         self.tell(Detach())
 
     def wait_drained(self, timeout_s: float) -> int:

@@ -5,7 +5,7 @@ event loop only **routes**: every command is posted to the queue of the stream i
 (or to every stream, for barriers and deletions) and the handler returns at once, so
 `ProgressQuery` and `Exit` are answered even while a stream is stuck. Streams
 (`palatine.worker.stream`) execute; what they produce for the controller lands in the
-actor's single **outbox**, drained on the loop in production order.
+actor's single **outbox** (`palatine.worker.outbox`), which goes out in production order.
 
 Failure classes (§1.5): user errors become ``RemoteFunctionFailed`` (roots only);
 dependent errors poison silently; infrastructure errors (`InfrastructureError`) fail this
@@ -20,7 +20,6 @@ What the worker sends, all to ``WorkerParams.controller_actor``: `Status` (barri
 from __future__ import annotations
 
 import asyncio
-import collections
 import importlib.util
 import logging
 import os
@@ -33,11 +32,11 @@ from typing import Any
 
 from palatine.actor import Actor, handler
 from palatine.channel.blocking import LinkLost
-from palatine.channel.direct_tx import DirectTx, open_direct
+from palatine.channel.direct_tx import open_direct
 from palatine.ids import PortId
 from palatine.mailbox import Mailbox, Port
 from palatine.wire.codec import decode_payload, type_name_of
-from palatine.wire.envelope import ENC_MSGPACK, Envelope
+from palatine.wire.envelope import Envelope
 from palatine.worker import torch_warmup
 from palatine.worker.messages import (
     BackendNetworkInit,
@@ -64,14 +63,13 @@ from palatine.worker.messages import (
     WorkerParams,
     WorkerProgress,
 )
+from palatine.worker.outbox import Outbox
 from palatine.worker.stream import (
     Borrow,
     Countdown,
     InfrastructureError,
-    OutItem,
     Stream,
     WorkerState,
-    current_stream,
 )
 from palatine.worker.values import import_torch
 
@@ -158,11 +156,7 @@ class WorkerActor(Actor):
         self.params = params
         self.streams: dict[int, Stream] = {}
         self.state: WorkerState | None = None
-        self._outbox: collections.deque[OutItem] = collections.deque()
-        self._out_lock = threading.Lock()
-        self._drain_scheduled = False
-        self._direct: DirectTx | None = None  # the session to the controller's proc, if local
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.outbox = Outbox(params.controller_actor.proc, self._fail)
         self._exiting = False
         self._ignored_logged = False
         self._failed = False
@@ -170,7 +164,6 @@ class WorkerActor(Actor):
     # ---------------------------------------------------------------- lifecycle
     async def init(self) -> None:
         p = self.params
-        self._loop = asyncio.get_running_loop()
         device = "cpu"
         torch: Any = None
         # A CPU worker is ready without torch (~1.6 s of CPU to import): the first
@@ -209,11 +202,16 @@ class WorkerActor(Actor):
             local_rank=int(local_rank) if local_rank and local_rank.isdigit() else p.rank,
             store_host=store_host,
             controller=p.controller_actor,
-            emit=self._emit,
-            flush=self._flush_outbox,
+            emit=self.outbox.emit,
+            flush=self.outbox.flush,
             torch_available=torch_available,
         )
-        self._direct = await open_direct(proc, p.controller_actor)
+        self.outbox.start(
+            asyncio.get_running_loop(),
+            self.cx.actor_id,
+            proc.post,
+            await open_direct(proc, p.controller_actor),
+        )
         self._install_command_ports()
         log.debug("worker rank %d ready on %s (%s)", p.rank, proc.proc_id, device)
 
@@ -241,95 +239,12 @@ class WorkerActor(Actor):
         for s in streams:
             if s.alive:
                 log.warning("stream %s still running at stop: %s", s.name, _op_text(s))
-        self._drain()
-        direct, self._direct = self._direct, None
-        if direct is not None:
-            try:
-                await direct.aclose(_STOP_JOIN_S)
-            except LinkLost as e:
-                log.warning("worker rank %d: %s", self.params.rank, e.reason)
-
-    # ---------------------------------------------------------------- outbox
-    def _emit(self, item: OutItem) -> None:
-        """Queue an outbox item (any thread); the loop drains in order.
-
-        A stream thread only queues: it wakes the loop at its next flush point
-        (`_flush_outbox`: before it runs user code or waits, after each work item), so
-        a fetched value and the `Status` after it cost the loop one wake-up, which
-        comes when the stream is about to let go of the GIL.
-        """
-        with self._out_lock:
-            self._outbox.append(item)
-            if self._drain_scheduled or current_stream() is not None:
-                return
-            self._drain_scheduled = True
-        self._wake_drain()
-
-    def _flush_outbox(self) -> None:
-        """Send what stream threads queued (a stream's flush point).
-
-        Messages for the controller's proc go out on the direct session from this
-        thread, without waking the loop; the loop drains anything else, in order.
-        """
-        if not self._outbox or self._drain_scheduled:
-            return
-        with self._out_lock:
-            outbox = self._outbox
-            if not outbox or self._drain_scheduled:
-                return
-            direct = self._direct
-            if direct is not None:
-                envs = []
-                while outbox and self._is_direct(outbox[0]):
-                    envs.append(self._envelope(outbox.popleft()))  # type: ignore[arg-type]
-                if envs:
-                    direct.send(envs)  # under the outbox lock: in outbox order
-                if not outbox:
-                    return
-            self._drain_scheduled = True
-        self._wake_drain()
-
-    def _is_direct(self, item: OutItem) -> bool:
-        return (
-            type(item) is tuple
-            and self._direct is not None
-            and item[0].actor.proc == self.params.controller_actor.proc
-        )
-
-    def _envelope(self, item: tuple[PortId, int, bytes, list[Any]]) -> Envelope:
-        port, tid, data, buffers = item
-        env = Envelope(self.cx.actor_id, port, tid, ENC_MSGPACK, data)
-        if buffers:
-            env.buffers = buffers
-        return env
-
-    def _wake_drain(self) -> None:
-        loop = self._loop
-        if loop is None:
-            return
         try:
-            loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop is closed: the process is going away
-            log.debug("worker outbox: loop closed; %d items dropped", len(self._outbox))
+            await self.outbox.close(_STOP_JOIN_S)
+        except LinkLost as e:
+            log.warning("worker rank %d: %s", self.params.rank, e.reason)
 
-    def _drain(self) -> None:
-        with self._out_lock:
-            items = list(self._outbox)
-            self._outbox.clear()
-            self._drain_scheduled = False
-            direct = self._direct
-            if direct is not None:
-                envs = [self._envelope(i) for i in items if self._is_direct(i)]  # type: ignore[arg-type]
-                if envs:
-                    direct.send(envs)  # under the outbox lock: after what streams sent
-                    items = [i for i in items if not self._is_direct(i)]
-        post = self.cx.proc.post
-        for item in items:
-            if isinstance(item, InfrastructureError):
-                self._fail(item)
-                continue
-            post(self._envelope(item))
-
+    # ---------------------------------------------------------------- failure
     def _fail(self, exc: InfrastructureError) -> None:
         """Fail the actor with ``exc`` (once); streams are abandoned."""
         if self._failed:
@@ -515,7 +430,7 @@ class WorkerActor(Actor):
                 _op_text(s),
             )
             s.close(drain=False)
-        self._drain()
+        self.outbox.drain()
         state = self.state
         if not busy and state is not None and state.collective is not None:
             from palatine.worker.collectives import destroy

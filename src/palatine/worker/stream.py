@@ -672,5 +672,6 @@ _COLLECTIVE_LABELS: dict[type[Any], str] = {
     Reduce: "reduce",
 }
 
-_QUICK = frozenset({Stream.run_marker, Stream.run_delete, Stream.run_set_ref})
-"""Work that runs no user code and never waits: no flush point before it."""
+_QUICK = frozenset({Stream.run_marker})
+"""Work that runs no user code and never waits: no flush point before it. (Deleting refs
+may run a value's ``__del__``; setting one unpickles.)"""
