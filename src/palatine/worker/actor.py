@@ -64,13 +64,8 @@ from palatine.worker.messages import (
     WorkerProgress,
 )
 from palatine.worker.outbox import Outbox
-from palatine.worker.stream import (
-    Borrow,
-    Countdown,
-    InfrastructureError,
-    Stream,
-    WorkerState,
-)
+from palatine.worker.state import Borrow, Countdown, WorkerState
+from palatine.worker.stream import InfrastructureError, Stream
 from palatine.worker.values import import_torch
 
 __all__ = ["WorkerActor", "exit_timeout_s"]

@@ -29,17 +29,19 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from palatine.errors import InfrastructureError
 from palatine.worker.messages import (
     BackendNetworkInit,
     CreateProcessGroup,
     Reduce,
     Slice,
 )
-from palatine.worker.stream import InfrastructureError, current_stream
+from palatine.worker.stream import current_stream
 from palatine.worker.values import SeqError
 
 if TYPE_CHECKING:
-    from palatine.worker.stream import Stream, WorkerState
+    from palatine.worker.state import WorkerState
+    from palatine.worker.stream import Stream
 
 __all__ = [
     "CollectiveContext",

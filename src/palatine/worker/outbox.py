@@ -20,9 +20,11 @@ from collections.abc import Callable
 from typing import Any
 
 from palatine.channel.direct_tx import DirectTx
+from palatine.errors import InfrastructureError
 from palatine.ids import ActorId, PortId, ProcId
 from palatine.wire.envelope import ENC_MSGPACK, Envelope
-from palatine.worker.stream import InfrastructureError, OutItem, current_stream
+from palatine.worker.state import OutItem
+from palatine.worker.stream import current_stream
 
 __all__ = ["Outbox"]
 

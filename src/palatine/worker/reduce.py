@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from palatine.worker.collectives import CollectiveContext, _context, _mesh, _new_group
 from palatine.worker.messages import REDUCE_OPS, Reduce, WorkerError
-from palatine.worker.stream import MISSING
+from palatine.worker.state import MISSING
 from palatine.worker.values import SeqError
 
 if TYPE_CHECKING:
-    from palatine.worker.stream import Stream, WorkerState
+    from palatine.worker.state import WorkerState
+    from palatine.worker.stream import Stream
 
 __all__ = ["reduce"]
 
