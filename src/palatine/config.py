@@ -61,6 +61,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # hosts fork `python -m palatine worker` procs from a pre-imported server (palatine.forkserver)
     fork_server: bool = True
     cast_fanout: int = 8
+    # tensor worker procs run SCHED_BATCH: woken by the controller, they do not preempt it
+    # before it has written to every worker (palatine.worker.actor)
+    worker_sched_batch: bool = True
     # a plain thread's blocking call_one may use its own connection (palatine.lane), and
     # workers and clients talk to a local controller on direct sessions (channel.direct_tx)
     lanes: bool = True

@@ -116,6 +116,33 @@ class _CommandPort(Port):
         return None
 
 
+def _batch_scheduling() -> None:
+    """Run this worker proc's threads (and the streams they start) as ``SCHED_BATCH``.
+
+    A worker woken by the controller's command would otherwise preempt the controller
+    on its CPU before the controller has written the command to the other workers,
+    and a stream woken by its loop would preempt the loop that still holds the GIL.
+    Batch threads still get their fair share of the CPU; they only do not preempt on
+    wake-up. Linux only; config ``worker_sched_batch`` (``PALATINE_WORKER_SCHED_BATCH=0``)
+    turns it off, and a thread with any other policy than the default keeps it.
+    """
+    from palatine import config
+
+    batch = getattr(os, "SCHED_BATCH", None)
+    if batch is None or not config.get().worker_sched_batch:
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            if os.sched_getscheduler(tid) == os.SCHED_OTHER:
+                os.sched_setscheduler(tid, batch, os.sched_param(0))
+        except OSError as e:  # a thread that just ended, or a kernel that refuses
+            log.debug("worker: SCHED_BATCH not set on thread %d: %s", tid, e)
+
+
 async def _raise(exc: BaseException) -> None:
     raise exc
 
@@ -159,6 +186,7 @@ class WorkerActor(Actor):
     # ---------------------------------------------------------------- lifecycle
     async def init(self) -> None:
         p = self.params
+        _batch_scheduling()
         device = "cpu"
         torch: Any = None
         # A CPU worker is ready without torch (~1.6 s of CPU to import): the first
