@@ -237,6 +237,7 @@ class Session:
         self.collective_ref: int | None = None
         self._keepalive: asyncio.TimerHandle | None = None
         self._result_event = threading.Condition()
+        self._drain_waiters = 0  # threads in `wait_drained` (only they need a Result's notify)
         client_actor.session = self
 
     # ------------------------------------------------------------ allocation
@@ -427,8 +428,9 @@ class Session:
     # ------------------------------------------------------------ results (loop thread)
     def on_result(self, msg: Result) -> None:
         entry = self.pending.pop(msg.seq, None)
-        with self._result_event:
-            self._result_event.notify_all()
+        if self._drain_waiters:  # read after the pop: a waiter that counts itself later sees it
+            with self._result_event:
+                self._result_event.notify_all()
         if entry is None:
             log.warning("protocol error: Result for unknown seq s%d", msg.seq)
             return
@@ -557,12 +559,16 @@ class Session:
             with self._out_lock:
                 self._send_direct()
         with self._result_event:
-            last = len(self.pending)
-            while self.pending and self.failure is None:
-                if not self._result_event.wait(timeout_s):
-                    if len(self.pending) == last:
-                        return len(self.pending)
+            self._drain_waiters += 1
+            try:
                 last = len(self.pending)
+                while self.pending and self.failure is None:
+                    if not self._result_event.wait(timeout_s):
+                        if len(self.pending) == last:
+                            return len(self.pending)
+                    last = len(self.pending)
+            finally:
+                self._drain_waiters -= 1
         return 0
 
     def shutdown_pending(self) -> None:
