@@ -10,6 +10,9 @@ A channel is a one-way, ordered pipe of envelopes from a proc to a served addres
 * `net` — ``tcp:``, ``unix:``, ``tls:`` over ``asyncio.Protocol``, with the token
   handshake, sessions, acks and reconnects (`palatine.wire.frames` and
   `palatine.wire.handshake` are its sans-IO halves);
+* `blocking` — a connection owned by one thread instead of a loop (heartbeats, lanes);
+* `direct_tx` — `DirectTx`, a session to a local proc that any thread writes without
+  the loop (a worker's results, a client's calls to the controller);
 * `token`, `tls` — the cluster token and the SSL contexts.
 """
 

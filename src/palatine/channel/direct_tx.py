@@ -12,7 +12,10 @@ threads together. What the socket does not take at once waits in a backlog that 
 loop writes out when the socket is writable; later sends queue behind it, so order
 holds and no thread ever waits for the peer. The loop reads the peer's acks; a message
 is held until acked, and when the connection ends every message not acked goes back to
-its sender (``on_return``), as a NetTx returns what it cannot deliver.
+its sender (``on_return``), as a NetTx returns what it cannot deliver. So does every
+message still unacked after ``message_delivery_timeout_s`` (a peer alive but no longer
+reading), which ends the session. `aclose` writes the backlog out, shuts the write side
+and closes once the peer has read to the end.
 
 Local (``unix:``) addresses only: such a connection ends only when one of the two
 procs ends, so there is no reconnect and no resend.
