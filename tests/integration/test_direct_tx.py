@@ -215,3 +215,20 @@ async def test_a_peer_that_stops_reading_ends_the_session_after_the_delivery_tim
     for raw in conns:
         raw.writer.close()
     server.close()
+
+
+async def test_a_message_with_buffers_is_acked_at_once_so_its_memory_is_let_go() -> None:
+    returns = Returns()
+    with config.override(message_ack_interval_s=30.0, message_ack_every_n=100000):
+        _, rx, tx = await open_pair(returns)
+        tx.send([mk(b"plain")])
+        async with asyncio.timeout(WAIT_S):
+            await rx.recv()
+        await asyncio.sleep(0.05)
+        assert len(tx._unacked) == 1  # acks are lazy: a plain message waits for one
+        tx.send([mk(b"with buffers", [b"\x05" * 4096])])
+        async with asyncio.timeout(WAIT_S):
+            await rx.recv()
+        await wait_for(lambda: not tx._unacked, timeout=5.0)  # long before 30 s
+    await tx.aclose(1.0)
+    await rx.stop()

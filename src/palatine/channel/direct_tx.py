@@ -120,7 +120,9 @@ class DirectTx:
                 taken: list[Envelope] = []
                 seq = self._seq
                 for env in envs:  # encode all before taking any seq: a failure takes none
-                    head, bufs, size = encode_message(seq, False, env)
+                    # A message with buffers asks for its ack at once, as a NetTx's does:
+                    # held until acked, it would keep the sender's pooled memory busy.
+                    head, bufs, size = encode_message(seq, bool(env.buffers), env)
                     if size > self._max_frame:
                         returned.append(
                             (env, f"message of {size} bytes exceeds max frame size {self._max_frame}")
