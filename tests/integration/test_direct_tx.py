@@ -186,25 +186,42 @@ async def test_an_empty_buffer_queued_behind_a_backlog_does_not_keep_the_loop_wr
     await rx.stop()
 
 
-async def test_a_peer_that_stops_reading_ends_the_session_after_the_delivery_timeout(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    path = str(tmp_path / "s")
-    conns: list[Raw] = []
-    opened = asyncio.Event()
+class SilentPeer:
+    """A unix server that opens the session, then never reads or acks again, and a
+    `DirectTx` to it."""
 
-    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        raw = Raw(r, w)
-        conns.append(raw)
-        await server_handshake(raw, TOKEN)
-        assert isinstance(await raw.frame(), Init)
-        opened.set()  # then never read again, never ack
+    def __init__(self) -> None:
+        self.conns: list[Raw] = []
+        self.server: asyncio.AbstractServer | None = None
 
-    server = await asyncio.start_unix_server(handle, path)
-    returns = Returns()
-    loop = asyncio.get_running_loop()
-    with config.override(message_delivery_timeout_s=0.3):
+    async def open(self, path: str, returns: Returns) -> DirectTx:
+        opened = asyncio.Event()
+
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            raw = Raw(r, w)
+            self.conns.append(raw)
+            await server_handshake(raw, TOKEN)
+            assert isinstance(await raw.frame(), Init)
+            opened.set()
+
+        self.server = await asyncio.start_unix_server(handle, path)
+        loop = asyncio.get_running_loop()
         tx = await asyncio.to_thread(DirectTx.open, ChannelAddr.parse(f"unix:{path}"), loop, returns)
-    async with asyncio.timeout(WAIT_S):
-        await opened.wait()
+        async with asyncio.timeout(WAIT_S):
+            await opened.wait()
+        return tx
+
+    def close(self) -> None:
+        for raw in self.conns:
+            raw.writer.close()
+        assert self.server is not None
+        self.server.close()
+
+
+async def test_a_peer_that_stops_reading_ends_the_session_after_the_delivery_timeout(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    peer, returns = SilentPeer(), Returns()
+    with config.override(message_delivery_timeout_s=0.3):
+        tx = await peer.open(str(tmp_path / "s"), returns)
     sent = mk(b"never acked")
     t0 = time.monotonic()
     tx.send([sent])
@@ -212,9 +229,7 @@ async def test_a_peer_that_stops_reading_ends_the_session_after_the_delivery_tim
     assert 0.25 < time.monotonic() - t0 < 3.0
     assert tx.closed == "delivery timeout: no ack within 0.3 s"
     assert returns.items == [(sent, "broken link: delivery timeout: no ack within 0.3 s")]
-    for raw in conns:
-        raw.writer.close()
-    server.close()
+    peer.close()
 
 
 async def test_a_message_with_buffers_is_acked_at_once_so_its_memory_is_let_go() -> None:
@@ -232,3 +247,18 @@ async def test_a_message_with_buffers_is_acked_at_once_so_its_memory_is_let_go()
         await wait_for(lambda: not tx._unacked, timeout=5.0)  # long before 30 s
     await tx.aclose(1.0)
     await rx.stop()
+
+
+async def test_close_returns_what_a_peer_that_never_finishes_reading_did_not_confirm(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    peer, returns = SilentPeer(), Returns()
+    tx = await peer.open(str(tmp_path / "s"), returns)
+    sent = mk(b"unconfirmed")
+    tx.send([sent])
+    t0 = time.monotonic()
+    with pytest.raises(LinkLost, match="1 messages unconfirmed: the peer did not finish reading"):
+        await tx.aclose(0.3)
+    assert time.monotonic() - t0 < 2.0
+    assert tx.closed == "closed"
+    assert [e for e, _ in returns.items] == [sent]
+    assert returns.items[0][1].startswith("broken link: closed before the peer confirmed delivery")
+    peer.close()

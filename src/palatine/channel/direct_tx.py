@@ -47,7 +47,7 @@ ReturnCallback = Callable[[Envelope, str], None]
 """Takes back a message that was not delivered, with the reason (``broken link: …``)."""
 _RECV_BYTES: Final = 65536
 _IOV_MAX: Final = 512  # buffers per sendmsg call
-_CLOSING: Final = "closed"  # `closed` while `aclose` waits for the peer to read to the end
+_CLOSING: Final = "closing"  # `closed` while `aclose` waits for the peer to read to the end
 
 
 class DirectTx:
@@ -55,7 +55,8 @@ class DirectTx:
 
     __slots__ = (
         "addr", "_sock", "_parser", "_loop", "_on_return", "_lock", "_seq", "_backlog",
-        "_unacked", "_max_frame", "_timeout", "_writing", "_waiter", "_check", "closed",
+        "_unacked", "_max_frame", "_timeout", "_writing", "_waiter", "_check", "_read_to_end",
+        "_close_error", "closed",
     )
 
     def __init__(
@@ -81,6 +82,8 @@ class DirectTx:
         self._writing = False  # the loop watches for writability (a backlog is waiting)
         self._waiter: asyncio.Future[None] | None = None  # `aclose`: the backlog is out / EOF
         self._check: asyncio.TimerHandle | None = None
+        self._read_to_end = False  # closing: the peer closed after reading everything
+        self._close_error: str | None = None  # closing: why that cannot be known
         self.closed: str | None = None  # why it ended
 
     @classmethod
@@ -223,6 +226,27 @@ class DirectTx:
             return
         self._wake_closer()
 
+    def _read_pending(self) -> None:
+        """Read what is already there, without waiting (closing)."""
+        for _ in range(64):
+            if self.closed != _CLOSING or self._read_to_end or self._close_error is not None:
+                return
+            try:
+                ready = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                ready = b"x"  # let `_on_readable` see the error
+            if ready is None:
+                return
+            self._on_readable()
+
+    def _closing_ends(self, error: str | None) -> None:
+        """While `aclose` waits: the peer's side is done (``error``: not cleanly)."""
+        self._close_error = error
+        self._loop.remove_reader(self._sock.fileno())
+        self._wake_closer()
+
     def _wake_closer(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -234,16 +258,15 @@ class DirectTx:
         except BlockingIOError:
             return
         except OSError as exc:
-            if self.closed is not None:  # closing: nothing more to read
-                self._loop.remove_reader(self._sock.fileno())
-                self._wake_closer()
+            if self.closed == _CLOSING:  # e.g. reset: the peer may not have read it all
+                self._closing_ends(error_text(exc))
                 return
             self._end(error_text(exc))
             return
         if not data:
             if self.closed == _CLOSING:  # the peer read everything we wrote, then closed
-                self._loop.remove_reader(self._sock.fileno())
-                self._wake_closer()
+                self._read_to_end = True
+                self._closing_ends(None)
                 return
             self._end(f"connection to {self.addr} closed by the peer")
             return
@@ -258,8 +281,12 @@ class DirectTx:
                     unacked = self._unacked
                     while unacked and unacked[0][0] <= frame.seq:
                         unacked.popleft()
-            elif type(frame) is Reject and self.closed is None:
-                self._end(f"the peer rejected the session: {frame.reason}")
+            elif type(frame) is Reject:
+                why = f"the peer rejected the session: {frame.reason}"
+                if self.closed == _CLOSING:
+                    self._closing_ends(why)
+                else:
+                    self._end(why)
                 return
 
     def _end(self, reason: str) -> None:
@@ -292,37 +319,64 @@ class DirectTx:
 
     async def aclose(self, timeout_s: float) -> None:
         """Write out the backlog, let the peer read everything, then close (loop thread;
-        ``timeout_s`` bounds it all). Raises `LinkLost` if the backlog did not go out.
+        ``timeout_s`` bounds it all).
 
-        The write side is shut first and the socket closed only once the peer has read
-        to the end and closed its side, so nothing written is lost to the close.
+        The write side is shut first and the socket closed once the peer has read to the
+        end and closed its side, so nothing written is lost to the close. Messages the
+        peer did not confirm (no ack, and no clean end in time) go back to their senders,
+        and `LinkLost` says so.
         """
         if self.closed is not None:
             return
         loop = self._loop
         deadline = loop.time() + timeout_s
-        if self._backlog:
-            await self._wait(deadline)
-        with self._lock:
-            if self.closed is not None:
-                return
-            left = len(self._backlog)
-            self.closed = _CLOSING  # later sends come back; EOF now means "all read"
-            self._backlog.clear()
-            self._writing = False
-        if not left:
-            try:
-                self._sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-            else:
+        left = 0
+        try:
+            if self._backlog:
                 await self._wait(deadline)
+            with self._lock:
+                if self.closed is not None:
+                    return  # ended meanwhile: `_end` returned what was held
+                left = len(self._backlog)
+                self.closed = _CLOSING  # later sends come back; EOF now means "all read"
+                self._backlog.clear()
+                self._writing = False
+            if not left:
+                try:
+                    self._sock.shutdown(socket.SHUT_WR)
+                except OSError as exc:
+                    self._close_error = error_text(exc)
+                else:
+                    await self._wait(deadline)
+        finally:
+            unconfirmed, why = self._finish_close(left, timeout_s)
+        if unconfirmed:
+            raise LinkLost(f"closed {self.addr} with {unconfirmed} messages unconfirmed: {why}")
+
+    def _finish_close(self, left: int, timeout_s: float) -> tuple[int, str]:
+        """The end of `aclose` (also when it is cancelled): close the socket and return
+        what the peer did not confirm; ``(how many, why)``."""
+        if self.closed != _CLOSING:  # ended before closing began, or cancelled before it
+            if self.closed is None:
+                self._end("closed")
+            return 0, ""
+        if not self._read_to_end and self._close_error is None:
+            self._read_pending()  # acks (or the end) that came in meanwhile
         with self._lock:
-            self._unacked.clear()  # read by the peer, or given up at the deadline
+            unconfirmed = [] if self._read_to_end else [env for _, env, _ in self._unacked]
+            self._unacked.clear()
+            if self._close_error is not None:
+                why = self._close_error
+            elif left:
+                why = f"{left} buffers unwritten after {timeout_s:g} s"
+            else:
+                why = f"the peer did not finish reading within {timeout_s:g} s"
             self.closed = "closed"
         self._close_socket()
-        if left:
-            raise LinkLost(f"closed {self} with {left} buffers unwritten after {timeout_s:g} s")
+        if unconfirmed:
+            reason = f"closed before the peer confirmed delivery: {why}"
+            self._return([(env, reason) for env in unconfirmed])
+        return len(unconfirmed), why
 
     async def _wait(self, deadline: float) -> None:
         """Until `_wake_closer` (the backlog is out, EOF, or the end) or ``deadline``."""

@@ -254,9 +254,13 @@ async def _connect(system_addr: str, worker_world: str | None, timeout: float) -
         session.watch_controller(client.proc, reply.controller_actor_id.proc)
         return session
     except BaseException:
-        if session is not None and session.direct is not None:
-            await session.direct.aclose(1.0)
-        await client.close()
+        try:
+            if session is not None and session.direct is not None:
+                await session.direct.aclose(1.0)
+        except Exception as e:  # noqa: BLE001 - the attach error is the one to raise
+            log.debug("attach failed; closing its direct session: %s", e)
+        finally:
+            await client.close()
         raise
 
 

@@ -116,8 +116,10 @@ class _CommandPort(Port):
         return None
 
 
-def _batch_scheduling() -> None:
-    """Run this worker proc's threads (and the streams they start) as ``SCHED_BATCH``.
+def _batch_scheduling(proc_id: str) -> None:
+    """Run this worker proc's threads (and the streams they start) as ``SCHED_BATCH``,
+    when the process is the proc's own (started for it: ``PALATINE_PROC_ID``), not a
+    program that hosts the worker among other things (a test, an in-process mesh).
 
     A worker woken by the controller's command would otherwise preempt the controller
     on its CPU before the controller has written the command to the other workers,
@@ -131,6 +133,8 @@ def _batch_scheduling() -> None:
     batch = getattr(os, "SCHED_BATCH", None)
     if batch is None or not config.get().worker_sched_batch:
         return
+    if os.environ.get("PALATINE_PROC_ID") != proc_id:
+        return
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
@@ -141,6 +145,17 @@ def _batch_scheduling() -> None:
                 os.sched_setscheduler(tid, batch, os.sched_param(0))
         except OSError as e:  # a thread that just ended, or a kernel that refuses
             log.debug("worker: SCHED_BATCH not set on thread %d: %s", tid, e)
+    os.register_at_fork(after_in_child=_default_scheduling)
+
+
+def _default_scheduling() -> None:
+    """A process forked from a worker (a data loader, a pool) gets the default policy
+    back; a program started with exec from a worker thread keeps SCHED_BATCH."""
+    try:
+        if os.sched_getscheduler(0) == getattr(os, "SCHED_BATCH", -1):
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:
+        pass
 
 
 async def _raise(exc: BaseException) -> None:
@@ -186,7 +201,7 @@ class WorkerActor(Actor):
     # ---------------------------------------------------------------- lifecycle
     async def init(self) -> None:
         p = self.params
-        _batch_scheduling()
+        _batch_scheduling(str(self.cx.proc.proc_id))
         device = "cpu"
         torch: Any = None
         # A CPU worker is ready without torch (~1.6 s of CPU to import): the first

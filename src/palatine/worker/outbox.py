@@ -57,6 +57,11 @@ class Outbox:
         self._sender = sender
         self._post = post
         self.direct = direct
+        with self._lock:
+            pending = bool(self._items) and not self._drain_scheduled
+            self._drain_scheduled = self._drain_scheduled or pending
+        if self._items:  # emitted before the start: the loop sends it now
+            loop.call_soon(self.drain)
 
     def emit(self, item: OutItem) -> None:
         """Queue ``item`` (any thread). A stream thread only queues: it sends at its next
