@@ -10,6 +10,7 @@ call reports (the peer's `PeerGoneError` once the system has ruled).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import select
 import socket
@@ -21,6 +22,7 @@ from typing import Any, Final
 from palatine import config, runtime
 from palatine.channel.addr import ChannelAddr
 from palatine.channel.blocking import BlockingConn
+from palatine.channel.direct_tx import drop_sent
 from palatine.channel.spin import recv_spinning, spin_seconds
 from palatine.errors import CallTimeout, DeliveryError
 from palatine.ids import ActorId, PortId, ProcId
@@ -155,9 +157,10 @@ class LaneConn:
                 except BlockingIOError:
                     n = 0
                 if n < len(head):
-                    self._write_rest([memoryview(head)[n:]], n > 0, deadline)
+                    self._write_rest(collections.deque([memoryview(head)[n:]]), n > 0, deadline)
             else:
-                self._write_rest([memoryview(head), *(memoryview(b).cast("B") for b in bufs)], False, deadline)
+                views = collections.deque(v for v in (memoryview(head), *bufs) if v)  # (no empty one)
+                self._write_rest(views, False, deadline)
         except (NotSent, WriteTimeout):
             raise
         except OSError:
@@ -169,7 +172,7 @@ class LaneConn:
         self.seq += 1
         return reply_to
 
-    def _write_rest(self, views: list[memoryview], started: bool, deadline: float) -> None:
+    def _write_rest(self, views: collections.deque[memoryview], started: bool, deadline: float) -> None:
         """Write ``views`` without blocking past ``deadline`` (``started``: part of the
         frame is out already)."""
         sock = self.sock
@@ -177,21 +180,14 @@ class LaneConn:
         poller.register(sock.fileno(), select.POLLOUT)
         while views:
             try:
-                n = sock.sendmsg(views[:512], [], socket.MSG_DONTWAIT)
+                n = sock.sendmsg(list(itertools.islice(views, 512)), [], socket.MSG_DONTWAIT)
             except BlockingIOError:
                 n = 0
             except OSError:
                 self.close()
                 raise NotSent from None
             started = started or n > 0
-            while n:
-                first = views[0]
-                if n >= len(first):
-                    n -= len(first)
-                    views.pop(0)
-                else:
-                    views[0] = first[n:]
-                    n = 0
+            drop_sent(views, n)
             if views:
                 left = deadline - time.monotonic()
                 if left <= 0 or not poller.poll(max(1, int(left * 1000))):

@@ -190,10 +190,14 @@ class Proc:
         """Where ``dest`` is reached: the routing table's binding, else the resolver's
         answer for its proc (bound for later); None when neither knows it."""
         addr = self.router.lookup(dest)
-        proc = dest.proc
-        if addr is None and self.resolver is not None and proc not in self.gone:
-            addr = await self.resolver(proc)
-            self.router.bind(proc, addr, dynamic=True)
+        if addr is None and self.resolver is not None and dest.proc not in self.gone:
+            addr = await self._resolve_and_bind(dest.proc)
+        return addr
+
+    async def _resolve_and_bind(self, proc: ProcId) -> ChannelAddr:
+        assert self.resolver is not None
+        addr = await self.resolver(proc)
+        self.router.bind(proc, addr, dynamic=True)
         return addr
 
     def _route_miss(self, env: Envelope) -> None:
@@ -215,9 +219,8 @@ class Proc:
         self.loop.create_task(self._resolve(proc))
 
     async def _resolve(self, proc: ProcId) -> None:
-        assert self.resolver is not None
         try:
-            addr = await self.resolver(proc)
+            await self._resolve_and_bind(proc)
         except Exception as e:  # noqa: BLE001 - any failure returns the held messages
             held = self._resolving.pop(proc, [])
             text = str(e)
@@ -226,7 +229,6 @@ class Proc:
             for env in held:
                 self.return_envelope(env, f"{kind}: {text}")
             return
-        self.router.bind(proc, addr, dynamic=True)
         held = self._resolving.pop(proc, [])
         for env in held:
             self.post(env)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import socket
 import threading
@@ -39,7 +40,7 @@ from palatine.ids import ActorId
 from palatine.wire.envelope import Envelope
 from palatine.wire.frames import Ack, FrameError, Reject, encode_message
 
-__all__ = ["DirectTx", "ReturnCallback", "open_direct"]
+__all__ = ["DirectTx", "ReturnCallback", "drop_sent", "open_direct"]
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +149,8 @@ class DirectTx:
     def _write(self, parts: list[Any]) -> None:
         """Write now what the socket takes; queue the rest (lock held)."""
         backlog = self._backlog
-        if backlog:
-            for p in parts:
-                view = memoryview(p).cast("B")
-                if view:  # an empty buffer would never be taken off the backlog
-                    backlog.append(view)
+        if backlog:  # (an empty view would never be taken off the backlog)
+            backlog.extend(view for view in map(memoryview, parts) if view)
             return
         try:
             if len(parts) == 1:
@@ -164,13 +162,10 @@ class DirectTx:
         except OSError as exc:
             self._loop.call_soon_threadsafe(self._end, error_text(exc))
             return
-        for p in parts:
-            view = memoryview(p).cast("B")
-            if n >= len(view):
-                n -= len(view)
-                continue
-            backlog.append(view[n:] if n else view)  # not empty: n < len(view)
-            n = 0
+        if n == sum(len(p) for p in parts):  # the usual case (parts are bytes or "B" views)
+            return
+        backlog.extend(view for view in map(memoryview, parts) if view)
+        drop_sent(backlog, n)
         if backlog and not self._writing:
             self._writing = True
             self._loop.call_soon_threadsafe(self._watch_writable)
@@ -202,21 +197,14 @@ class DirectTx:
         with self._lock:
             backlog = self._backlog
             try:
-                n = self._sock.sendmsg(list(_first(backlog, _IOV_MAX)))
+                n = self._sock.sendmsg(list(itertools.islice(backlog, _IOV_MAX)))
             except BlockingIOError:
                 return
             except OSError as exc:
                 reason: str | None = error_text(exc)
             else:
                 reason = None
-                while n and backlog:
-                    first = backlog[0]
-                    if n >= len(first):
-                        n -= len(first)
-                        backlog.popleft()
-                    else:
-                        backlog[0] = first[n:]
-                        n = 0
+                drop_sent(backlog, n)
                 if backlog:
                     return
                 self._writing = False
@@ -229,17 +217,8 @@ class DirectTx:
     def _read_pending(self) -> None:
         """Read what is already there, without waiting (closing)."""
         for _ in range(64):
-            if self.closed != _CLOSING or self._read_to_end or self._close_error is not None:
+            if not self._on_readable():
                 return
-            try:
-                ready = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return
-            except OSError:
-                ready = b"x"  # let `_on_readable` see the error
-            if ready is None:
-                return
-            self._on_readable()
 
     def _closing_ends(self, error: str | None) -> None:
         """While `aclose` waits: the peer's side is done (``error``: not cleanly)."""
@@ -252,29 +231,30 @@ class DirectTx:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _on_readable(self) -> None:
+    def _on_readable(self) -> bool:
+        """Read once: acks, or the end. True if there may be more to read."""
         try:
             data = self._sock.recv(_RECV_BYTES)
         except BlockingIOError:
-            return
+            return False
         except OSError as exc:
             if self.closed == _CLOSING:  # e.g. reset: the peer may not have read it all
                 self._closing_ends(error_text(exc))
-                return
-            self._end(error_text(exc))
-            return
+            else:
+                self._end(error_text(exc))
+            return False
         if not data:
             if self.closed == _CLOSING:  # the peer read everything we wrote, then closed
                 self._read_to_end = True
                 self._closing_ends(None)
-                return
-            self._end(f"connection to {self.addr} closed by the peer")
-            return
+            else:
+                self._end(f"connection to {self.addr} closed by the peer")
+            return False
         try:
             frames = self._parser.feed(data)
         except FrameError as exc:
             self._end(f"protocol error: {exc.reason}")
-            return
+            return False
         for frame in frames:
             if type(frame) is Ack:
                 with self._lock:
@@ -287,7 +267,8 @@ class DirectTx:
                     self._closing_ends(why)
                 else:
                     self._end(why)
-                return
+                return False
+        return True
 
     def _end(self, reason: str) -> None:
         """The session is over: close, and return every message not acked."""
@@ -389,11 +370,16 @@ class DirectTx:
             self._waiter = None
 
 
-def _first(items: collections.deque[memoryview], n: int) -> Any:
-    for i, item in enumerate(items):
-        if i == n:
+def drop_sent(views: collections.deque[memoryview], n: int) -> None:
+    """Take the ``n`` bytes a write just sent off the front of ``views``."""
+    while n:
+        first = views[0]
+        if n >= len(first):
+            n -= len(first)
+            views.popleft()
+        else:
+            views[0] = first[n:]
             return
-        yield item
 
 
 async def open_direct(proc: Any, dest: ActorId) -> DirectTx | None:

@@ -302,12 +302,18 @@ class Session:
         with self.lock:
             with self._out_lock:
                 self._out_cmds += commands
-                if self.direct is not None:
-                    self._send_direct()
-                    return
-                post = self._claim_flush()
+                post = self._send_or_claim()
             if post:
                 runtime.post(self._flush)
+
+    def _send_or_claim(self) -> bool:
+        """Send the outbox now: on the direct session from this thread, else by claiming
+        the loop's flush (True: the caller posts it; see `_claim_flush`). ``_out_lock``
+        held."""
+        if self.direct is not None:
+            self._send_direct()
+            return False
+        return self._claim_flush()
 
     def _send_direct(self) -> None:
         """Send the outbox as one `Batch` on the direct session, from this thread
@@ -418,10 +424,7 @@ class Session:
             if not self._drops:
                 return
         with self._out_lock:
-            if self.direct is not None:
-                self._send_direct()
-                return
-            post = self._claim_flush()
+            post = self._send_or_claim()
         if post:
             runtime.post(self._flush)
 
@@ -555,9 +558,10 @@ class Session:
 
     def wait_drained(self, timeout_s: float) -> int:
         """Wait until no seq is pending (the timeout restarts on each Result)."""
-        if self.direct is not None:
-            with self._out_lock:
-                self._send_direct()
+        with self._out_lock:
+            post = self._send_or_claim()  # calls still waiting for the sweep
+        if post:
+            runtime.post(self._flush)
         with self._result_event:
             self._drain_waiters += 1
             try:

@@ -58,9 +58,9 @@ class Outbox:
         self._post = post
         self.direct = direct
         with self._lock:
-            pending = bool(self._items) and not self._drain_scheduled
+            pending = bool(self._items)  # emitted before the start: the loop sends it now
             self._drain_scheduled = self._drain_scheduled or pending
-        if self._items:  # emitted before the start: the loop sends it now
+        if pending:
             loop.call_soon(self.drain)
 
     def emit(self, item: OutItem) -> None:
@@ -113,10 +113,15 @@ class Outbox:
             self._items.clear()
             self._drain_scheduled = False
             if direct is not None:
-                envs = [self._envelope(i) for i in items if self._is_direct(i)]  # type: ignore[arg-type]
+                envs, rest = [], []
+                for i in items:
+                    if self._is_direct(i):
+                        envs.append(self._envelope(i))  # type: ignore[arg-type]
+                    else:
+                        rest.append(i)
                 if envs:
                     direct.send(envs)  # under the lock: after what streams sent
-                    items = [i for i in items if not self._is_direct(i)]
+                items = rest
         post = self._post
         assert post is not None
         for item in items:
