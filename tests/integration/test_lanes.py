@@ -190,12 +190,13 @@ def test_timeout_on_a_lane_then_the_lane_still_serves() -> None:
         try:
             one.slow.call_one(1.0).get()
         except CallTimeout as e:
-            print("TIMEOUT", round(time.monotonic() - t, 1), "timed out: no reply within 0.3 s" in str(e))
+            print("TIMEOUT", round(time.monotonic() - t, 3), "timed out: no reply within 0.3 s" in str(e))
         time.sleep(1.0)  # the late reply arrives on the lane and is skipped
         print("NEXT", one.slow.call_one(0.01).get(), lanes_of_this_thread())
         """
     )
-    assert out["TIMEOUT"] == "0.3 True"
+    took, named = out["TIMEOUT"].split()
+    assert 0.3 <= float(took) < 0.9 and named == "True"  # the timeout, not the 1 s the call takes
     assert out["NEXT"] == "0.01 1"
 
 
@@ -357,7 +358,7 @@ def test_a_batch_reports_each_members_own_outcome() -> None:
         one.slow.call_one(0).get()
         t = time.monotonic()
         fs = [one.add.call_one(1), one.slow.call_one(1.0), one.boom.call_one(), one.add.call_one(1)]
-        print("LAST", fs[3].get(), round(time.monotonic() - t, 1))
+        print("LAST", fs[3].get(), round(time.monotonic() - t, 3))
         for name, f in zip(["first", "slow", "boom"], fs[:3]):
             try:
                 print("MEMBER_" + name, f.get())
@@ -376,7 +377,8 @@ def test_a_batch_reports_each_members_own_outcome() -> None:
                 print("GONE", e.details["pid"] == pid, e.details["exit_signal"])
         """
     )
-    assert out["LAST"] == "2 1.0"  # the actor answers in order: after the slow call ran
+    last, took = out["LAST"].split()
+    assert last == "2" and 1.0 <= float(took) < 1.6  # the actor answers in order: after the slow call ran
     assert out["MEMBER_first"] == "1"
     assert out["MEMBER_slow"] == "timeout True"
     assert out["MEMBER_boom"] == "ValueError boom on purpose"
@@ -418,11 +420,12 @@ def test_a_request_that_bounces_fails_at_once_on_its_lane() -> None:
         try:
             ghost.add.call_one(1).get()
         except DeliveryError as e:
-            print("BOUNCED", round(time.monotonic() - t, 1), "no actor mesh0[0].nosuch[0]" in str(e), lanes_of_this_thread())
+            print("BOUNCED", round(time.monotonic() - t, 3), "no actor mesh0[0].nosuch[0]" in str(e), lanes_of_this_thread())
         print("STILL", one.add.call_one(1).get())
         """
     )
-    assert out["BOUNCED"] == "0.0 True 1"
+    took, named, lanes = out["BOUNCED"].split()
+    assert float(took) < 0.3 and (named, lanes) == ("True", "1")  # bounced at once, not timed out
     assert out["STILL"] == "1"
 
 
@@ -483,10 +486,11 @@ def test_a_lane_call_to_a_proc_that_stopped_reading_times_out() -> None:
         try:
             sizer.size.call_one(b"x" * 4_000_000).get()
         except CallTimeout as e:
-            print("TIMED_OUT", round(time.monotonic() - t, 1), "no reply within 0.5 s" in str(e))
+            print("TIMED_OUT", round(time.monotonic() - t, 3), "no reply within 0.5 s" in str(e))
         os.kill(pid, signal.SIGCONT)
         print("AFTER", sizer.size.call_one(b"abc").get(timeout=3600))
         """
     )
-    assert out["TIMED_OUT"] == "0.5 True"
+    took, named = out["TIMED_OUT"].split()
+    assert 0.5 <= float(took) < 1.2 and named == "True"  # the timeout, though the write never finished
     assert out["AFTER"] == "3"
