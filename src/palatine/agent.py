@@ -27,25 +27,27 @@ from palatine.errors import CallTimeout, DeliveryError, JoinError, SpawnError, S
 from palatine.ids import SYSTEM_ACTOR, SYSTEM_WORLD, ActorId, ProcId
 from palatine.proc import Proc
 from palatine.supervision import ActorFailure, ProcSupervisionState
-from palatine.system.messages import (
+from palatine.system.agent_messages import (
     Addr,
-    AddressChanged,
     AgentState,
     AgentStateReply,
-    Join,
-    Joined,
-    Leave,
     LocalAddr,
-    PeerGone,
     ProcSnapshot,
     ProcSnapshotRequest,
     ProcStop,
     ProcStopResult,
-    Resolve,
     Spawn,
     Spawned,
     StackDump,
     StackTrace,
+)
+from palatine.system.messages import (
+    AddressChanged,
+    Join,
+    Joined,
+    Leave,
+    PeerGone,
+    Resolve,
     SupervisionUpdate,
 )
 from palatine.wire.codec import loads

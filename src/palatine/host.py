@@ -25,14 +25,9 @@ from palatine.children import Child, ChildProcs
 from palatine.errors import SpawnError
 from palatine.forkserver import ForkServer
 from palatine.ids import SYSTEM_ACTOR, ProcId, served_world_of
-from palatine.system.messages import (
-    ChildProc,
-    Exec,
-    FailedProc,
+from palatine.system.agent_messages import (
     KilledProcs,
     KillProcs,
-    ProcAssignment,
-    ProcExited,
     ProcSnapshot,
     ProcSnapshotRequest,
     ProcStop,
@@ -40,6 +35,13 @@ from palatine.system.messages import (
     SpawnProcResult,
     StackDump,
     StackTrace,
+)
+from palatine.system.messages import (
+    ChildProc,
+    Exec,
+    FailedProc,
+    ProcAssignment,
+    ProcExited,
     StartedProc,
 )
 

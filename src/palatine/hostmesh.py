@@ -29,7 +29,7 @@ from palatine.future import Future
 from palatine.host import HostAgent
 from palatine.ids import GangId, WorldId
 from palatine.mesh import ActorMesh, set_default_client
-from palatine.system.messages import Spawn, Spawned
+from palatine.system.agent_messages import Spawn, Spawned
 from palatine.system.service import System, SystemClient, SystemHandle
 from palatine.wire.codec import dumps
 

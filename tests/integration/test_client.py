@@ -136,6 +136,17 @@ def test_without_lanes_or_batch_scheduling_the_loop_sends_for_the_session(monkey
             m.shutdown()
 
 
+def test_each_worker_proc_sees_one_device_of_its_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PALATINE_DEVICES_PER_HOST narrows CUDA_VISIBLE_DEVICES per proc before torch loads
+    (40-worker-client.md §1.1); here on CPU workers, which only carry the setting."""
+    monkeypatch.setenv("PALATINE_DEVICES_PER_HOST", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7,9")
+    with local_mesh(hosts=1, procs_per_host=3, device="cpu", startup_timeout_in_sec=60) as m:
+        with m.activate():
+            seen = remote(os.getenv)("CUDA_VISIBLE_DEVICES")
+            assert [inspect(seen, shard=i) for i in range(3)] == ["5", "7", "5"]
+
+
 def test_user_error_on_one_rank_has_both_tracebacks_and_independents_survive(mesh: DeviceMesh) -> None:
     with mesh.activate():
         r = mesh.rank("proc")

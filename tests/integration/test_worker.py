@@ -33,7 +33,7 @@ from palatine.channel.token import resolve_token, token_env
 from palatine.errors import SpawnError
 from palatine.ids import ActorId, WorldId
 from palatine.proc import ClientInstance, Proc
-from palatine.system.messages import Spawn, Spawned
+from palatine.system.agent_messages import Spawn, Spawned
 from palatine.system.service import System, SystemClient, SystemHandle
 from palatine.testing.procs import proc_cluster
 from palatine.wire.codec import Message
@@ -717,6 +717,8 @@ async def test_exit_lets_queued_work_finish_then_stops_the_actor() -> None:
         assert inst is not None
         ctl.send(call(0, "time.sleep", 0.3), fetch(1, "after sleep"), Exit(error="client ended"))
         ctl.send(fetch(2, "ignored: sent after Exit"))
+        late = await ctl.get_ref(1)  # an ask after Exit is answered, not left to time out
+        assert late.found is False and late.error == "worker rank 0 is exiting"
         assert await ctl.fetched(1, timeout=5.0) == "after sleep"
         assert await asyncio.wait_for(asyncio.shield(inst.terminal), 5.0) == "stopped"
         assert ctl.failures == []

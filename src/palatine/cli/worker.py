@@ -6,10 +6,11 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import MutableMapping
 
 from palatine.cli.role import ready_line, run_role
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "narrow_visible_devices", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +25,10 @@ def run(args: argparse.Namespace) -> int:
 
     arm_parent_death_signal()
     register_faulthandler()
+    problem = narrow_visible_devices(os.environ)
+    if problem:
+        print(f"palatine worker: {problem}", file=sys.stderr)
+        return 2
     _preload(os.environ.get("PALATINE_PRELOAD", ""))
     proc_text = args.proc_id or os.environ.get("PALATINE_PROC_ID")
     addr = args.bootstrap_addr or os.environ.get("PALATINE_BOOTSTRAP_ADDR")
@@ -32,6 +37,41 @@ def run(args: argparse.Namespace) -> int:
               "PALATINE_BOOTSTRAP_ADDR)", file=sys.stderr)
         return 2
     return run_role(lambda stop: serve_worker(proc_text, addr, stop))
+
+
+def narrow_visible_devices(environ: MutableMapping[str, str]) -> str | None:
+    """With ``PALATINE_DEVICES_PER_HOST=n``, keep only entry ``LOCAL_RANK % n`` of the
+    visible GPUs in ``CUDA_VISIBLE_DEVICES`` (all of ``0..n-1`` when it is unset), so each
+    worker proc of a host sees one GPU as ``cuda:0`` (40-worker-client.md §1.1).
+
+    Must run before torch is imported. Returns what is wrong with the settings, or None.
+    """
+    text = environ.get("PALATINE_DEVICES_PER_HOST", "").strip()
+    if not text:
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        return f"PALATINE_DEVICES_PER_HOST must be a positive integer, not {text!r}"
+    local = environ.get("LOCAL_RANK", environ.get("PALATINE_LOCAL_RANK", "0"))
+    try:
+        local_rank = int(local)
+    except ValueError:
+        return f"LOCAL_RANK must be an integer, not {local!r}"
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        entries = [str(i) for i in range(n)]
+    else:
+        entries = [d.strip() for d in visible.split(",") if d.strip()]
+    if len(entries) < n:
+        return (
+            f"PALATINE_DEVICES_PER_HOST={n} but CUDA_VISIBLE_DEVICES={visible!r} "
+            f"lists {len(entries)} device(s)"
+        )
+    environ["CUDA_VISIBLE_DEVICES"] = entries[local_rank % n]
+    return None
 
 
 def _preload(modules: str) -> None:

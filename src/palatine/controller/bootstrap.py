@@ -62,14 +62,8 @@ from palatine.controller.startup import (
 from palatine.errors import CallTimeout, JoinError, PalatineError
 from palatine.ids import ActorId, WorldId
 from palatine.supervision import format_seconds
-from palatine.system.messages import (
-    Snapshot,
-    SnapshotFilter,
-    Spawn,
-    Spawned,
-    SystemSnapshot,
-    WorldSnapshot,
-)
+from palatine.system.agent_messages import Spawn, Spawned
+from palatine.system.messages import Snapshot, SnapshotFilter, SystemSnapshot, WorldSnapshot
 from palatine.worker.messages import WorkerParams
 
 __all__ = [

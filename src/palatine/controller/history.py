@@ -34,11 +34,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from heapq import heapify, heappop, heappush
 from operator import itemgetter
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import msgspec
+
+from palatine.controller.min_tracker import MinTracker
 
 # Ok/Err live in the worker's message module (workers send them in FetchResult and may
 # not import the controller); they are re-exported here as part of the History's API.
@@ -145,51 +146,6 @@ _NO_REPORTS: tuple[Report, ...] = ()
 _by_seq = itemgetter(0)
 
 
-class _MinTracker:
-    """Per-rank monotone values with their minimum, kept by a counted lazy min-heap.
-
-    ``values[r]`` only grows. ``count`` maps each present value to how many ranks hold
-    it; ``heap`` holds every present value, plus stale ones that are dropped when they
-    reach the top or when the heap grows past a bound (so memory stays O(ranks) even if
-    one rank never moves while the others do).
-    """
-
-    __slots__ = ("count", "heap", "min", "values")
-
-    def __init__(self, n: int) -> None:
-        self.values = [0] * n
-        self.count = {0: n}
-        self.heap = [0]
-        self.min = 0
-
-    def raise_to(self, rank: int, value: int) -> None:
-        """Set ``values[rank] = value`` (caller ensures it is larger) and fix the minimum."""
-        values = self.values
-        count = self.count
-        old = values[rank]
-        values[rank] = value
-        left = count[old] - 1
-        if left:
-            count[old] = left
-        else:
-            del count[old]
-        c = count.get(value)
-        if c is None:
-            count[value] = 1
-            heap = self.heap
-            heappush(heap, value)
-            if len(heap) > 2 * len(count) + 16:
-                heap[:] = count
-                heapify(heap)
-        else:
-            count[value] = c + 1
-        if not left and old == self.min:
-            heap = self.heap
-            while heap[0] not in count:
-                heappop(heap)
-            self.min = heap[0]
-
-
 class History:
     """Invocation history of one controller: dependencies, results, refs, progress.
 
@@ -225,8 +181,8 @@ class History:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self._n = world_size
-        self._frontier = _MinTracker(world_size)
-        self._progress = _MinTracker(world_size)
+        self._frontier = MinTracker(world_size)
+        self._progress = MinTracker(world_size)
         # Live invocations by seq, and the same objects in seq order for the purge.
         self._live: dict[int, Invocation] = {}
         self._order: deque[Invocation] = deque()

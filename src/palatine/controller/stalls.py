@@ -18,7 +18,7 @@ from palatine.controller.messages import RankStallData, RequestStacks, StallRepo
 from palatine.errors import CallTimeout
 from palatine.ids import GangId
 from palatine.mailbox import Mailbox
-from palatine.system.messages import StackDump, StackTrace
+from palatine.system.agent_messages import StackDump, StackTrace
 from palatine.worker.messages import ProgressQuery, WorkerProgress
 
 __all__ = ["collect_stall_report"]

@@ -352,12 +352,11 @@ class SupervisionMonitor:
                     )
                 ]
             out: list[Instruction] = []
-            # The first failure of a streak is a warning; the retries that follow are not.
-            level: Literal["warning", "debug"] = "warning"
+            # Every failing query is a warning (§8.4) until the system is declared lost;
+            # after that the client has the failure and the retries go quiet.
+            level: Literal["warning", "debug"] = "debug" if self._system_lost else "warning"
             if self._failing_since is None:
                 self._failing_since = now
-            else:
-                level = "debug"
             out.append(
                 LogLine(
                     level,

@@ -3,7 +3,8 @@
 Layering inside this package (20-system.md §1), bottom up:
 
 * `palatine.system.messages` — typed messages of the SystemActor, its subscription
-  events, the notices to resolvers and the proc agent's messages;
+  events and the notices to resolvers; `palatine.system.agent_messages` — the proc
+  agent's messages;
 * `palatine.system.worlds` — world records, host placement and request validation;
 * `palatine.system.instructions` — what the sans-IO core asks its actor shell to do;
 * `palatine.system.state`, `palatine.system.detection`, `palatine.system.stopping` —

@@ -45,12 +45,8 @@ from palatine.system.instructions import (
     Send,
     Timer,
 )
-from palatine.system.messages import (
-    Ok,
-    ProcExited,
-    ProcStop,
-    SupervisionUpdate,
-)
+from palatine.system.agent_messages import ProcStop
+from palatine.system.messages import Ok, ProcExited, SupervisionUpdate
 from palatine.system.state import RegistryState, Result, agent_of
 from palatine.system.worlds import (
     ACTIVE,

@@ -42,6 +42,7 @@ from palatine.system.instructions import (
     SpawnToken,
     Unbind,
 )
+from palatine.system.agent_messages import ProcStop, SpawnProc
 from palatine.system.messages import (
     AddressChanged,
     FailedActorEntry,
@@ -52,12 +53,10 @@ from palatine.system.messages import (
     ProcAssignment,
     ProcEntry,
     ProcExited,
-    ProcStop,
     RejectCode,
     Resolve,
     Resolved,
     Snapshot,
-    SpawnProc,
     Stop,
     Subscribe,
     Subscribed,

@@ -37,19 +37,14 @@ from palatine.system.instructions import (
     Timer,
     Unbind,
 )
-from palatine.system.messages import (
+from palatine.system.agent_messages import (
     KillProcs,
-    ProcExited,
     ProcStop,
     ProcStopResult,
-    Rejected,
     SpawnProc,
     SpawnProcResult,
-    Stop,
-    StopAck,
-    SystemStopping,
-    WorldGone,
 )
+from palatine.system.messages import ProcExited, Rejected, Stop, StopAck, SystemStopping, WorldGone
 from palatine.system.state import RegistryState, Result, agent_of
 from palatine.system.worlds import (
     ACTIVE,

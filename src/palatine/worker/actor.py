@@ -55,6 +55,7 @@ from palatine.worker.messages import (
     GetRefUnitTestsOnly,
     ProgressQuery,
     Reduce,
+    RefValue,
     RequestStatus,
     SendValue,
     SetRefUnitTestsOnly,
@@ -64,6 +65,7 @@ from palatine.worker.messages import (
     WorkerProgress,
 )
 from palatine.worker.outbox import Outbox
+from palatine.worker.scheduling import batch_scheduling
 from palatine.worker.state import Borrow, Countdown, WorkerState
 from palatine.worker.stream import InfrastructureError, Stream
 from palatine.worker.values import import_torch
@@ -116,48 +118,6 @@ class _CommandPort(Port):
         return None
 
 
-def _batch_scheduling(proc_id: str) -> None:
-    """Run this worker proc's threads (and the streams they start) as ``SCHED_BATCH``,
-    when the process is the proc's own (started for it: ``PALATINE_PROC_ID``), not a
-    program that hosts the worker among other things (a test, an in-process mesh).
-
-    A worker woken by the controller's command would otherwise preempt the controller
-    on its CPU before the controller has written the command to the other workers,
-    and a stream woken by its loop would preempt the loop that still holds the GIL.
-    Batch threads still get their fair share of the CPU; they only do not preempt on
-    wake-up. Linux only; config ``worker_sched_batch`` (``PALATINE_WORKER_SCHED_BATCH=0``)
-    turns it off, and a thread with any other policy than the default keeps it.
-    """
-    from palatine import config
-
-    batch = getattr(os, "SCHED_BATCH", None)
-    if batch is None or not config.get().worker_sched_batch:
-        return
-    if os.environ.get("PALATINE_PROC_ID") != proc_id:
-        return
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return
-    for tid in tids:
-        try:
-            if os.sched_getscheduler(tid) == os.SCHED_OTHER:
-                os.sched_setscheduler(tid, batch, os.sched_param(0))
-        except OSError as e:  # a thread that just ended, or a kernel that refuses
-            log.debug("worker: SCHED_BATCH not set on thread %d: %s", tid, e)
-    os.register_at_fork(after_in_child=_default_scheduling)
-
-
-def _default_scheduling() -> None:
-    """A process forked from a worker (a data loader, a pool) gets the default policy
-    back; a program started with exec from a worker thread keeps SCHED_BATCH."""
-    try:
-        if os.sched_getscheduler(0) == getattr(os, "SCHED_BATCH", -1):
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-    except OSError:
-        pass
-
-
 async def _raise(exc: BaseException) -> None:
     raise exc
 
@@ -201,7 +161,7 @@ class WorkerActor(Actor):
     # ---------------------------------------------------------------- lifecycle
     async def init(self) -> None:
         p = self.params
-        _batch_scheduling(str(self.cx.proc.proc_id))
+        batch_scheduling(str(self.cx.proc.proc_id))
         device = "cpu"
         torch: Any = None
         # A CPU worker is ready without torch (~1.6 s of CPU to import): the first
@@ -570,16 +530,19 @@ class WorkerActor(Actor):
         self._route(msg)
 
     @handler
-    def on_get_ref(self, msg: GetRefUnitTestsOnly) -> None:
+    def on_get_ref(self, msg: GetRefUnitTestsOnly) -> RefValue | None:
         env = self.cx.env
         if env is None or env.reply_to is None:
             log.warning("GetRefUnitTestsOnly without a reply port; ignored")
-            return
+            return None
         if self._failed:
-            return
+            return None
+        if self._exiting:  # the streams take no more work: answer instead of never
+            return RefValue(found=False, error=f"worker rank {self.params.rank} is exiting")
         s = self._stream(msg.stream, "GetRefUnitTestsOnly")
         port: PortId = env.reply_to
         s.post(s.run_get_ref, (msg, port))
+        return None
 
     @handler
     def on_progress_query(self, msg: ProgressQuery) -> WorkerProgress:

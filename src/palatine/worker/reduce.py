@@ -11,6 +11,7 @@ data collective when any header is not ok. torch is imported lazily (workers onl
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -196,7 +197,10 @@ def _header(torch: Any, status: int, root: int, t: Any, device: Any) -> Any:
     h = [status, root, -1, -1, -1] + [0] * _MAX_HEADER_DIMS
     if status == _OK:
         dts = _dtypes(torch)
-        h[2] = dts.index(t.dtype) if t.dtype in dts else 100 + hash(str(t.dtype)) % 1000
+        if t.dtype in dts:
+            h[2] = dts.index(t.dtype)
+        else:  # the same code in every worker process (str hashes are salted per process)
+            h[2] = 100 + zlib.crc32(str(t.dtype).encode()) % 1000
         h[3] = t.dim()
         h[4] = t.numel()
         for i, s in enumerate(list(t.shape)[:_MAX_HEADER_DIMS]):

@@ -334,7 +334,7 @@ class Stream:
                     return
                 ret = rf.fn(*args, **kwargs)
                 self._bind(results, ret, label)
-            except InfrastructureError:
+            except (InfrastructureError, _Stopped):
                 raise
             except BaseException as e:  # noqa: BLE001 - SystemExit from user code too
                 self.user_error(seq, label, e, [*results, *cmd.mutates])
@@ -371,7 +371,7 @@ class Stream:
                 msg = FetchResult(seq=seq, value=Ok(pickled))
                 del value, pickled
                 self.worker.send(msg)
-            except InfrastructureError:
+            except (InfrastructureError, _Stopped):
                 raise
             except BaseException as e:  # noqa: BLE001
                 err = self.user_error(seq, label, e, cmd.mutates)
@@ -427,7 +427,7 @@ class Stream:
                 from palatine.worker import collectives
 
                 collectives.run(self, cmd)
-            except InfrastructureError:
+            except (InfrastructureError, _Stopped):
                 raise
             except BaseException as e:  # noqa: BLE001
                 err = self.user_error(seq, label, e, ())
