@@ -178,6 +178,25 @@ def test_all_reduce_across_four_workers(mesh: DeviceMesh) -> None:
         assert inspect(reduced, shard=0).tolist() == [10.0, 10.0, 10.0]
 
 
+def test_invalid_reduce_arguments_raise_before_anything_is_sent(mesh: DeviceMesh) -> None:
+    with mesh.activate():
+        t = remote(tensor_of)(mesh.rank("proc"))
+        first = t.reduce("proc")  # the mesh's first collective also sets up its group
+        bad = [
+            ({"op": "median"}, "unknown reduce op 'median'"),
+            ({"op": "stack", "in_place": True}, "op 'stack' cannot be in_place"),
+            ({"scatter": True, "in_place": True}, "scatter and in_place cannot be combined"),
+        ]
+        for kwargs, text in bad:
+            with pytest.raises(ValueError, match=text):
+                t.reduce("proc", **kwargs)
+        with pytest.raises(ValueError, match="dimension 'gpu' is not in the value's mesh"):
+            t.reduce("gpu")
+        summed = t.reduce("proc")
+        assert summed.seq == first.seq + 1  # the refused ones took no seq: nothing was issued
+        assert inspect(summed, shard=0).tolist() == [10.0, 10.0, 10.0]
+
+
 def test_large_values_fetch_exactly_as_private_snapshots(mesh: DeviceMesh) -> None:
     """Tensors and arrays of several MiB travel out of band (worker → controller →
     client); each fetched value is exact, writable, and a snapshot of its own."""

@@ -1170,6 +1170,10 @@ def _rank_tensor(m: Any) -> Any:
     return torch.tensor([float(m.rank("proc"))])
 
 
+def _rank_bits(m: Any) -> Any:
+    return torch.tensor([16 | (1 << m.rank("proc"))], dtype=torch.int64)  # 17, 18, 20, 24
+
+
 def _rank_offset_arange(m: Any) -> Any:
     return torch.arange(4.0) + 10 * m.rank("proc")
 
@@ -1190,6 +1194,10 @@ def test_reduce_ops_across_four_gloo_workers(gang: Gang) -> None:
     assert [t.tolist() for t in gang.fetch_all(ref)] == [
         [float(i), 10.0 + i, 20.0 + i, 30.0 + i] for i in range(4)
     ]
+    bits = gang.make(_rank_bits, Ref(Gang.MESH_1D))
+    for op, want in {"band": 16, "bor": 31, "bxor": 15}.items():
+        ref, _ = gang.reduce(bits, ["proc"], op=op)
+        assert [t.tolist() for t in gang.fetch_all(ref)] == [[want]] * 4, op
     s = gang.seq()
     gang.send(fetch_call(s, "palatine.worker.collectives.backend_name"), ranks=[0])
     assert gang.fetched(s, 0) == "gloo"
