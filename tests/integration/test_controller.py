@@ -90,7 +90,7 @@ class Cluster:
             ]
         )
 
-    def controller_args(self, *extra: str, program: bool = True) -> list[str]:
+    def controller_args(self, *extra: str, program: bool = True, cpu_worker: bool = True) -> list[str]:
         args = [
             "controller",
             "--worker-world",
@@ -101,7 +101,6 @@ class Cluster:
             "4",
             "--num-procs-per-host",
             "2",
-            "--is-cpu-worker",
             "--supervision-query-interval-in-sec",
             "0.5",
             "--supervision-update-interval-in-sec",
@@ -110,10 +109,14 @@ class Cluster:
         ]
         if program:
             args += ["--program", PROGRAM]
+        if cpu_worker:
+            args.append("--is-cpu-worker")
         return args
 
-    def start_controller(self, *extra: str, env: dict[str, str] | None = None) -> RoleProcess:
-        return self._role(self.controller_args(*extra), env)
+    def start_controller(
+        self, *extra: str, env: dict[str, str] | None = None, cpu_worker: bool = True
+    ) -> RoleProcess:
+        return self._role(self.controller_args(*extra, cpu_worker=cpu_worker), env)
 
     def popen(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         p = subprocess.Popen(
@@ -413,6 +416,46 @@ def test_silent_client_is_lost(cluster: Cluster) -> None:
 
 
 # --------------------------------------------------------------------------- attach, results, casts
+
+
+def test_a_node_before_any_attach_is_dropped_and_a_later_attach_works(cluster: Cluster) -> None:
+    ctl = cluster.start_controller()
+    stranger = cluster.client()
+    stranger.tell(Node(seq=5, defs=[1], label="from a stranger"))
+    client = cluster.client()
+    assert isinstance(client.attach(), AttachReply)
+    client.tell(Node(seq=0, defs=[1]))  # seq 0 after 5 would be refused had 5 been kept
+    client.tell(Send(ranks=ALL, message=Serialized.of(RequestStatus(seq=0))))
+    client.wait_for(lambda: len(client.results) >= 1, 10, "the Result of s0")
+    assert [(r.seq, r.result) for r in client.results] == [(0, None)]
+    assert not any("seqs must increase" in lg.message for lg in client.logs)
+    ctl.signal(signal.SIGTERM)
+    assert ctl.wait(15) == 0
+    assert "Node" in ctl.stderr() and "dropped" in ctl.stderr()
+
+
+def test_without_is_cpu_worker_workers_get_device_index_0(cluster: Cluster) -> None:
+    cluster.start_controller(cpu_worker=False)
+    client = cluster.client()
+    got = [client.ask(client.worker(r), FakeQuery()).params.device_index for r in range(4)]
+    assert got == [0] * 4  # "the first device this proc can see" (CPU here, with a warning)
+
+
+def test_unreachable_system_fails_the_bootstrap_at_once(env: dict[str, str]) -> None:
+    addr = f"unix:@palatine-test-nobody-{secrets.token_hex(4)}"
+    t0 = time.monotonic()
+    p = subprocess.Popen(
+        [*palatine_cmd(), "controller", "--worker-world", "w", "--system-addr", addr, "--world-size", "2"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PALATINE_JOIN_TIMEOUT": "1", "PALATINE_RPC_TIMEOUT": "1"},
+        start_new_session=True,
+    )
+    code, err = communicate(p, 30)
+    assert code == 1, err
+    assert f"cannot reach system at {addr}: " in last_line(err), err
+    assert time.monotonic() - t0 < 15
 
 
 def test_attach_nodes_sends_and_results(cluster: Cluster) -> None:

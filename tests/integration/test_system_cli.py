@@ -239,3 +239,16 @@ def test_snapshot_cli_json_and_table(cluster: Cluster) -> None:
     )
     assert table.returncode == 0, table.stderr
     assert "w[3]" in table.stdout and "Live" in table.stdout
+
+
+def test_a_role_stops_when_its_launcher_is_gone() -> None:
+    """The lifeline pipe (PALATINE_LIFELINE_FD) reaching EOF stops a role as SIGTERM does."""
+    env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(16), "PALATINE_LOG_LEVEL": "WARNING"}
+    addr = f"unix:@palatine-test-{secrets.token_hex(4)}"
+    system = RoleProcess(["system", "--system-addr", addr], env)
+    try:
+        system.cut_lifeline()  # what the launcher's death does to the pipe
+        assert system.wait(15) == 0
+        assert "launcher gone (lifeline closed); stopping" in system.stderr()
+    finally:
+        system.kill()

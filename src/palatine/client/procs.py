@@ -168,9 +168,13 @@ class RoleProcess:
             self.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        try:
-            os.close(self._lifeline_w)
-        except OSError:
-            pass
+        self.cut_lifeline()
 
     close = kill
+
+    def cut_lifeline(self) -> None:
+        """Close the launcher's end of the lifeline (idempotent): the role then stops
+        itself, as when the launcher dies."""
+        fd, self._lifeline_w = self._lifeline_w, -1
+        if fd >= 0:
+            os.close(fd)
