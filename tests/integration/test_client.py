@@ -234,7 +234,7 @@ def test_sigkilled_worker_raises_device_exception_fast() -> None:
             pending.result(timeout=10)
         took = time.monotonic() - t0
         e = ei.value
-        assert took < 1.0, f"took {took:.2f} s"
+        assert took < 5.0, f"took {took:.2f} s"  # the spin would run 30 s
         assert e.kind == "proc_failed"
         assert e.rank == 2 and e.exit_signal == 9 and e.pid == pids[2]
         assert "SIGKILL" in str(e) and "worker[2]" in str(e)

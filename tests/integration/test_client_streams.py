@@ -100,12 +100,12 @@ def test_a_slow_side_stream_does_not_block_main(mesh: DeviceMesh) -> None:
         t0 = time.monotonic()
         quick = remote(stamped_sleep)(0.0)
         assert quick.stream.name == "main"
-        assert time.monotonic() - t0 < 0.5  # issuing never waits
+        assert time.monotonic() - t0 < 2.0  # issuing never waits (for the 3 s side call)
         # a fetch completes once every stream passed its seq (30-controller.md §6.3), so
         # compare the workers' own clocks: main ran while side was still sleeping
         for shard in range(len(mesh)):
             (s0, s1), (q0, _) = inspect(slow, shard=shard), inspect(quick, shard=shard)
-            assert s0 <= q0 + 0.5 and q0 < s1 - 1.5, (s0, s1, q0)
+            assert s0 <= q0 + 1.5 and q0 < s1 - 1.5, (s0, s1, q0)
 @pytest.mark.timeout(30)
 def test_order_holds_within_a_stream(mesh: DeviceMesh) -> None:
     side = mesh.stream("order")

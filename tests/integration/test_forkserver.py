@@ -211,7 +211,7 @@ async def test_a_sigkilled_worker_is_reported_at_once_and_its_group_killed(
     await wait_for(lambda: bool(exits), 5, "the exit report")
     at, _, code, sig = exits[0]
     assert (code, sig) == (None, signal.SIGKILL)
-    assert at - t0 < 1.0
+    assert at - t0 < 3.0
     assert child.exit is not None and child.exit.reason == "killed by signal 9 (SIGKILL)"
     await wait_for(lambda: gone(facts["grandchild"]), 5, "the grandchild to die with its group")
     await procs.aclose()

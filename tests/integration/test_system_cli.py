@@ -149,7 +149,8 @@ def test_world_of_four_on_two_hosts_then_sigkill_and_eviction(cluster: Cluster) 
     entry = snap["worlds"]["w"]["procs"]["w[1]"]
     assert entry["exit_signal"] == 9
     assert "killed by signal 9 (SIGKILL)" in (entry["reason"] or "")
-    assert took < 0.5, f"SIGKILL reported after {took:.3f} s"
+    # Reported as a death (Exited, not the heartbeat path's Expired), and promptly.
+    assert took < 3.0, f"SIGKILL reported after {took:.3f} s"
     assert snap["worlds"]["w"]["status"] == "Unhealthy"
 
     # Unhealthy past the eviction timeout: evicted, survivors stopped, hosts keep running.
@@ -178,7 +179,7 @@ def test_sigstop_expires_after_heartbeat_timeout(cluster: Cluster) -> None:
             lambda s: s["worlds"]["w"]["procs"]["w[2]"]["health"] == "Expired", 5, "w[2] Expired"
         )
         took = time.monotonic() - t0
-        assert 0.8 <= took <= 2.5, took
+        assert 0.5 <= took <= 4.0, took
         assert "no heartbeat" in snap["worlds"]["w"]["procs"]["w[2]"]["reason"]
     finally:
         os.kill(pid, signal.SIGCONT)

@@ -50,8 +50,8 @@ SCRIPT = textwrap.dedent(
     print("DISTINCT_PIDS", len(set(pids)), os.getpid() not in pids)
     print("SLICE", counters.slice(procs=2).incr.call_one(1).get())
     t = time.monotonic()
-    assert counters.nap.broadcast(0.5) is None
-    print("BROADCAST_RETURNS_AT_ONCE", time.monotonic() - t < 0.2)
+    assert counters.nap.broadcast(5.0) is None  # a blocking broadcast would take 5 s
+    print("BROADCAST_RETURNS_AT_ONCE", time.monotonic() - t < 2.0)
     items = sorted(counters.boom.stream())
     print("STREAM_ERRORS", [(r, type(v).__name__) for r, v in items])
     try:

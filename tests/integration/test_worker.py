@@ -638,29 +638,37 @@ async def test_status_after_100_calls_over_two_streams_comes_once_after_all() ->
 async def test_two_streams_sleeping_one_second_run_in_parallel() -> None:
     async def body(ctl: Ctl) -> None:
         t0 = time.monotonic()
-        ctl.send(call(0, "time.sleep", 1.0, stream=0), call(1, "time.sleep", 1.0, stream=1))
-        await ctl.status(1, timeout=3.0)
-        assert time.monotonic() - t0 < 1.8
+        ctl.send(call(0, "time.sleep", 2.0, stream=0), call(1, "time.sleep", 2.0, stream=1))
+        await ctl.status(1, timeout=8.0)
+        assert time.monotonic() - t0 < 3.5  # one after the other would take 4 s
 
     await with_workers(1, body, streams=((0, "main"), (1, "side")))
 
 
 async def test_progress_query_answers_while_a_stream_is_stuck() -> None:
     async def body(ctl: Ctl) -> None:
-        ctl.send(call(0, "time.sleep", 0.0), call(7, "time.sleep", 2.0), call(8, "time.sleep", 0.0))
-        await asyncio.sleep(0.3)
+        ctl.send(call(0, "time.sleep", 0.0), call(7, "time.sleep", 5.0), call(8, "time.sleep", 0.0))
+        deadline = time.monotonic() + 10.0
+        while True:  # until the stream runs s7
+            got = await ctl.client.mailbox.ask(ctl.workers[0], ProgressQuery(), 5.0)
+            ex = got.streams[0].executing
+            if ex is not None and ex.seq == 7:
+                break
+            assert time.monotonic() < deadline, f"s7 never started: {got}"
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # s7 has run for a while
         t0 = time.monotonic()
-        got = await ctl.client.mailbox.ask(ctl.workers[0], ProgressQuery(), 2.0)
-        assert time.monotonic() - t0 < 0.1
+        got = await ctl.client.mailbox.ask(ctl.workers[0], ProgressQuery(), 5.0)
+        assert time.monotonic() - t0 < 1.0  # not after the ~4.5 s that s7 still sleeps
         assert isinstance(got, WorkerProgress)
         assert got.rank == 0 and got.pid == os.getpid()
         (s,) = got.streams
         assert s.id == 0 and s.name == "main"
         assert s.executing is not None
         assert s.executing.seq == 7 and s.executing.function == "time.sleep"
-        assert 0.2 < s.executing.running_for_s < 2.0
+        assert 0.2 < s.executing.running_for_s < 5.0
         assert s.queued == 1 and s.last_completed_seq == 0
-        await ctl.status(8, timeout=5.0)
+        await ctl.status(8, timeout=10.0)
 
     await with_workers(1, body)
 

@@ -441,7 +441,7 @@ async def test_call_to_missing_actor_fails_fast() -> None:
         t0 = loop.time()
         with pytest.raises(DeliveryError, match=r"mailbox error: no actor w\[1\].nobody\[0\] in w\[1\]"):
             await ActorRef(ActorId.parse("w[1].nobody[0]"), Counter).incr.call_one()
-        assert loop.time() - t0 < 0.1
+        assert loop.time() - t0 < 1.0  # a bounce, not the 30 s rpc timeout
 
 
 async def test_rpc_timeout_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from palatine import config
@@ -188,6 +188,7 @@ def test_parse_accepts_an_address_and_rejects_other_types() -> None:
         parse(5)  # type: ignore[arg-type]
 
 
+@settings(deadline=None)
 @given(
     ip=st.ip_addresses(),
     port=st.integers(min_value=0, max_value=65535),
@@ -199,6 +200,7 @@ def test_ip_addresses_round_trip(ip: object, port: int, kind: str) -> None:
     assert a.host == str(ip)
 
 
+@settings(deadline=None)
 @given(
     name=st.text(
         st.characters(blacklist_characters="\0", blacklist_categories=["Cs"]),

@@ -481,7 +481,7 @@ def test_item_39_throughput_of_chained_nodes() -> None:
             reports.extend(h.rank_completed(r, n))
         best = min(best, time.perf_counter() - t0)
         assert len(reports) == n and h.live_count == 0
-    assert best < 1.0, f"{n / best:,.0f} Nodes/s"
+    assert best < 3.0, f"{n / best:,.0f} Nodes/s"  # linear: a quadratic history takes minutes
 
 
 # --------------------------------------------------------------------------- other behaviour

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from palatine import ids
@@ -622,6 +622,7 @@ _small_ids = st.one_of(
 )
 
 
+@settings(deadline=None)
 @given(_ids)
 def test_property_round_trip_text_and_msgpack(x: Id) -> None:
     text = str(x)
@@ -632,6 +633,7 @@ def test_property_round_trip_text_and_msgpack(x: Id) -> None:
     assert stable_hash(parse(text)) == stable_hash(x)
 
 
+@settings(deadline=None)
 @given(st.one_of(st.text(), st.text(alphabet="[].0123456789ab_ :,-\t東")))
 def test_property_random_text_only_raises_id_parse_error(text: str) -> None:
     try:
@@ -642,6 +644,7 @@ def test_property_random_text_only_raises_id_parse_error(text: str) -> None:
         assert parse(str(x)) == x
 
 
+@settings(deadline=None)
 @given(_small_ids, _small_ids, _small_ids)
 def test_property_order_is_total_and_consistent(a: Id, b: Id, c: Id) -> None:
     assert [a < b, a == b, a > b].count(True) == 1

@@ -149,7 +149,7 @@ async def test_call_bounce_fails_fast() -> None:
         t0 = loop.time()
         with pytest.raises(DeliveryError):
             await ActorRef(ActorId.parse("w[1].missing[0]")).ping.call_one(1)
-        assert loop.time() - t0 < 0.1
+        assert loop.time() - t0 < 1.0  # a bounce, not the 30 s rpc timeout
 
 
 async def test_peer_gone_fails_pending_calls_and_watch() -> None:
@@ -224,5 +224,5 @@ async def test_long_deadlines_share_one_sweep_and_still_fire(monkeypatch: pytest
             await quick.future
         with pytest.raises(CallTimeout, match=r"call slow to w\[0\].nobody\[0\] timed out: no reply within 0.3 s"):
             await asyncio.wait_for(late.future, 5)
-        assert 0.3 <= loop.time() - t0 < 0.3 + 0.05 + 0.5
+        assert 0.3 <= loop.time() - t0 < 2.0  # never early; late only by the sweep (+ stalls)
         assert not sweep.due and sweep.handle is None  # nothing left: the sweep stops
