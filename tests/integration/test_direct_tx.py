@@ -4,6 +4,7 @@ never blocking; what the peer never acknowledged comes back when the session end
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 
@@ -89,7 +90,7 @@ async def test_threads_sending_at_once_deliver_everything_once_in_each_threads_o
 async def test_a_message_larger_than_the_socket_takes_is_finished_by_the_loop_in_order() -> None:
     returns = Returns()
     _, rx, tx = await open_pair(returns)
-    big = bytes(range(256)) * (64 * 1024)  # 16 MiB: far more than a socket buffer
+    big = bytes(range(256)) * (more_than_the_socket_holds(tx) // 256)
     tx.send([mk(b"first", [big])])
     # The loop thread (this one) has not run: the rest of the frame waits in the backlog,
     # and the next send queues behind it instead of blocking or overtaking it.
@@ -148,7 +149,7 @@ async def test_when_the_peer_ends_what_it_did_not_acknowledge_comes_back() -> No
 async def test_close_writes_out_the_backlog_first() -> None:
     returns = Returns()
     _, rx, tx = await open_pair(returns)
-    big = b"\x07" * (8 * 1024 * 1024)
+    big = b"\x07" * more_than_the_socket_holds(tx)
     tx.send([mk(b"big", [big]), mk(b"tail")])
     assert tx._backlog
     closing = asyncio.ensure_future(tx.aclose(WAIT_S))
@@ -172,7 +173,7 @@ async def test_only_unix_addresses_are_opened() -> None:
 async def test_an_empty_buffer_queued_behind_a_backlog_does_not_keep_the_loop_writing() -> None:
     returns = Returns()
     _, rx, tx = await open_pair(returns)
-    tx.send([mk(b"big", [b"\x01" * (8 * 1024 * 1024)])])
+    tx.send([mk(b"big", [b"\x01" * more_than_the_socket_holds(tx)])])
     assert tx._backlog
     tx.send([mk(b"empty-last", [b"ab", b""])])  # a pickle of an empty array ends so
     async with asyncio.timeout(WAIT_S):
@@ -184,6 +185,11 @@ async def test_an_empty_buffer_queued_behind_a_backlog_does_not_keep_the_loop_wr
     await tx.aclose(5.0)  # nothing left to write: no wait for a backlog that never empties
     assert time.monotonic() - t0 < 2.0
     await rx.stop()
+
+
+def more_than_the_socket_holds(tx: DirectTx) -> int:
+    """Bytes that cannot all fit in the connection's send buffer (then a backlog waits)."""
+    return 2 * tx._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) + (1 << 20)
 
 
 class SilentPeer:

@@ -400,14 +400,15 @@ def test_a_batch_larger_than_the_socket_buffer_waits_for_the_peer_to_read() -> N
         sizer = procs.spawn("sizer", Sizer).slice(procs=0)
         sizer.size.call_one(b"").get()
         sizer.size.call_one(b"").get()
-        # The first call blocks the proc's loop for 0.5 s: 2 MB of requests cannot all
-        # be written meanwhile, so the caller waits to write (and to read) in turn.
-        fs = [sizer.nap.call_one(0.5)] + [sizer.size.call_one(b"x" * 4096) for _ in range(500)]
-        print("BIG_BATCH", fs[-1].get(), all(f.get() == 4096 for f in fs[1:]), fs[0].get())
+        # The first call blocks the proc's loop for 0.5 s: 32 MB of requests cannot all
+        # be written meanwhile (more than a unix send buffer holds), so the caller
+        # waits to write (and to read) in turn.
+        fs = [sizer.nap.call_one(0.5)] + [sizer.size.call_one(b"x" * 65536) for _ in range(500)]
+        print("BIG_BATCH", fs[-1].get(), all(f.get() == 65536 for f in fs[1:]), fs[0].get())
         print("AFTER", sizer.size.call_one(b"abc").get(), lanes_of_this_thread())
         """
     )
-    assert out["BIG_BATCH"] == "4096 True 0.5"
+    assert out["BIG_BATCH"] == "65536 True 0.5"
     assert out["AFTER"] == "3 1"  # one lane: the sizer shares the proc with the accumulator
 
 
@@ -489,10 +490,10 @@ def test_a_lane_call_to_a_proc_that_stopped_reading_times_out() -> None:
         sizer = procs.spawn("sizer", Sizer).slice(procs=0)
         pid = sizer.pid.call_one().get()
         sizer.length.call_one(b"").get()  # now on the lane
-        os.kill(pid, signal.SIGSTOP)  # reads nothing: 4 MB cannot all be written
+        os.kill(pid, signal.SIGSTOP)  # reads nothing: 32 MB cannot all be written
         t = time.monotonic()
         try:
-            sizer.size.call_one(b"x" * 4_000_000).get()
+            sizer.size.call_one(b"x" * 32_000_000).get()
         except CallTimeout as e:
             print("TIMED_OUT", round(time.monotonic() - t, 3), "no reply within 0.5 s" in str(e))
         os.kill(pid, signal.SIGCONT)

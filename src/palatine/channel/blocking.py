@@ -27,6 +27,7 @@ import time
 from typing import Any, Final
 
 from palatine.channel.addr import ChannelAddr
+from palatine.channel.net import tune_socket
 from palatine.ids import ActorId
 from palatine.wire import frames
 from palatine.wire.handshake import ClientHandshake, HandshakeError
@@ -308,8 +309,7 @@ def _dial(
             err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if err:
             raise LinkLost(os.strerror(err))
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_socket(sock)
         if ssl_context is not None:
             sock = _tls_handshake(sock, addr, waiter, ssl_context, deadline)
     except BaseException:

@@ -30,7 +30,7 @@ from typing import Any, Final, cast
 from palatine import config
 from palatine.channel.addr import ChannelAddr
 from palatine.channel.base import ReturnCallback, Tx, TxStatus
-from palatine.channel.net import describe_error, format_seconds, resolve_security, set_nodelay
+from palatine.channel.net import describe_error, format_seconds, resolve_security, tune_transport
 from palatine.errors import ChannelClosed, SendError
 from palatine.wire.envelope import Envelope
 from palatine.wire.frames import (
@@ -88,7 +88,7 @@ class _ClientConn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
-        set_nodelay(transport)
+        tune_transport(transport)
 
     def data_received(self, data: bytes) -> None:
         try:

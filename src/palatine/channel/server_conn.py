@@ -16,7 +16,7 @@ import socket
 import struct
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from palatine.channel.net import format_seconds, set_nodelay
+from palatine.channel.net import format_seconds, tune_transport
 from palatine.ids import ActorId, ProcId
 from palatine.wire.envelope import Envelope
 from palatine.wire.frames import (
@@ -97,7 +97,7 @@ class ServerConn(asyncio.BufferedProtocol):
         # uvloop's transports implement the interface without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
         rx = self.rx
-        set_nodelay(transport)
+        tune_transport(transport)
         self.peer, self.peer_key = _peer_of(transport)
         if rx._stopping:
             self.transport.abort()

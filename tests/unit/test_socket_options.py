@@ -1,0 +1,29 @@
+"""Socket options every channel connection gets (`palatine.channel.net.tune_socket`)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from palatine.channel.net import UNIX_SEND_BUFFER_BYTES, tune_socket
+
+
+def test_a_unix_connection_gets_the_large_send_buffer() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        default = a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        tune_socket(a)
+        got = a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    cap = Path("/proc/sys/net/core/wmem_max")
+    limit = int(cap.read_text()) if cap.exists() else UNIX_SEND_BUFFER_BYTES
+    # Linux doubles the value asked for (bookkeeping) after capping it at wmem_max.
+    assert got == 2 * min(UNIX_SEND_BUFFER_BYTES, limit), (default, got)
+
+
+def test_a_tcp_connection_gets_nodelay_and_keeps_its_own_buffers() -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    with srv, socket.create_connection(srv.getsockname()) as c:
+        default = c.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        tune_socket(c)
+        assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        assert c.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == default  # autotuned
