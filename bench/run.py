@@ -814,7 +814,9 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "and every fetch needed fresh memory (a run at 0.30 GB/s before that fix, "
         "1.2-1.9 GB/s after, the same as through the loop).",
         "2026-12-03, night: unix connections ask for a 4 MiB send buffer "
-        "(`palatine/channel/net.py`, `tune_socket`; the kernel's default is ≈ 200 KiB): "
+        "(`palatine/channel/net.py`, `tune_socket`; the kernel's default is ≈ 200 KiB, and "
+        "it grants at most `net.core.wmem_max`, 4 MiB on this machine but ≈ 208 KiB on a "
+        "stock kernel): "
         "64 MiB moved in ≈ 300 steps, each waking the reader and then the writer, on "
         "2 cores shared by 6 processes. Alternating runs: 1.4-1.7 GB/s before, 1.8-2.0 "
         "after, and the slow repetitions (100-300 ms) mostly gone.",

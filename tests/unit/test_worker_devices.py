@@ -32,10 +32,16 @@ def test_each_proc_sees_entry_local_rank_mod_n(
         env["CUDA_VISIBLE_DEVICES"] = visible
     assert narrow_visible_devices(env) is None
     assert env["CUDA_VISIBLE_DEVICES"] == seen
+    assert env["PALATINE_DEVICES_PER_HOST"] == "1"
+    assert narrow_visible_devices(env) is None  # a worker started from this one
+    assert env["CUDA_VISIBLE_DEVICES"] == seen
 
 
-def test_palatine_local_rank_is_used_when_local_rank_is_not_set() -> None:
+@pytest.mark.parametrize("local_rank", [None, ""])
+def test_palatine_local_rank_is_used_when_local_rank_is_not_set(local_rank: str | None) -> None:
     env = {"PALATINE_DEVICES_PER_HOST": "2", "PALATINE_LOCAL_RANK": "1"}
+    if local_rank is not None:
+        env["LOCAL_RANK"] = local_rank
     assert narrow_visible_devices(env) is None
     assert env["CUDA_VISIBLE_DEVICES"] == "1"
 
@@ -45,7 +51,14 @@ def test_palatine_local_rank_is_used_when_local_rank_is_not_set() -> None:
     [
         ({"PALATINE_DEVICES_PER_HOST": "0"}, "must be a positive integer, not '0'"),
         ({"PALATINE_DEVICES_PER_HOST": "two"}, "must be a positive integer, not 'two'"),
-        ({"PALATINE_DEVICES_PER_HOST": "2", "LOCAL_RANK": "x"}, "LOCAL_RANK must be an integer"),
+        (
+            {"PALATINE_DEVICES_PER_HOST": "2", "LOCAL_RANK": "x"},
+            "LOCAL_RANK must be a non-negative integer, not 'x'",
+        ),
+        (
+            {"PALATINE_DEVICES_PER_HOST": "2", "PALATINE_LOCAL_RANK": "-1"},
+            "PALATINE_LOCAL_RANK must be a non-negative integer, not '-1'",
+        ),
         (
             {"PALATINE_DEVICES_PER_HOST": "4", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "0,1"},
             "PALATINE_DEVICES_PER_HOST=4 but CUDA_VISIBLE_DEVICES='0,1' lists 2 device(s)",

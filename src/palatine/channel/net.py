@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from palatine.channel.net_tx import NetTx
 
 __all__ = [
+    "UNIX_SEND_BUFFER_BYTES",
     "WARN_INTERVAL_S",
     "PeerWarnings",
     "describe_error",
@@ -36,7 +37,6 @@ __all__ = [
     "serve_net",
     "tune_socket",
     "tune_transport",
-    "UNIX_SEND_BUFFER_BYTES",
 ]
 
 logger = logging.getLogger(__name__)
@@ -60,12 +60,15 @@ def format_seconds(value: float) -> str:
     return repr(float(value))
 
 
-UNIX_SEND_BUFFER_BYTES = 4 << 20
-"""The send buffer asked for on a unix connection (the kernel caps it at ``wmem_max``).
+UNIX_SEND_BUFFER_BYTES: Final = 4 << 20
+"""The send buffer asked for on a unix connection.
 
-The default (about 200 KiB) moves a 64 MiB value in some 300 steps, each a wake-up of
-the reader and then of the writer; 4 MiB steps take a fifth less time for the value and
-vary less. It is a cap on bytes in flight, not memory set aside."""
+The kernel caps it at ``net.core.wmem_max`` (often 208 KiB on a stock kernel, where
+this only doubles the default; raise the sysctl to get the whole of it) and then
+doubles it for its own bookkeeping. The default (about 200 KiB) moves a 64 MiB value in
+some 300 steps, each a wake-up of the reader and then of the writer; 4 MiB steps took a
+fifth less time for the value and varied less. It bounds the bytes in flight on one
+connection; it sets no memory aside."""
 
 
 def tune_socket(sock: socket.socket) -> None:

@@ -42,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
 def narrow_visible_devices(environ: MutableMapping[str, str]) -> str | None:
     """With ``PALATINE_DEVICES_PER_HOST=n``, keep only entry ``LOCAL_RANK % n`` of the
     visible GPUs in ``CUDA_VISIBLE_DEVICES`` (all of ``0..n-1`` when it is unset), so each
-    worker proc of a host sees one GPU as ``cuda:0`` (40-worker-client.md §1.1).
+    worker proc of a host sees one GPU as ``cuda:0`` (40-worker-client.md §1.1). The
+    local rank is ``LOCAL_RANK`` (else ``PALATINE_LOCAL_RANK``, else 0); afterwards
+    ``PALATINE_DEVICES_PER_HOST`` is 1, so a worker started from this one keeps its GPU.
 
     Must run before torch is imported. Returns what is wrong with the settings, or None.
     """
@@ -55,11 +57,14 @@ def narrow_visible_devices(environ: MutableMapping[str, str]) -> str | None:
         n = 0
     if n < 1:
         return f"PALATINE_DEVICES_PER_HOST must be a positive integer, not {text!r}"
-    local = environ.get("LOCAL_RANK", environ.get("PALATINE_LOCAL_RANK", "0"))
+    name = "LOCAL_RANK" if environ.get("LOCAL_RANK") else "PALATINE_LOCAL_RANK"
+    local = environ.get(name) or "0"
     try:
         local_rank = int(local)
     except ValueError:
-        return f"LOCAL_RANK must be an integer, not {local!r}"
+        local_rank = -1
+    if local_rank < 0:
+        return f"{name} must be a non-negative integer, not {local!r}"
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         entries = [str(i) for i in range(n)]
@@ -71,6 +76,8 @@ def narrow_visible_devices(environ: MutableMapping[str, str]) -> str | None:
             f"lists {len(entries)} device(s)"
         )
     environ["CUDA_VISIBLE_DEVICES"] = entries[local_rank % n]
+    # What this proc sees now; a worker started from it keeps that one device.
+    environ["PALATINE_DEVICES_PER_HOST"] = "1"
     return None
 
 

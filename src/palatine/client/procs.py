@@ -8,6 +8,7 @@ dies, even by SIGKILL, the child reads EOF and stops itself, so nothing is left 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -177,4 +178,5 @@ class RoleProcess:
         itself, as when the launcher dies."""
         fd, self._lifeline_w = self._lifeline_w, -1
         if fd >= 0:
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,4 +1,6 @@
-"""Typed messages of the system layer (20-system.md §1.3, §1.7, §1.9, §2.2).
+"""Typed messages of the system layer (20-system.md §1.3, §1.7, §1.9).
+
+The proc agent's messages (§2.2) are in `palatine.system.agent_messages`.
 
 Every request here is answered on its ``reply_to`` port with the reply named in its
 docstring or with `Rejected` (the caller raises `SystemRequestError`). One-way messages

@@ -483,7 +483,8 @@ class WorkerProgress(Message, kw_only=True):
 
 
 class RefValue(Message, kw_only=True):
-    """Answer to `GetRefUnitTestsOnly`: absent (``found = False``), errored, or a value."""
+    """Answer to `GetRefUnitTestsOnly`: absent (``found = False``), errored, or a value;
+    a worker that is exiting answers ``found = False`` with an ``error`` saying so."""
 
     found: bool
     error: str | None = None
