@@ -9,10 +9,13 @@ that a worker's ``FetchResult`` decodes into the History's ``Ok``/``Err``.
 from __future__ import annotations
 
 import inspect
+import itertools
 from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import palatine.controller.messages as cm
 import palatine.worker.messages as wm
@@ -374,6 +377,25 @@ def test_slice_ranks() -> None:
     assert wm.Slice(5, [], []).ranks() == [5] and len(wm.Slice(5, [], [])) == 1
     with pytest.raises(ValueError):
         wm.Slice(0, [2], [1, 1]).ranks()
+    assert wm.Slice(3, [3, 0], [1, 1]).ranks() == []
+    assert wm.Slice(1, [2, 2], [0, 1]).ranks() == [1, 2, 1, 2]  # duplicates kept
+
+
+@given(
+    offset=st.integers(0, 50),
+    dims=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 6)), max_size=4),
+)
+@settings(deadline=None, max_examples=300)
+def test_slice_ranks_are_offset_plus_the_row_major_index_sums(
+    offset: int, dims: list[tuple[int, int]]
+) -> None:
+    sizes = [d[0] for d in dims]
+    strides = [d[1] for d in dims]
+    want = [
+        offset + sum(i * s for i, s in zip(idx, strides))
+        for idx in itertools.product(*(range(n) for n in sizes))
+    ]
+    assert wm.Slice(offset, sizes, strides).ranks() == want
 
 
 def test_device_failure_details_are_the_exception_attributes() -> None:

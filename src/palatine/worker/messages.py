@@ -34,7 +34,6 @@ Wire invariants:
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Generic, Literal, TypeAlias, TypeVar
 
 import msgspec
@@ -154,12 +153,15 @@ class Slice(msgspec.Struct, frozen=True, array_like=True, gc=False):
         """The ranks of the slice in row-major order (duplicates kept if strides overlap)."""
         if len(self.sizes) != len(self.strides):
             raise ValueError(f"slice has {len(self.sizes)} sizes but {len(self.strides)} strides")
-        base = self.offset
-        strides = self.strides
-        return [
-            base + sum(i * st for i, st in zip(idx, strides, strict=True))
-            for idx in itertools.product(*(range(s) for s in self.sizes))
-        ]
+        out = [self.offset]
+        for size, stride in zip(self.sizes, self.strides, strict=True):
+            if len(out) == 1:  # a contiguous run needs no per-rank arithmetic
+                first = out[0]
+                out = list(range(first, first + size * stride, stride)) if stride else [first] * size
+            else:
+                steps = [i * stride for i in range(size)]
+                out = [b + s for b in out for s in steps]
+        return out
 
 
 class FunctionPath(msgspec.Struct, frozen=True, tag=True):
