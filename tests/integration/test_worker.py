@@ -1343,6 +1343,31 @@ def test_process_groups_in_remote_functions(gang: Gang) -> None:
     assert len(gang.rec.of(RemoteFunctionFailed)) == before
 
 
+async def test_a_stream_abandoned_while_waiting_for_an_init_reports_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Exit gives up on busy streams after its timeout; a stream that was waiting for a
+    collective init on another stream unwinds quietly, not as a user error."""
+    monkeypatch.setenv("PALATINE_WORKER_EXIT_TIMEOUT", "0.5")
+
+    async def body(ctl: Ctl) -> None:
+        inst = ctl.procs[0].instance(ctl.workers[0])
+        assert inst is not None
+        ctl.send(
+            CreateDeviceMesh(result=1, names=["x"], ranks=Slice(0, [1], [1])),
+            call(0, "time.sleep", 3.0),
+            BackendNetworkInit(seq=1, result=2, store_addr="127.0.0.1:1", stream=0),
+            CreateProcessGroup(seq=2, result=3, mesh=1, dims=["x"], stream=1),  # waits
+            Exit(error="client ended"),
+        )
+        assert await asyncio.wait_for(asyncio.shield(inst.terminal), 5.0) == "stopped"
+        await asyncio.sleep(0.5)  # the waiting stream checks every 0.1 s
+        assert ctl.rec.of(RemoteFunctionFailed) == []
+        assert ctl.failures == []
+
+    await with_workers(1, body, streams=((0, "main"), (1, "side")))
+
+
 async def test_failed_collective_init_makes_later_groups_dependent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
