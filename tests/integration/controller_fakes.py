@@ -87,6 +87,9 @@ class FakeWorker(Actor):
     def __init__(self, params: WorkerParams) -> None:
         if not 0 <= params.rank < params.world_size:
             raise ValueError(f"rank {params.rank} out of range for world size {params.world_size}")
+        slow = os.environ.get("FAKE_WORKER_SLOW_SPAWN")  # "RANK:SECONDS": a slow constructor
+        if slow and int(slow.split(":")[0]) == params.rank:
+            time.sleep(float(slow.split(":")[1]))
         self.params = params
         self.hang_from: int | None = None
         self.hang_since = 0.0

@@ -345,6 +345,35 @@ def test_worker_exiting_at_start_fails_fast(cluster: Cluster) -> None:
     )
 
 
+def test_the_controller_world_is_live_only_once_every_worker_actor_exists(
+    env: dict[str, str],
+) -> None:
+    """Step 7 after step 6: the readiness signal (X Live) never precedes a worker actor."""
+    # Rank 2's constructor blocks its proc for 3 s: heartbeats may pause that long.
+    c = Cluster({**env, "FAKE_WORKER_SLOW_SPAWN": "2:3"}, update_timeout="10")
+    try:
+        client = c.client()
+        p = c.popen(c.controller_args())
+        worker_live = controller_live = None
+        deadline = time.monotonic() + 30
+        while controller_live is None and time.monotonic() < deadline and p.poll() is None:
+            worlds = client.snapshot()["worlds"]
+            now = time.monotonic()
+            if worker_live is None and worlds.get("worker", {}).get("status") == "Live":
+                worker_live = now
+            if worlds.get("controller", {}).get("status") == "Live":
+                controller_live = now
+            time.sleep(0.02)
+        assert worker_live is not None and controller_live is not None, p.poll()
+        # Rank 2's actor takes 3 s to construct once the worker world is Live (a second of
+        # slack for a late poll of the worker world).
+        assert controller_live - worker_live >= 2.0, controller_live - worker_live
+        for rank in range(4):
+            assert client.ask(client.worker(rank), FakeQuery()).params.rank == rank
+    finally:
+        c.close()
+
+
 def test_existing_world_is_an_error(cluster: Cluster) -> None:
     client = cluster.client()
     client.lt.run(lambda: client.sys.upsert_world("worker", [4], 2, None, {}))
