@@ -65,3 +65,16 @@ def module_token(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     token_mod.reset_token_cache()
     yield token
     token_mod.reset_token_cache()
+
+
+@pytest.fixture
+def unix_send_buffer() -> int:
+    """What SO_SNDBUF reads on a unix socket after `tune_socket`: the kernel caps the
+    request at ``net.core.wmem_max``, then doubles it for its bookkeeping."""
+    from pathlib import Path
+
+    from palatine.channel.net import UNIX_SEND_BUFFER_BYTES
+
+    cap = Path("/proc/sys/net/core/wmem_max")
+    limit = int(cap.read_text()) if cap.exists() else UNIX_SEND_BUFFER_BYTES
+    return 2 * min(UNIX_SEND_BUFFER_BYTES, limit)

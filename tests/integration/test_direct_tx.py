@@ -146,15 +146,9 @@ async def test_when_the_peer_ends_what_it_did_not_acknowledge_comes_back() -> No
     await wait_for(lambda: any(e is late for e, _ in returns.items))
 
 
-async def test_the_connection_gets_the_large_unix_send_buffer() -> None:
-    from pathlib import Path
-
-    from palatine.channel.net import UNIX_SEND_BUFFER_BYTES
-
+async def test_the_connection_gets_the_large_unix_send_buffer(unix_send_buffer: int) -> None:
     _, rx, tx = await open_pair(Returns())
-    cap = Path("/proc/sys/net/core/wmem_max")
-    want = 2 * min(UNIX_SEND_BUFFER_BYTES, int(cap.read_text()) if cap.exists() else 1 << 30)
-    assert tx._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == want
+    assert tx._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == unix_send_buffer
     await tx.aclose(WAIT_S)
     await rx.stop()
 
