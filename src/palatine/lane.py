@@ -30,9 +30,10 @@ leaves the call to the loop path too.
 
 ``call_one`` futures that a thread creates one after another for the same actor, without
 waiting in between, form a *batch* (up to `BATCH_MAX`): waiting on any of them writes
-all their requests in one go and reads until every one of them has its outcome, so a
-thousand calls in flight cost one write and a few reads, not a loop hop each. Any other
-use of a member sends the whole batch through the loop, in order, as above.
+their requests in a few growing chunks (`palatine.lane_calls`) and reads until every one
+of them has its outcome, so a thousand calls in flight cost a few writes and reads, not
+a loop hop each, and the peer starts on the first requests while the rest are encoded.
+Any other use of a member sends the whole batch through the loop, in order, as above.
 
 While the thread waits for a reply it polls its lane for up to ``idle_spin_us`` before
 it blocks, and the serving loop keeps polling as long after each lane request
@@ -46,20 +47,17 @@ then unknown, as when any peer dies mid-call.
 
 from __future__ import annotations
 
-import select
-import socket
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from palatine import config, runtime
+from palatine import config, lane_calls, runtime
 from palatine.channel.addr import ChannelAddr
-from palatine.channel.spin import poll_spinning, spin_seconds
 from palatine.future import _FINISHED, Future, _state_lock, on_loop_thread
 from palatine.ids import ActorId, PortId, ProcId
-from palatine.lane_conn import Broken, Failed, LaneConn, NotSent, WriteTimeout, broken_errors, timeout_error
+from palatine.lane_conn import LaneConn, NotSent
 from palatine.wire.envelope import Envelope
 
 if TYPE_CHECKING:
@@ -250,22 +248,27 @@ class _Batch:
             if claim == _POSTED and posted is not None and not on_loop_thread():
                 posted.wait(_POSTING_WAIT_S)  # another thread is posting them right now
             return
-        st, last = self.st, futs[-1]
-        procs = frozenset(dest.proc for _, dest, _ in last._legs)
-        calls = [(f, f._call.go, f._call.transform) for f in futs]
-        if threading.get_ident() == last._owner:
+        st = self.st
+        if threading.get_ident() == futs[-1]._owner:
             if st.deferred is self:
                 st.deferred = None
-            runtime.call_all_into(calls)  # (this thread's post hook forgets its last call)
-            st.last_procs, st.last_fut = procs, last
+            _post_in_order(st, futs)
         else:
             # Before the batch stops being the thread's: a call the owner makes meanwhile
             # must see these as unfinished, so it goes through the loop too, after them.
-            st.last_procs, st.last_fut = procs, last
-            runtime.call_all_into(calls)
+            last = futs[-1]
+            st.last_procs, st.last_fut = frozenset(dest.proc for _, dest, _ in last._legs), last
+            runtime.call_all_into([(f, f._call.go, f._call.transform) for f in futs])
             if st.deferred is self:
                 st.deferred = None
         self.posted.set()
+
+
+def _post_in_order(st: _ThreadState, futs: list[LaneFuture]) -> None:
+    """Send ``futs`` the ordinary way, in order, as one post from their owner thread."""
+    runtime.call_all_into([(f, f._call.go, f._call.transform) for f in futs])
+    last = futs[-1]  # (the post hook made the thread forget its last call: this is it now)
+    st.last_procs, st.last_fut = frozenset(dest.proc for _, dest, _ in last._legs), last
 
 
 class LaneFuture(Future[Any]):
@@ -318,13 +321,16 @@ class LaneFuture(Future[Any]):
                 raise
             return False
         try:
-            if len(batch.futs) > 1:
-                _run_batch(lanes[0], batch.futs)
+            futs = batch.futs
+            if len(futs) > 1:
+                sent = lane_calls.run_batch(lanes[0], futs)
+                if sent < len(futs):
+                    _post_in_order(batch.st, futs[sent:])
                 return True
             if self._legs[0][0] < 0:
-                value = _call(lanes[0], self)
+                value = lane_calls.call(lanes[0], self)
             else:
-                value = _gather(self, lanes)
+                value = lane_calls.gather(self, lanes)
                 transform = self._call.transform
                 if transform is not None:
                     value = transform(value)
@@ -365,163 +371,6 @@ class LaneFuture(Future[Any]):
         if self._batch.claim == _UNSENT:
             self._demote()
         return super().__await__()
-
-
-def _dest(fut: LaneFuture, leg: int) -> ActorId:
-    return fut._legs[leg][1]
-
-
-def _call(lane: LaneConn, fut: LaneFuture) -> Any:
-    """Send ``fut``'s one request and read until its reply; the reply's value."""
-    deadline = time.monotonic() + fut._timeout_s
-    try:
-        reply_to = lane.send(lambda rt: fut._envelope(-1, rt), deadline)
-    except WriteTimeout:
-        raise timeout_error(fut._what, _dest(fut, 0), fut._timeout_s) from None
-    while True:
-        if deadline - time.monotonic() <= 0:
-            raise timeout_error(fut._what, _dest(fut, 0), fut._timeout_s)
-        try:
-            got, value = lane.take(reply_to, deadline)
-        except Broken as b:
-            raise broken_errors(fut._proc, [(fut._what, _dest(fut, 0))], b.why)[0] from None
-        if got:
-            if isinstance(value, Failed):
-                raise value.error
-            return value
-
-
-def _run_batch(lane: LaneConn, futs: list[LaneFuture]) -> None:
-    """Write every member's request (one buffer, in order) and read until each member
-    has its reply, its timeout or the lane's end; then complete them all (so no
-    callback runs while the lane is mid-batch). Raises `NotSent` if nothing was sent.
-    Any other exception (an interrupt) completes every member still open with it."""
-    outcomes: dict[int, tuple[Any, BaseException | None]] = {}  # member index -> outcome
-    try:
-        _batch_io(lane, futs, outcomes)
-    except NotSent:
-        raise
-    except BaseException as e:
-        lane.close()  # a request may be cut short on the wire
-        for i in range(len(futs)):
-            outcomes.setdefault(i, (None, e))
-        _finish_all(futs, outcomes)
-        raise
-    _finish_all(futs, outcomes)
-
-
-def _finish_all(futs: list[LaneFuture], outcomes: dict[int, tuple[Any, BaseException | None]]) -> None:
-    for i, f in enumerate(futs):
-        value, exc = outcomes[i]
-        f._finish(value, exc)
-
-
-def _batch_io(lane: LaneConn, futs: list[LaneFuture], outcomes: dict[int, tuple[Any, BaseException | None]]) -> None:
-    """The writes and reads of `_run_batch`. Writes never block: while the peer is not
-    reading, replies are read meanwhile, and a write left unfinished when no member
-    waits any more closes the lane (nothing may follow a cut frame)."""
-    data, ports = lane.encode(len(futs), lambda i, rt: futs[i]._envelope(-1, rt))
-    waiting = {p.port: i for i, p in enumerate(ports)}
-    now = time.monotonic()
-    due = sorted((now + f._timeout_s, p.port, i) for i, (p, f) in enumerate(zip(ports, futs, strict=True)))
-    k = 0
-    out = memoryview(data)
-    sock = lane.sock
-    poller: select.poll | None = None
-    try:
-        while waiting:
-            now = time.monotonic()
-            while k < len(due) and due[k][0] <= now:
-                _, port, i = due[k]
-                if waiting.pop(port, None) is not None:
-                    f = futs[i]
-                    outcomes[i] = (None, timeout_error(f._what, _dest(f, 0), f._timeout_s))
-                k += 1
-            if not waiting:
-                break
-            deadline: float | None = due[k][0]
-            if out:
-                try:
-                    out = out[sock.send(out, socket.MSG_DONTWAIT):]
-                except BlockingIOError:
-                    pass
-                if out:  # the peer is not reading: wait to write or read, whichever first
-                    if poller is None:
-                        poller = select.poll()
-                        poller.register(sock.fileno(), select.POLLIN | select.POLLOUT)
-                    ms = max(1, int((due[k][0] - time.monotonic()) * 1000))
-                    if not any(ev & select.POLLIN for _, ev in poller.poll(ms)):
-                        continue
-                    deadline = None  # something to read: do not wait
-            for index, value in lane.read(deadline):
-                i = waiting.pop(index, -1)
-                if i < 0:
-                    continue  # a late reply to an earlier call that timed out
-                outcomes[i] = (None, value.error) if isinstance(value, Failed) else (value, None)
-    except (Broken, OSError) as e:  # the lane ended (or a write failed: it is gone)
-        lane.close()
-        why = e.why if isinstance(e, Broken) else lane.ended or e.strerror or str(e)
-        left = list(waiting.values())
-        errors = broken_errors(futs[0]._proc, [(futs[i]._what, _dest(futs[i], 0)) for i in left], why)
-        for i, err in zip(left, errors, strict=True):
-            outcomes[i] = (None, err)
-        return
-    if out:
-        lane.close()  # part of a request may be on the wire: nothing may follow it
-
-
-def _gather(fut: LaneFuture, lanes: list[LaneConn]) -> dict[int, Any]:
-    """Send one request per leg over its lane, then read every reply: {rank: value}.
-
-    Errors follow `palatine.mailbox.Gather`: the lowest failed rank's error is raised,
-    with a note naming every failed rank when there are several.
-    """
-    results: dict[int, Any] = {}
-    errors: dict[int, BaseException] = {}
-    waiting: dict[int, tuple[int, LaneConn, PortId, int]] = {}  # fd -> (rank, lane, port, leg)
-    deadline = time.monotonic() + fut._timeout_s
-    for i, ((rank, dest, _addr), lane) in enumerate(zip(fut._legs, lanes, strict=True)):
-        try:
-            reply_to = lane.send(lambda rt, r=rank: fut._envelope(r, rt), deadline)
-        except NotSent:
-            if i == 0:
-                raise  # nothing left yet: the loop path sends it all
-            errors[rank] = broken_errors(fut._proc, [(fut._what, dest)], "the request could not be written")[0]
-            continue
-        except WriteTimeout:
-            errors[rank] = timeout_error(fut._what, _dest(fut, 0), fut._timeout_s)
-            continue
-        waiting[lane.sock.fileno()] = (rank, lane, reply_to, i)
-    spin_s = spin_seconds()
-    poller = select.poll()
-    for fd in waiting:
-        poller.register(fd, select.POLLIN)
-    while waiting:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            for rank, _lane, _port, _i in waiting.values():
-                errors[rank] = timeout_error(fut._what, _dest(fut, 0), fut._timeout_s)
-            break
-        for fd, _ev in poll_spinning(poller, max(1, int(left * 1000)), spin_s):
-            rank, lane, reply_to, i = waiting[fd]
-            try:
-                got, value = lane.take(reply_to, None)
-            except Broken as b:
-                got, value = True, Failed(broken_errors(fut._proc, [(fut._what, _dest(fut, i))], b.why)[0])
-            if got:
-                del waiting[fd]
-                poller.unregister(fd)
-                if isinstance(value, Failed):
-                    errors[rank] = value.error
-                else:
-                    results[rank] = value
-    if errors:
-        first = errors[min(errors)]
-        if len(errors) > 1:
-            ranks = ", ".join(str(r) for r in sorted(errors))
-            first.add_note(f"{fut._what} failed on ranks {ranks}")
-        raise first
-    return results
 
 
 class _Sweeper:

@@ -412,6 +412,33 @@ def test_a_batch_larger_than_the_socket_buffer_waits_for_the_peer_to_read() -> N
     assert out["AFTER"] == "3 1"  # one lane: the sizer shares the proc with the accumulator
 
 
+def test_a_batch_member_over_the_frame_limit_fails_alone_and_the_rest_keep_their_order() -> None:
+    # A batch goes out in chunks (`palatine.lane_calls`): the first chunk has left when
+    # member 20 (in the second) turns out to be over the frame limit. That member gets
+    # the ordinary path's size error; every other member its own reply, in call order.
+    out = run(
+        """
+        one.add.call_one(0).get()
+        one.add.call_one(0).get()  # now on the lane
+        fs = [one.add.call_one(1) for _ in range(20)] + [one.add.call_one(b"x" * 300_000)]
+        fs += [one.add.call_one(1) for _ in range(20)]
+        outs = []
+        for f in fs:
+            try:
+                outs.append(f.get())
+            except Exception as e:
+                outs.append(type(e).__name__ + ": " + str(e))
+        print("VALUES", outs[:20] + outs[21:] == list(range(1, 41)))
+        print("OVER", outs[20])
+        print("NEXT", one.add.call_one(1).get(), lanes_of_this_thread())
+        """,
+        env={"PALATINE_MAX_FRAME_BYTES": "200000"},
+    )
+    assert out["VALUES"] == "True"
+    assert out["OVER"].startswith("DeliveryError: ") and "exceeds max frame size 200000" in out["OVER"]
+    assert out["NEXT"] == "41 1"
+
+
 def test_a_request_that_bounces_fails_at_once_on_its_lane() -> None:
     out = run(
         """

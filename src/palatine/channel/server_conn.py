@@ -57,6 +57,9 @@ _peercred = struct.Struct("3i")
 
 
 READ_BYTES: Final = 256 * 1024
+# Lane replies held within one read are written every this many buffers, so the caller
+# decodes the first replies while later requests of a big batch are still being handled.
+BACK_FLUSH_BUFFERS: Final = 32
 
 
 class ServerConn(asyncio.BufferedProtocol):
@@ -136,7 +139,8 @@ class ServerConn(asyncio.BufferedProtocol):
         if self.lane is None:
             self._frames(frames)
             return
-        # A lane: replies made while these requests are handled go out in one write.
+        # A lane: replies made while these requests are handled go out together
+        # (`BACK_FLUSH_BUFFERS` at a time).
         self._back = out = []
         try:
             self._frames(frames)
@@ -269,9 +273,13 @@ class ServerConn(asyncio.BufferedProtocol):
             return f"message of {size} bytes exceeds max frame size {self.rx._max_frame}"
         self._back_seq += 1
         out = self._back
-        if out is not None:  # inside `data_received`: written when it ends
+        if out is not None:  # inside `data_received`: written when it ends (or fills)
             out.append(head)
-            out.extend(bufs)
+            if bufs:
+                out.extend(bufs)
+            if len(out) >= BACK_FLUSH_BUFFERS:
+                transport.writelines(out)
+                out.clear()
         elif bufs:
             transport.writelines([head, *bufs])
         else:
