@@ -16,7 +16,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (2, ("channel",)),
     (3, ("mailbox", "router")),
     (4, ("actor", "instance", "proc", "comm", "future", "runtime", "supervision_hook")),
-    (5, ("mesh", "lane", "lane_conn")),
+    (5, ("mesh", "lane", "lane_calls", "lane_conn")),
     (
         6,
         (
