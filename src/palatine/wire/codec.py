@@ -18,8 +18,8 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import pickle
-import re
 import threading
 from typing import Any, ClassVar, Final
 
@@ -39,6 +39,7 @@ __all__ = [
     "OOB_EXT_CODE",
     "dumps",
     "loads",
+    "refers_by_value",
     "PICKLED_VALUE_TID",
     "display",
 ]
@@ -182,28 +183,81 @@ class _PickledValue:
 PICKLED_VALUE_TID = register(_PickledValue)
 
 
-# What a stdlib pickle names when it refers to code it cannot import by name elsewhere.
-_BY_VALUE_ONLY = re.compile(rb"__main__|<lambda>|<locals>")
+def refers_by_value(obj: Any) -> bool:
+    """Whether pickling ``obj`` by reference would name code another process cannot import
+    by name: something of ``__main__``, a lambda, a local function or class. Our picklers'
+    ``reducer_override`` asks this of every object that is not a plain builtin value
+    (functions, classes, instances: an instance's class is pickled as well), so a value
+    that needs cloudpickle is known without scanning the pickle's bytes."""
+    try:
+        if getattr(obj, "__module__", None) == "__main__":
+            return True
+        q = getattr(obj, "__qualname__", None)
+        return type(q) is str and ("<lambda>" in q or "<locals>" in q)
+    except Exception:  # noqa: BLE001 - an odd __getattr__: let the pickler decide
+        return False
 
 
-def needs_cloudpickle(data: bytes) -> bool:
-    """Whether a stdlib pickle refers to ``__main__``, a lambda or a local function (code
-    another process cannot import by name): such values are pickled by value."""
-    return _BY_VALUE_ONLY.search(data) is not None
+class _Pickler(pickle.Pickler):
+    """The stdlib pickler (protocol 5), noting `refers_by_value` as it goes; one per
+    thread, reused (`dumps`)."""
+
+    def __init__(self) -> None:
+        self._out = io.BytesIO()
+        super().__init__(self._out, protocol=5, buffer_callback=self._buffer)
+        self.buffers: list[pickle.PickleBuffer] = []
+        self.by_value = False
+        self.busy = False
+
+    def _buffer(self, buf: pickle.PickleBuffer) -> None:
+        self.buffers.append(buf)
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not self.by_value and refers_by_value(obj):
+            self.by_value = True
+        return NotImplemented
+
+    def pickle(self, value: Any) -> bytes:
+        """``value``'s pickle; `buffers` and `by_value` describe it afterwards."""
+        out = self._out
+        out.seek(0)
+        out.truncate()
+        self.clear_memo()
+        self.buffers = []
+        self.by_value = False
+        self.busy = True
+        try:
+            self.dump(value)
+            return out.getvalue()
+        finally:
+            self.busy = False
+
+
+_LARGE_PICKLE: Final = 1 << 20  # a pickler that produced more is not kept (its buffer)
+_picklers = threading.local()
 
 
 def dumps(value: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
-    """Pickle ``value`` (protocol 5), returning the bytes and out-of-band buffers."""
-    buffers: list[pickle.PickleBuffer] = []
+    """Pickle ``value`` (protocol 5), returning the bytes and out-of-band buffers: the
+    stdlib pickler, or cloudpickle for a value that `refers_by_value` (or that the stdlib
+    pickler refuses)."""
+    p: _Pickler | None = getattr(_picklers, "p", None)
+    if p is None or p.busy:  # (busy: a value's own reduction is pickling something)
+        p = _picklers.p = _Pickler()
     try:
-        data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+        data = p.pickle(value)
+        by_value = p.by_value
     except (pickle.PicklingError, AttributeError, TypeError):
-        data = b"__main__"  # force the cloudpickle path below
-    if needs_cloudpickle(data):
+        by_value = True
+    buffers = p.buffers
+    p.buffers = []
+    if by_value:
         import cloudpickle
 
         buffers = []
         data = cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    if len(data) > _LARGE_PICKLE:
+        _picklers.p = None
     return data, buffers
 
 

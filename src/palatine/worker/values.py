@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from palatine.wire.buffers import take_buffer
-from palatine.wire.codec import needs_cloudpickle
+from palatine.wire.codec import refers_by_value
 from palatine.worker.messages import Cloudpickle, FunctionPath, FunctionRef, Pickled, WorkerError
 from palatine.worker.user_errors import qualified_type_name, register_sources
 
@@ -229,11 +229,14 @@ class _Pickler(pickle.Pickler):
         self._detach = detach
         self._on_ref = on_ref
         self.private: set[int] = set()  # ids of buffers that are snapshots already
+        self.by_value = False  # met something only cloudpickle can ship (`refers_by_value`)
 
     def persistent_id(self, obj: Any) -> Any:
         return _persistent(obj, self._refs, self._on_ref)
 
     def reducer_override(self, obj: Any) -> Any:
+        if not self.by_value and refers_by_value(obj):
+            self.by_value = True
         return _override(obj, self._detach, self.private)
 
 
@@ -284,7 +287,7 @@ def _dumps(value: Any, refs: bool, detach: bool, on_ref: OnRef | None = None) ->
         data = f.getvalue()
     except (pickle.PicklingError, AttributeError, TypeError):
         data = None
-    if data is None or needs_cloudpickle(data) or _by_value(data):
+    if data is None or pickler.by_value or _by_value(data):
         bufs = []
         seen = []
         f = io.BytesIO()

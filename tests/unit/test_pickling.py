@@ -1,0 +1,176 @@
+"""User values on the wire: by reference (the stdlib pickler) unless they name code that
+another process cannot import, which cloudpickle ships by value (`palatine.wire.codec`,
+`palatine.worker.values`).
+
+The choice is made while pickling (`refers_by_value`, asked by the picklers'
+``reducer_override``), never by scanning the pickle's bytes: a payload whose bytes happen
+to spell ``__main__`` stays a plain pickle, and a 64 MiB payload costs no scan.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from palatine.wire import codec
+from palatine.wire.codec import dumps, refers_by_value
+from palatine.worker.values import dumps_value
+
+pytestmark = pytest.mark.timeout(60)
+
+# Run as __main__ in one interpreter: every value pickled both ways, saved to a file.
+MAKE = textwrap.dedent(
+    """
+    import functools, pickle, sys
+    from palatine.wire.codec import dumps
+    from palatine.worker.values import dumps_value
+
+    def f(x):
+        return x + 1
+
+    class C:
+        def __init__(self):
+            self.v = 5
+
+    def make_local():
+        def g(x):
+            return x * 2
+        return g
+
+    cases = {
+        "main_function": f,
+        "main_class": C,
+        "main_instance": C(),
+        "lambda": lambda x: x - 1,
+        "local_function": make_local(),
+        "partial_of_main": functools.partial(f, 1),
+        "nested": [1, "a", (f,)],
+        "bytes_naming_main": b"__main__ <lambda> <locals>" * 1000,
+        "plain": {"a": [1, 2.5, "s"], "b": pickle.PickleBuffer(bytearray(b"xyz"))},
+    }
+    out = {}
+    for name, value in cases.items():
+        data, bufs = dumps(value)
+        out["codec", name] = (data, [bytes(b.raw()) for b in bufs])
+        p = dumps_value(value)
+        out["worker", name] = (p.data, [bytes(b) for b in p.buffers])
+    with open(sys.argv[1], "wb") as fh:
+        pickle.dump(out, fh)
+    """
+)
+
+# Run in another interpreter (another __main__): load each and use it.
+USE = textwrap.dedent(
+    """
+    import pickle, sys
+    with open(sys.argv[1], "rb") as fh:
+        out = pickle.load(fh)
+    for (how, name), (data, bufs) in sorted(out.items()):
+        v = pickle.loads(data, buffers=bufs)
+        if name == "main_function": got = v(1)
+        elif name == "main_class": got = v().v
+        elif name == "main_instance": got = v.v
+        elif name == "lambda": got = v(3)
+        elif name == "local_function": got = v(2)
+        elif name == "partial_of_main": got = v()
+        elif name == "nested": got = v[2][0](1)
+        elif name == "bytes_naming_main": got = len(v)
+        else: got = (v["a"], bytes(v["b"]))
+        print(how, name, repr(got), b"cloudpickle" in data)
+    """
+)
+
+
+def test_values_naming_main_lambdas_or_locals_arrive_by_value_in_another_process(tmp_path: Path) -> None:
+    saved = tmp_path / "pickles"
+    for script in (MAKE, USE):
+        proc = subprocess.run([sys.executable, "-c", script, str(saved)], capture_output=True, text=True, timeout=50)
+        assert proc.returncode == 0, proc.stderr
+    got = {tuple(line.split(" ", 2)[:2]): line.split(" ", 2)[2] for line in proc.stdout.splitlines()}
+    expect = {
+        "main_function": "2 True",
+        "main_class": "5 True",
+        "main_instance": "5 True",
+        "lambda": "2 True",
+        "local_function": "4 True",
+        "partial_of_main": "2 True",
+        "nested": "2 True",
+        # Plain data stays a stdlib pickle, whatever its bytes spell.
+        "bytes_naming_main": "26000 False",
+        "plain": "([1, 2.5, 's'], b'xyz') False",
+    }
+    for how in ("codec", "worker"):
+        for name, want in expect.items():
+            assert got[how, name] == want, (how, name)
+
+
+class _Inner:
+    """Pickles itself by pickling something else through `dumps` (re-entrant use)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> Any:
+        data, _ = dumps(self.value)
+        return (pickle.loads, (data,))
+
+
+def test_dumps_is_reentrant_and_recovers_after_a_failure() -> None:
+    data, _ = dumps([_Inner({"k": 1}), _Inner([2, 3]), "after"])
+    assert pickle.loads(data) == [{"k": 1}, [2, 3], "after"]
+    with pytest.raises(TypeError):
+        dumps({"lock": threading.Lock()})  # neither pickler can: the caller hears why
+    data, bufs = dumps(("ping", (1,), {}))
+    assert pickle.loads(data, buffers=bufs) == ("ping", (1,), {}) and bufs == []
+
+
+def test_threads_pickle_independently() -> None:
+    results: dict[int, bool] = {}
+
+    def work(i: int) -> None:
+        ok = True
+        for j in range(300):
+            value = {"thread": i, "j": j, "blob": bytes([i]) * (j % 7)}
+            data, _ = dumps(value)
+            ok = ok and pickle.loads(data) == value
+        results[i] = ok
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == {0: True, 1: True, 2: True, 3: True}
+
+
+def test_the_choice_is_made_from_the_objects_not_from_the_bytes() -> None:
+    p = codec._Pickler()
+    p.pickle({"payload": b"__main__ <lambda> <locals>" * 1000, "name": "__main__"})
+    assert not p.by_value  # data that spells the names is still plain data
+    with pytest.raises((AttributeError, pickle.PicklingError)):
+        p.pickle([1, (refers_by_value, lambda: None)])  # (`dumps` then uses cloudpickle)
+    assert p.by_value
+
+
+def test_refers_by_value() -> None:
+    def local() -> None:
+        pass
+
+    class Odd:
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError("no attributes here")
+
+    assert refers_by_value(local)
+    assert refers_by_value(lambda: None)
+    assert refers_by_value(Odd)  # a local class
+    assert not refers_by_value(Odd())  # its odd __getattr__ is not a by-value reason
+    assert not refers_by_value(pickle.loads)
+    assert not refers_by_value(Path)
+    assert not refers_by_value(Path("."))
