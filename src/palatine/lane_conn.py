@@ -262,21 +262,30 @@ class LaneConn:
             # Keep the kernel's timeout unless it would overshoot the deadline by > 5 %.
             if self._rcvtimeo < 0 or self._rcvtimeo - left > 0.05 * left:
                 self._set_rcvtimeo(left)
+        parser = self.parser
+        # Mid-way through a big frame: receive straight into its buffer (no copy, no
+        # allocation per read); the rest of a frame follows at once, so no spin either.
+        window = parser.big_window()
         try:
-            data = recv_spinning(self.sock, _RECV_BYTES, self.spin_s) if self.spin_s else None
-            if data is None:
-                data = self.sock.recv(_RECV_BYTES)
+            if window is not None:
+                n = self.sock.recv_into(window)
+                data = None
+            else:
+                data = recv_spinning(self.sock, _RECV_BYTES, self.spin_s) if self.spin_s else None
+                if data is None:
+                    data = self.sock.recv(_RECV_BYTES)
+                n = len(data)
         except BlockingIOError:  # SO_RCVTIMEO expired: the caller checks its deadline
             self._rcvtimeo = -1.0
             return []
         except OSError as e:
             self.close()
             raise Broken(e.strerror or str(e)) from None
-        if not data:
+        if not n:
             self.close()
             raise Broken("the lane's connection was closed by the peer")
         try:
-            return self.parser.feed(data)
+            return parser.feed(data) if data is not None else parser.big_filled(n)
         except FrameError as e:
             self.close()
             raise Broken(f"protocol error: {e.reason}") from None

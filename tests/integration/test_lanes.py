@@ -65,6 +65,10 @@ PRELUDE = textwrap.dedent(
             return b"x" * n
 
         @endpoint
+        def pattern(self, n):
+            return (bytes(range(251)) * (n // 251 + 1))[:n]
+
+        @endpoint
         def open_lanes(self):
             return len(self.cx.proc._lanes)
 
@@ -113,6 +117,10 @@ def test_blocking_calls_take_a_lane_with_the_same_results_and_errors() -> None:
             print("REMOTE", e.type_name, e.message)
         print("AFTER_ERROR", one.add.call_one(0).get())
         print("BIG", len(one.blob.call_one(3_000_000).get()))
+        want = lambda n: (bytes(range(251)) * (n // 251 + 1))[:n]
+        fs = [one.pattern.call_one(3_000_000), one.add.call_one(0), one.pattern.call_one(700_001)]
+        got = [f.get() for f in fs]  # big replies read straight into their frame's buffer
+        print("BIG_EXACT", got[0] == want(3_000_000), got[1], got[2] == want(700_001))
         from palatine.mesh import ActorRef
         ref = ActorRef(mesh.gang.actor(1), Acc)  # a direct reference, not a mesh slice
         print("REF", ref.add.call_one(5).get(), ref.add.call_one(5).get(), lanes_of_this_thread())
@@ -123,6 +131,7 @@ def test_blocking_calls_take_a_lane_with_the_same_results_and_errors() -> None:
     assert out["REMOTE"] == "ValueError boom on purpose"
     assert out["AFTER_ERROR"] == "201"
     assert out["BIG"] == "3000000"
+    assert out["BIG_EXACT"] == "True 201 True"
     assert out["REF"] == "5 10 2"  # its second call took a lane to the other proc
 
 
