@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
@@ -40,6 +41,8 @@ __all__ = [
     "InvalidRequest",
     "RunRequest",
     "SystemCommand",
+    "check_cli_args",
+    "check_role",
     "finished_line",
     "parse_request",
     "run_host",
@@ -96,9 +99,41 @@ _ROLES: dict[str, type[Any]] = {
 }
 
 
-def _positive(where: str, name: str, value: float) -> None:
-    if not value > 0:
-        raise InvalidRequest(f"Run.{where}.{name} must be > 0, got {value:g}")
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise InvalidRequest(f"{name} must be a finite number > 0, got {value:g}")
+
+
+def check_role(role: str, cmd: Any, name: Callable[[str], str]) -> None:
+    """Semantic checks of a System or Host command (or the CLI flags of those roles):
+    addresses, names, ranges; a field left None is not checked (its default applies).
+    ``name(field)`` is how the caller spells a field in the error: ``Run.Host.host_rank``
+    for serve, ``--host-rank`` for the CLI."""
+    try:
+        ChannelAddr.parse(cmd.system_addr)
+    except ValueError as e:
+        raise InvalidRequest(f"{name('system_addr')} {cmd.system_addr!r}: {e}") from None
+    if role == "System":
+        _positive(name("supervision_update_timeout_in_sec"), cmd.supervision_update_timeout_in_sec)
+        _positive(name("world_eviction_timeout_in_sec"), cmd.world_eviction_timeout_in_sec)
+        return
+    try:
+        WorldId.parse(cmd.host_world)
+    except ValueError as e:
+        raise InvalidRequest(f"{name('host_world')} {cmd.host_world!r}: {e}") from None
+    if not is_host_world(cmd.host_world):
+        raise InvalidRequest(f"{name('host_world')} {cmd.host_world!r} must start with 'host'")
+    if not 0 <= cmd.host_rank < 2**64:
+        raise InvalidRequest(f"{name('host_rank')} must be in [0, 2**64), got {cmd.host_rank}")
+    _positive(name("supervision_update_interval_in_sec"), cmd.supervision_update_interval_in_sec)
+
+
+def check_cli_args(role: str, args: Any) -> None:
+    """`check_role` for a role's parsed command line; raises `ConfigError` (exit 2)."""
+    try:
+        check_role(role, args, lambda field: "--" + field.replace("_", "-"))
+    except InvalidRequest as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check(role: str, cmd: Any) -> None:
@@ -109,23 +144,7 @@ def _check(role: str, cmd: Any) -> None:
         except ConfigError as e:
             raise InvalidRequest(f"Run.Controller: {e}") from None
         return
-    try:
-        ChannelAddr.parse(cmd.system_addr)
-    except ValueError as e:
-        raise InvalidRequest(f"Run.{role}.system_addr {cmd.system_addr!r}: {e}") from None
-    if role == "System":
-        _positive(role, "supervision_update_timeout_in_sec", cmd.supervision_update_timeout_in_sec)
-        _positive(role, "world_eviction_timeout_in_sec", cmd.world_eviction_timeout_in_sec)
-        return
-    try:
-        WorldId.parse(cmd.host_world)
-    except ValueError as e:
-        raise InvalidRequest(f"Run.Host.host_world {cmd.host_world!r}: {e}") from None
-    if not is_host_world(cmd.host_world):
-        raise InvalidRequest(f"Run.Host.host_world {cmd.host_world!r} must start with 'host'")
-    if cmd.host_rank < 0:
-        raise InvalidRequest(f"Run.Host.host_rank must be >= 0, got {cmd.host_rank}")
-    _positive(role, "supervision_update_interval_in_sec", cmd.supervision_update_interval_in_sec)
+    check_role(role, cmd, lambda field: f"Run.{role}.{field}")
 
 
 def parse_request(line: bytes | str) -> RunRequest | ExitRequest:
@@ -134,6 +153,8 @@ def parse_request(line: bytes | str) -> RunRequest | ExitRequest:
         obj = msgspec.json.decode(line)
     except msgspec.DecodeError as e:
         raise InvalidRequest(f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequest("JSON nested too deeply") from None
     if obj == "Exit":
         return ExitRequest()
     if not isinstance(obj, dict) or len(obj) != 1:
@@ -378,6 +399,9 @@ async def serve(read_fd: int, write_fd: int, stop: asyncio.Event, on_ready: OnRe
                 req = parse_request(line)
             except InvalidRequest as e:
                 finish(f"invalid request: {e}")
+                continue
+            except Exception as e:  # noqa: BLE001 - whatever the line does, keep serving
+                finish(f"invalid request: {type(e).__name__}: {e}")
                 continue
             if isinstance(req, ExitRequest):
                 await end_run()

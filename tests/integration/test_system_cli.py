@@ -253,3 +253,39 @@ def test_a_role_stops_when_its_launcher_is_gone() -> None:
         assert "launcher gone (lifeline closed); stopping" in system.stderr()
     finally:
         system.kill()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["system", "--system-addr", "bogus"], "--system-addr 'bogus'"),
+        (["system", "--system-addr", "unix:", "--supervision-update-timeout-in-sec", "-1"],
+         "--supervision-update-timeout-in-sec must be a finite number > 0, got -1"),
+        (["system", "--system-addr", "unix:", "--world-eviction-timeout-in-sec", "nan"],
+         "--world-eviction-timeout-in-sec must be a finite number > 0, got nan"),
+        (["host", "--system-addr", "unix:@nobody", "--host-world", "hostw", "--host-rank", "-3"],
+         "--host-rank must be in [0, 2**64), got -3"),
+        (["host", "--system-addr", "unix:@nobody", "--host-world", "host w", "--host-rank", "0"],
+         "--host-world 'host w'"),
+        (["host", "--system-addr", "unix:@nobody", "--host-world", "hostw", "--host-rank", "0",
+          "--supervision-update-interval-in-sec", "inf"],
+         "--supervision-update-interval-in-sec must be a finite number > 0, got inf"),
+        (["worker", "--proc-id", "w[x]", "--bootstrap-addr", "unix:@nobody"], "--proc-id 'w[x]'"),
+        (["worker", "--proc-id", "w[0]", "--bootstrap-addr", "bogus"], "--bootstrap-addr 'bogus'"),
+    ],
+)
+def test_bad_role_flags_are_a_usage_error_named_at_once(argv: list[str], says: str) -> None:
+    t0 = time.monotonic()
+    proc = subprocess.run([*palatine_cmd(), *argv], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    assert says in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 15  # refused before any join attempt
+
+
+def test_snapshot_of_an_unreachable_system_says_so() -> None:
+    proc = subprocess.run([*palatine_cmd(), "snapshot", "--system-addr", "tcp:127.0.0.1:1", "--timeout-in-sec", "1"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1
+    assert "palatine snapshot: no answer from system at tcp:127.0.0.1:1 within 1 s" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Task was destroyed" not in proc.stderr

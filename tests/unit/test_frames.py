@@ -289,3 +289,17 @@ def test_fuzz_any_split_gives_the_same_frames(sizes: list[int]) -> None:
     out += parser.feed(stream[pos:])
     assert [f.seq for f in out] == list(range(10))
     assert [bytes(f.envelope.buffers[0]) for f in out] == [b"b" * (i % 3) for i in range(10)]
+
+
+def test_a_header_nested_too_deeply_is_a_frame_error_not_a_crash() -> None:
+    # A pre-auth peer's Message whose envelope buffers (list[Any]) nest 1,500 arrays deep:
+    # a clear FrameError (the peer gets a Reject), never a RecursionError out of the
+    # reader's callback.
+    enc = msgspec.msgpack.Encoder()
+    env = [[[["w"], 0], "a", 0], [[[["w"], 0], "a", 0], 1], 1, 0, b"", None, None, None]
+    nested = b"\x91" * 1500 + b"\xc0"  # [[[…[nil]…]]]
+    header = (b"\x95" + enc.encode(5) + enc.encode(0) + enc.encode(True) + b"\x99"
+              + b"".join(enc.encode(x) for x in env) + b"\x91" + nested + b"\x90")
+    frame = struct.pack(">QI", len(header) + 4, len(header)) + header
+    with pytest.raises(FrameError, match="undecodable frame header: nested too deeply"):
+        FrameParser().feed(frame)

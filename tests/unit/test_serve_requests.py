@@ -176,6 +176,19 @@ def test_run_controller_full_shape_of_the_interface_doc() -> None:
             ),
             "extra_proc_labels",
         ),
+        (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+        (
+            b'{"Run": {"System": {"system_addr": "unix:", "supervision_update_timeout_in_sec": NaN}}}',
+            "not valid JSON",
+        ),
+        (
+            line({"Run": {"Host": {"system_addr": "unix:@s", "host_world": "hostw", "host_rank": 2**64}}}),
+            "Run.Host.host_rank must be in [0, 2**64)",
+        ),
+        (
+            line({"Run": {"Host": {"system_addr": "unix:@s", "host_world": "host w", "host_rank": 0}}}),
+            "Run.Host.host_world 'host w'",
+        ),
     ],
 )
 def test_invalid_requests_say_what_and_where(raw: bytes, fragment: str) -> None:

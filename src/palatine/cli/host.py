@@ -28,12 +28,11 @@ async def serve_host(args: argparse.Namespace, stop: asyncio.Event) -> int:
     from palatine.agent import bootstrap_proc
     from palatine.errors import JoinError
     from palatine.host import HostAgent
-    from palatine.ids import WorldId, is_host_world
+    from palatine.ids import WorldId
+    from palatine.serve import check_cli_args
 
-    if not is_host_world(args.host_world):
-        print(f"palatine host: --host-world {args.host_world!r} must start with 'host'", file=sys.stderr)
-        return 2
-    proc_id = WorldId(args.host_world).proc(args.host_rank)
+    check_cli_args("Host", args)
+    proc_id = WorldId.parse(args.host_world).proc(args.host_rank)
     try:
         handle = await bootstrap_proc(
             proc_id,

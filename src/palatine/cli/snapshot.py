@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 
 __all__ = ["add_arguments", "run", "parse_kv"]
@@ -35,9 +36,16 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging()
     wl, pl = parse_kv(args.world_label), parse_kv(args.proc_label)
+    t = args.timeout_in_sec
+    if not (t > 0 and math.isfinite(t)):
+        print(f"palatine snapshot: --timeout-in-sec must be a finite number > 0, got {t:g}", file=sys.stderr)
+        return 2
     loop = new_event_loop()
     try:
         snap = loop.run_until_complete(_snapshot(args, wl, pl))
+    except TimeoutError:
+        print(f"palatine snapshot: no answer from system at {args.system_addr} within {t:g} s", file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001 - a CLI reports and exits
         print(f"palatine snapshot: {e}", file=sys.stderr)
         return 1
@@ -65,7 +73,8 @@ async def _snapshot(args: argparse.Namespace, wl: dict[str, str], pl: dict[str, 
     from palatine.system.service import System
 
     runtime.adopt_current_loop()
-    async with asyncio.timeout(args.timeout_in_sec):
+    # The outer bound leaves the attach room to fail with its own words first.
+    async with asyncio.timeout(args.timeout_in_sec + 1):
         client = await System(args.system_addr).attach(timeout_s=args.timeout_in_sec)
         try:
             return await client.snapshot(args.world, wl, pl)

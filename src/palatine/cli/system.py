@@ -23,7 +23,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve_system(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    from palatine.serve import check_cli_args
     from palatine.system.service import System
+
+    check_cli_args("System", args)
 
     handle = await System.serve(
         args.system_addr,

@@ -99,10 +99,18 @@ def _preload(modules: str) -> None:
 async def serve_worker(proc_text: str, addr: str, stop: asyncio.Event) -> int:
     from palatine import config
     from palatine.agent import bootstrap_proc
-    from palatine.errors import JoinError
+    from palatine.channel.addr import ChannelAddr
+    from palatine.errors import ConfigError, JoinError
     from palatine.ids import ProcId
 
-    proc_id = ProcId.parse(proc_text)
+    try:
+        proc_id = ProcId.parse(proc_text)
+    except ValueError as e:
+        raise ConfigError(f"--proc-id {proc_text!r}: {e}") from None
+    try:
+        ChannelAddr.parse(addr)
+    except ValueError as e:
+        raise ConfigError(f"--bootstrap-addr {addr!r}: {e}") from None
     host = os.environ.get("PALATINE_HOST_PROC_ID")
     try:
         handle = await bootstrap_proc(

@@ -39,11 +39,20 @@ def _size_class(n: int) -> int:
     return -(-n // step) * step
 
 
+# Blocks up to this size are pre-faulted; bigger ones get their pages as they are filled,
+# so a peer that announces a huge frame and stalls holds only what it really sent.
+_POPULATE_MAX_BYTES: Final = 16 << 20
+
+
 def _new_block(size: int) -> Any:
-    """Fresh anonymous memory; pre-faulted in one call where the OS allows it."""
-    if _POPULATE and hasattr(mmap, "MAP_PRIVATE"):
+    """Fresh anonymous memory; pre-faulted in one call where the OS allows it (up to
+    `_POPULATE_MAX_BYTES`)."""
+    if hasattr(mmap, "MAP_PRIVATE"):
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if _POPULATE and size <= _POPULATE_MAX_BYTES:
+            flags |= _POPULATE
         try:
-            return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+            return mmap.mmap(-1, size, flags=flags)
         except (OSError, ValueError):
             pass
     return bytearray(size)

@@ -224,6 +224,8 @@ def _decode_body(buf: Any, view: memoryview, start: int, end: int) -> Frame:
         frame = _decoder.decode(view[hstart:hend])
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise FrameError(f"undecodable frame header: {exc}") from None
+    except RecursionError:
+        raise FrameError("undecodable frame header: nested too deeply") from None
     if type(frame) is Message:
         lens = frame.buffer_lens
         if lens:
@@ -367,7 +369,10 @@ class FrameParser:
     def _start_big(self, length: int) -> None:
         # Pooled memory: no page faults for a body as big as the one before, and the
         # block is reused only once no buffer of this frame is referenced any more.
-        self._big = take_buffer(length)
+        try:
+            self._big = take_buffer(length)
+        except MemoryError:
+            raise FrameError(f"no memory for a frame of {length} bytes") from None
         self._big_pos = 0
 
     def _fill_big(self, data: bytes | memoryview, out: list[Frame]) -> int:
