@@ -333,9 +333,13 @@ class Pending(Port):
                     fut.set_exception(e)
 
     def _reject(self, exc: BaseException) -> None:
-        self.future.set_exception(exc)
+        f = self.future
+        f.set_exception(exc)
         if self.sink is not None:
             self.sink[0].set_exception(exc)
+            # The caller holds the sink (its `.get()` raises there): the asyncio future is
+            # only a spare for `await`, so its exception must not be logged as unretrieved.
+            f.exception()
 
     def _finish(self) -> bool:
         if self.future.done():

@@ -539,3 +539,24 @@ def test_a_lane_call_to_a_proc_that_stopped_reading_times_out() -> None:
     took, named = out["TIMED_OUT"].split()
     assert 0.5 <= float(took) < 3.0 and named == "True"  # the timeout, though the write never finished
     assert out["AFTER"] == "3"
+
+
+def test_an_error_caught_from_get_is_not_also_logged_as_never_retrieved() -> None:
+    script = PRELUDE + textwrap.dedent(
+        """
+        import gc
+        for f in (lambda: mesh.boom.call().get(timeout=10), lambda: one.boom.call_one().get(timeout=10),
+                  lambda: one.boom.call_one().get(timeout=10)):
+            try:
+                f()
+            except RemoteException as e:
+                print("CAUGHT", e.type_name)
+        gc.collect()
+        procs.stop().get(timeout=20)
+        gc.collect()
+        print("DONE")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    assert proc.stdout.count("CAUGHT ValueError") == 3 and "DONE" in proc.stdout, proc.stderr
+    assert "never retrieved" not in proc.stderr

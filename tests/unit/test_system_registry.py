@@ -538,6 +538,16 @@ def test_a12_bad_upserts_then_snapshot_still_works() -> None:
         (UpsertWorld(world_id=wid("z"), shape=[]), "invalid_argument", None),
         (UpsertWorld(world_id=wid("z"), shape=[2], num_procs_per_host=0), "invalid_argument", None),
         (
+            UpsertWorld(world_id=wid("z"), shape=[2], num_procs_per_host=10**12),
+            "invalid_argument",
+            "invalid num_procs_per_host 1000000000000: expected 1 to 4,096",
+        ),
+        (
+            UpsertWorld(world_id=wid("z"), shape=[2] * 2000),
+            "invalid_argument",
+            "invalid shape: a world has at most 1,048,576 procs",
+        ),
+        (
             UpsertWorld(world_id=wid("z"), shape=[2], env=Exec(program="  ")),
             "invalid_argument",
             None,
@@ -624,6 +634,9 @@ def test_a14_bad_joins() -> None:
     ]:
         h.rejected(Join(proc_id=pid(proc), addr="unix:/x", mode=mode), "invalid_argument")
     h.rejected(Join(proc_id=pid("W[1]"), addr=""), "invalid_argument")
+    reply = h.rejected(Join(proc_id=pid("W[1]"), addr="not an address"), "invalid_argument")
+    assert reply.message.startswith("join of W[1]: invalid address 'not an address': ")
+    assert "W" not in h.snapshot().worlds or not h.snapshot().worlds["W"].procs  # nothing recorded
     assert isinstance(h.join("user[12345]", mode="Detached")[0], Joined)
     live_world(h, "other", 1)
     h.ok(Stop())
@@ -664,6 +677,16 @@ def test_a15_stop_of_unknown_world_changes_nothing() -> None:
     assert reply == StopAck(stopping=[], already_stopping=[], unknown=[wid("nope")])
     assert not asks(instrs) and not sends(instrs)
     assert msgspec.json.encode(h.snapshot()) == before
+
+
+def test_stop_with_an_endless_or_negative_proc_timeout_is_refused() -> None:
+    h = Harness()
+    live_world(h, "w", 2)
+    before = msgspec.json.encode(h.snapshot())
+    for bad in (float("inf"), float("nan"), -1.0):
+        reply = h.rejected(Stop(worlds=[wid("w")], proc_timeout_s=bad), "invalid_argument")
+        assert "expected a finite number >= 0" in reply.message
+    assert msgspec.json.encode(h.snapshot()) == before  # nothing is being stopped
 
 
 def test_a16_heartbeat_from_unknown_proc_is_told_to_stop_rate_limited() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
+from palatine.channel.addr import ChannelAddr
 from palatine.ids import HOST_WORLD_PREFIX, ProcId, WorldId
 from palatine.supervision import (
     DETACHED,
@@ -184,6 +185,11 @@ class SystemRegistry(DetectionMixin, StoppingMixin):
             return "shutting_down", "system is shutting down"
         if mode != DETACHED and not msg.addr:
             return "invalid_argument", f"join of {pid} has no address"
+        if msg.addr:
+            try:
+                ChannelAddr.parse(msg.addr)
+            except ValueError as e:
+                return "invalid_argument", f"join of {pid}: invalid address {msg.addr!r}: {e}"
         if mode == MANAGED_BY_SYSTEM:
             wname = served_name(name) if is_host else name
             world = self._worlds.get(wname)

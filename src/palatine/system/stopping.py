@@ -12,6 +12,7 @@ ends with `StopSystem` once no world remains.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from palatine.ids import ProcId, WorldId
@@ -62,12 +63,13 @@ class StoppingMixin(RegistryState):
     def handle_stop(self, msg: Stop, requester: ProcId | None = None) -> Result:
         """`Stop` (20-system.md §1.11): `StopAck` at once; completion is tracked after."""
         out: list[Instruction] = []
-        if msg.proc_timeout_s is None or not msg.proc_timeout_s >= 0:
+        t = msg.proc_timeout_s
+        if t is None or not (t >= 0 and math.isfinite(t)):
             return self._reject(
                 msg,
                 requester,
                 "invalid_argument",
-                f"invalid proc_timeout_s {msg.proc_timeout_s}: expected >= 0",
+                f"invalid proc_timeout_s {msg.proc_timeout_s}: expected a finite number >= 0",
                 out,
             )
         if msg.worlds is None:

@@ -168,6 +168,12 @@ def served_name(host_world: str) -> str:
     return host_world[len(HOST_WORLD_PREFIX) :]
 
 
+# Bounds of a world spec: a host's procs are listed in one message, and every rank of a
+# world gets a registry entry, so an absurd request is refused rather than attempted.
+MAX_WORLD_PROCS: Final = 1 << 20
+MAX_PROCS_PER_HOST: Final = 4096
+
+
 def check_world_name(name: str) -> str | None:
     """Why ``name`` cannot be upserted (``None`` if it can); texts of 20-system.md §1.12."""
     if not isinstance(name, str) or not name.isidentifier():
@@ -183,9 +189,16 @@ def check_upsert_spec(msg: UpsertWorld) -> str | None:
     """Why the spec of ``msg`` is invalid, naming the field (``None`` if it is valid)."""
     shape = msg.shape
     if not shape or any((not isinstance(d, int)) or d < 1 for d in shape):
-        return f"invalid shape {list(shape)}: expected a non-empty list of dimensions >= 1"
-    if msg.num_procs_per_host < 1:
-        return f"invalid num_procs_per_host {msg.num_procs_per_host}: expected >= 1"
+        return f"invalid shape {list(shape)[:8]}: expected a non-empty list of dimensions >= 1"
+    size = 1
+    for d in shape:
+        size *= d
+        if size > MAX_WORLD_PROCS:
+            return f"invalid shape: a world has at most {MAX_WORLD_PROCS:,} procs"
+    if not 1 <= msg.num_procs_per_host <= MAX_PROCS_PER_HOST:
+        return (
+            f"invalid num_procs_per_host {msg.num_procs_per_host}: expected 1 to {MAX_PROCS_PER_HOST:,}"
+        )
     if isinstance(msg.env, Exec):
         program = msg.env.program
         try:
