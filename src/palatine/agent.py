@@ -412,4 +412,7 @@ async def bootstrap_proc(
         if isinstance(cause, JoinError):
             raise cause from None
         raise JoinError(str(e)) from e
+    except BaseException:  # cancelled (a stop during the join): release what we hold
+        await proc.close()
+        raise
     return ProcHandle(proc, agent, bound)

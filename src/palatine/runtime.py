@@ -13,13 +13,13 @@ import atexit
 import collections
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from palatine import config
 from palatine.future import Future, mark_loop_thread, on_loop_thread, unmark_loop_thread
 
-__all__ = ["new_event_loop", "get_loop", "adopt_current_loop", "submit", "call", "post", "at_exit"]
+__all__ = ["new_event_loop", "get_loop", "adopt_current_loop", "submit", "call", "post", "at_exit", "unless_stopped"]
 
 log = logging.getLogger(__name__)
 
@@ -247,3 +247,27 @@ def _shutdown() -> None:
         log.debug("palatine shutdown: %s", e)
     loop.call_soon_threadsafe(loop.stop)
     _thread.join(timeout=2.0)
+
+
+_CANCEL_WAIT_S = 10.0  # how long a cancelled wait gets to clean up
+
+
+async def unless_stopped(aw: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """``await aw``, unless ``stop`` is set first (a signal during a join, say): then
+    ``aw`` is cancelled, given `_CANCEL_WAIT_S` to clean up, and the result is None.
+    A result that arrived anyway is returned, for the caller to release as usual."""
+    task = asyncio.ensure_future(aw)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        stopper.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.wait([task], timeout=_CANCEL_WAIT_S)
+        if not task.done() or task.cancelled():
+            return None
+    return task.result()

@@ -229,19 +229,25 @@ async def run_host(cmd: HostCommand, stop: asyncio.Event, on_ready: OnReady) -> 
     from palatine import config
     from palatine.agent import bootstrap_proc
     from palatine.host import HostAgent
+    from palatine.runtime import unless_stopped
 
     proc_id = WorldId(cmd.host_world).proc(cmd.host_rank)
     try:
-        handle = await bootstrap_proc(
-            proc_id,
-            cmd.system_addr,
-            supervision_update_interval_s=cmd.supervision_update_interval_in_sec,
-            labels={"proc.palatine.dev/role": "host"},
-            join_timeout_s=config.get().join_timeout_s,
-            agent_cls=HostAgent,
+        handle = await unless_stopped(
+            bootstrap_proc(
+                proc_id,
+                cmd.system_addr,
+                supervision_update_interval_s=cmd.supervision_update_interval_in_sec,
+                labels={"proc.palatine.dev/role": "host"},
+                join_timeout_s=config.get().join_timeout_s,
+                agent_cls=HostAgent,
+            ),
+            stop,
         )
     except (JoinError, OSError) as e:
         return f"cannot join system at {cmd.system_addr}: {e}"
+    if handle is None:
+        return None  # stopped while joining
     on_ready("host", str(handle.addr))
     agent = handle.agent
     assert isinstance(agent, HostAgent)

@@ -271,6 +271,30 @@ def test_sigterm_stops_the_run_and_writes_finished(server: Server) -> None:
     assert server.wait(10) == 0
 
 
+@pytest.mark.parametrize("role", ["Host", "Controller"])
+def test_exit_while_a_role_is_still_joining_stops_it_at_once(server: Server, role: str) -> None:
+    # Nothing answers at this address: the role would wait for its join timeout.
+    cmd: dict[str, Any] = {"system_addr": "tcp:127.0.0.1:1"}
+    if role == "Host":
+        cmd.update(host_world="hostw", host_rank=0)
+    else:
+        cmd.update(worker_world="w", world_size=1)
+    server.send({"Run": {role: cmd}})
+    time.sleep(1.0)  # the join is under way (nothing to wait for: this only lets it start)
+    t0 = time.monotonic()
+    server.send({"Exit": []})
+    assert server.finished() is None
+    assert server.wait(10) == 0
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_line_nested_too_deeply_is_answered_and_serving_continues(server: Server) -> None:
+    server.send("[" * 5000 + "]" * 5000)
+    assert server.finished() == "invalid request: JSON nested too deeply"
+    server.send({"Exit": []})
+    assert server.wait(10) == 0
+
+
 def test_failed_controller_bootstrap_gives_the_cli_message(
     server: Server, env: dict[str, str]
 ) -> None:

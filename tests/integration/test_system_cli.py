@@ -289,3 +289,28 @@ def test_snapshot_of_an_unreachable_system_says_so() -> None:
     assert proc.returncode == 1
     assert "palatine snapshot: no answer from system at tcp:127.0.0.1:1 within 1 s" in proc.stderr
     assert "Traceback" not in proc.stderr and "Task was destroyed" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["host", "--system-addr", "tcp:127.0.0.1:1", "--host-world", "hostw", "--host-rank", "0"],
+        ["worker", "--proc-id", "w[0]", "--bootstrap-addr", "tcp:127.0.0.1:1"],
+        ["controller", "--worker-world", "w", "--system-addr", "tcp:127.0.0.1:1", "--world-size", "1"],
+    ],
+    ids=["host", "worker", "controller"],
+)
+def test_sigterm_while_joining_stops_the_role_at_once(argv: list[str]) -> None:
+    # Nothing answers at this address, so the role is still joining when the signal comes.
+    proc = subprocess.Popen([*palatine_cmd(), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)  # let it start its join (nothing to wait for: this only lets it begin)
+        assert proc.poll() is None
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() - t0 < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -29,23 +29,29 @@ async def serve_host(args: argparse.Namespace, stop: asyncio.Event) -> int:
     from palatine.errors import JoinError
     from palatine.host import HostAgent
     from palatine.ids import WorldId
+    from palatine.runtime import unless_stopped
     from palatine.serve import check_cli_args
 
     check_cli_args("Host", args)
     proc_id = WorldId.parse(args.host_world).proc(args.host_rank)
     try:
-        handle = await bootstrap_proc(
-            proc_id,
-            args.system_addr,
-            supervision_update_interval_s=args.supervision_update_interval_in_sec,
-            labels={"proc.palatine.dev/role": "host"},
-            main_proc=True,
-            join_timeout_s=config.get().join_timeout_s,
-            agent_cls=HostAgent,
+        handle = await unless_stopped(
+            bootstrap_proc(
+                proc_id,
+                args.system_addr,
+                supervision_update_interval_s=args.supervision_update_interval_in_sec,
+                labels={"proc.palatine.dev/role": "host"},
+                main_proc=True,
+                join_timeout_s=config.get().join_timeout_s,
+                agent_cls=HostAgent,
+            ),
+            stop,
         )
     except JoinError as e:
         print(f"cannot join system at {args.system_addr}: {e}", file=sys.stderr)
         return 1
+    if handle is None:
+        return 0  # stopped while joining
     ready_line("host", handle.addr)
     waiter = asyncio.ensure_future(handle.wait())
     stopper = asyncio.ensure_future(stop.wait())

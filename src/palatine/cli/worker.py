@@ -102,6 +102,7 @@ async def serve_worker(proc_text: str, addr: str, stop: asyncio.Event) -> int:
     from palatine.channel.addr import ChannelAddr
     from palatine.errors import ConfigError, JoinError
     from palatine.ids import ProcId
+    from palatine.runtime import unless_stopped
 
     try:
         proc_id = ProcId.parse(proc_text)
@@ -113,16 +114,21 @@ async def serve_worker(proc_text: str, addr: str, stop: asyncio.Event) -> int:
         raise ConfigError(f"--bootstrap-addr {addr!r}: {e}") from None
     host = os.environ.get("PALATINE_HOST_PROC_ID")
     try:
-        handle = await bootstrap_proc(
-            proc_id,
-            addr,
-            host_proc=ProcId.parse(host) if host else None,
-            main_proc=True,
-            join_timeout_s=config.get().join_timeout_s,
+        handle = await unless_stopped(
+            bootstrap_proc(
+                proc_id,
+                addr,
+                host_proc=ProcId.parse(host) if host else None,
+                main_proc=True,
+                join_timeout_s=config.get().join_timeout_s,
+            ),
+            stop,
         )
     except JoinError as e:
         print(f"cannot join system at {addr}: {e}", file=sys.stderr)
         return 1
+    if handle is None:
+        return 0  # stopped while joining
     ready_line("worker", handle.addr)
     waiter = asyncio.ensure_future(handle.wait())
     stopper = asyncio.ensure_future(stop.wait())

@@ -61,6 +61,7 @@ from palatine.controller.startup import (
 )
 from palatine.errors import CallTimeout, JoinError, PalatineError
 from palatine.ids import ActorId, WorldId
+from palatine.runtime import unless_stopped
 from palatine.supervision import format_seconds
 from palatine.system.agent_messages import Spawn, Spawned
 from palatine.system.messages import Snapshot, SnapshotFilter, SystemSnapshot, WorldSnapshot
@@ -295,9 +296,12 @@ async def run_controller(
 
     # 1. attach
     try:
-        client = await System(addr).attach(timeout_s=cfg.join_timeout_s)
+        client = await unless_stopped(System(addr).attach(timeout_s=cfg.join_timeout_s), stop)
     except (JoinError, OSError) as e:
         raise BootstrapError(f"cannot reach system at {cmd.system_addr}: {_err_text(e)}") from None
+    if client is None:
+        log.info("controller stopped while reaching the system")
+        return 0, None
     handle = None
     created = False
     try:
@@ -319,19 +323,24 @@ async def run_controller(
         records = worker_records(cmd.worker_world, cmd.world_size, world)
         # 4. the controller proc
         try:
-            handle = await bootstrap_proc(
-                actor_id.proc,
-                addr,
-                supervision_update_interval_s=cmd.supervision_update_interval_in_sec,
-                labels=proc_labels(cmd),
-                mode=MANAGED,
-                join_timeout_s=cfg.join_timeout_s,
-                main_proc=main_proc,
+            handle = await unless_stopped(
+                bootstrap_proc(
+                    actor_id.proc,
+                    addr,
+                    supervision_update_interval_s=cmd.supervision_update_interval_in_sec,
+                    labels=proc_labels(cmd),
+                    mode=MANAGED,
+                    join_timeout_s=cfg.join_timeout_s,
+                    main_proc=main_proc,
+                ),
+                stop,
             )
         except (JoinError, OSError) as e:
             raise BootstrapError(
                 f"cannot start controller proc {actor_id.proc}: {_err_text(e)}"
             ) from None
+        if handle is None:
+            raise _Stopped(f"stopped while starting controller proc {actor_id.proc}")
         # 5. the ControllerActor, through the proc agent
         params = _controller_params(cmd, actor_id, str(addr), timeouts, records)
         spawn = Spawn(
