@@ -45,7 +45,7 @@ from palatine.system.messages import (
     StartedProc,
 )
 
-__all__ = ["HostAgent"]
+__all__ = ["HostAgent", "join_host"]
 
 log = logging.getLogger(__name__)
 
@@ -235,3 +235,26 @@ class HostAgent(ProcAgent):
             return StackTrace(proc_id=msg.target, pid=child.pid, method=method, text=text)
         except Exception as e:  # noqa: BLE001 - the handler never raises
             return StackTrace(proc_id=msg.target, pid=child.pid, error=str(e))
+
+
+async def join_host(
+    host_world: str, host_rank: int, system_addr: str, interval_s: float | None, stop: asyncio.Event,
+    main_proc: bool = False,
+) -> ProcHandle | None:
+    """Start and join host ``host_world[host_rank]`` (the CLI's and serve's host role);
+    None when ``stop`` is set before it has joined. Raises `JoinError`."""
+    from palatine.ids import WorldId
+    from palatine.runtime import unless_stopped
+
+    return await unless_stopped(
+        bootstrap_proc(
+            WorldId.parse(host_world).proc(host_rank),
+            system_addr,
+            supervision_update_interval_s=interval_s,
+            labels={"proc.palatine.dev/role": "host"},
+            main_proc=main_proc,
+            join_timeout_s=config.get().join_timeout_s,
+            agent_cls=HostAgent,
+        ),
+        stop,
+    )

@@ -226,23 +226,11 @@ async def run_system(cmd: SystemCommand, stop: asyncio.Event, on_ready: OnReady)
 
 async def run_host(cmd: HostCommand, stop: asyncio.Event, on_ready: OnReady) -> str | None:
     """Run host ``host_world[host_rank]`` until the system stops it or ``stop`` is set."""
-    from palatine import config
-    from palatine.agent import bootstrap_proc
-    from palatine.host import HostAgent
-    from palatine.runtime import unless_stopped
+    from palatine.host import HostAgent, join_host
 
-    proc_id = WorldId(cmd.host_world).proc(cmd.host_rank)
     try:
-        handle = await unless_stopped(
-            bootstrap_proc(
-                proc_id,
-                cmd.system_addr,
-                supervision_update_interval_s=cmd.supervision_update_interval_in_sec,
-                labels={"proc.palatine.dev/role": "host"},
-                join_timeout_s=config.get().join_timeout_s,
-                agent_cls=HostAgent,
-            ),
-            stop,
+        handle = await join_host(
+            cmd.host_world, cmd.host_rank, cmd.system_addr, cmd.supervision_update_interval_in_sec, stop
         )
     except (JoinError, OSError) as e:
         return f"cannot join system at {cmd.system_addr}: {e}"

@@ -24,28 +24,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve_host(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    from palatine import config
-    from palatine.agent import bootstrap_proc
     from palatine.errors import JoinError
-    from palatine.host import HostAgent
-    from palatine.ids import WorldId
-    from palatine.runtime import unless_stopped
+    from palatine.host import HostAgent, join_host
     from palatine.serve import check_cli_args
 
     check_cli_args("Host", args)
-    proc_id = WorldId.parse(args.host_world).proc(args.host_rank)
     try:
-        handle = await unless_stopped(
-            bootstrap_proc(
-                proc_id,
-                args.system_addr,
-                supervision_update_interval_s=args.supervision_update_interval_in_sec,
-                labels={"proc.palatine.dev/role": "host"},
-                main_proc=True,
-                join_timeout_s=config.get().join_timeout_s,
-                agent_cls=HostAgent,
-            ),
-            stop,
+        handle = await join_host(
+            args.host_world, args.host_rank, args.system_addr, args.supervision_update_interval_in_sec, stop,
+            main_proc=True,
         )
     except JoinError as e:
         print(f"cannot join system at {args.system_addr}: {e}", file=sys.stderr)
