@@ -560,3 +560,53 @@ def test_an_error_caught_from_get_is_not_also_logged_as_never_retrieved() -> Non
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
     assert proc.stdout.count("CAUGHT ValueError") == 3 and "DONE" in proc.stdout, proc.stderr
     assert "never retrieved" not in proc.stderr
+
+
+def test_a_lane_whose_caller_stops_reading_is_not_served_further_until_it_reads() -> None:
+    # A caller that writes 300 requests for 1 MiB replies and reads none: the proc writes
+    # replies until the connection backs up, then reads no more of that lane's requests
+    # (instead of buffering 300 MiB). Once the caller reads, every reply arrives in order.
+    out = run(
+        """
+        from palatine import mesh as M
+        from palatine.lane_conn import LaneConn
+        from palatine.wire.codec import dumps
+
+        class Big(Acc):
+            @endpoint
+            def big(self, i):
+                self.marks += 1
+                return i.to_bytes(4, "big") + b"x" * (1 << 20)
+
+        big = procs.spawn("big", Big).slice(procs=0)
+        big.marks_seen.call_one().get()
+        mb = M._default_client.mailbox
+        dest = big.gang.actor(0)
+        addr = mb.proc.router.lookup(dest)
+        lane = LaneConn.open(addr, mb.proc.proc_id)
+        calls = [M._RefCall(dest, dumps(("big", (i,), {}))[0], [], "call big", 60.0) for i in range(300)]
+        data, ports = lane.encode(300, lambda i, rt: calls[i].envelope(mb, -1, rt))
+        lane.sock.sendall(data)  # ≈ 45 KB of requests: the socket takes them all
+        # Another thread's calls (their own connection) watch the proc's progress.
+        seen = [-1]
+        def watch():
+            for _ in range(100):  # until it has stopped moving (at most 10 s)
+                time.sleep(0.1)
+                n = big.marks_seen.call_one().get()
+                if n == seen[-1] and n > 0:
+                    return
+                seen.append(n)
+        t = threading.Thread(target=watch); t.start(); t.join()
+        print("HANDLED_UNREAD", seen[-1] < 300, seen[-1] > 0)
+        got = {}
+        deadline = time.monotonic() + 60
+        while len(got) < 300 and time.monotonic() < deadline:
+            for port, value in lane.read(deadline):
+                got[port] = value
+        ok = [int.from_bytes(got[p.port][:4], "big") for p in ports] == list(range(300))
+        print("ALL_READ", len(got), ok, big.marks_seen.call_one().get())
+        lane.close()
+        """
+    )
+    assert out["HANDLED_UNREAD"] == "True True"
+    assert out["ALL_READ"] == "300 True 300"

@@ -86,6 +86,9 @@ class ServerConn(asyncio.BufferedProtocol):
         self._ack_handle: asyncio.TimerHandle | None = None
         self._auth_handle: asyncio.TimerHandle | None = None
         self.paused = False
+        self._write_blocked = False  # (see `pause_writing`)
+        self._reading_paused = False
+        self._held: list[Frame] | None = None  # a lane's requests read while writing was blocked
         self.taken_over = False
         self._lost = False
         self.peer = "unknown peer"
@@ -139,8 +142,12 @@ class ServerConn(asyncio.BufferedProtocol):
         if self.lane is None:
             self._frames(frames)
             return
-        # A lane: replies made while these requests are handled go out together
-        # (`BACK_FLUSH_BUFFERS` at a time).
+        self._lane_frames(frames)
+        self.rx._spin()  # a blocking caller: its next request follows the reply
+
+    def _lane_frames(self, frames: list[Frame]) -> None:
+        """A lane's requests: the replies they make go out together (`BACK_FLUSH_BUFFERS`
+        at a time)."""
         self._back = out = []
         try:
             self._frames(frames)
@@ -152,14 +159,16 @@ class ServerConn(asyncio.BufferedProtocol):
                     transport.write(out[0])
                 else:
                     transport.writelines(out)
-        self.rx._spin()  # a blocking caller: its next request follows the reply
 
     def _frames(self, frames: list[Frame]) -> None:
         """Deliver in-session ``Message`` frames, handle the rest; then maybe ack."""
         rx = self.rx
         deliver = rx._deliver
         ack_now = False
-        for frame in frames:
+        for i, frame in enumerate(frames):
+            if self._write_blocked and self.lane is not None:
+                self._held = frames[i:]  # the caller is not reading: the rest waits
+                break
             if type(frame) is Message and self.state == _OPEN:
                 session = self.session
                 assert session is not None
@@ -348,15 +357,40 @@ class ServerConn(asyncio.BufferedProtocol):
             else:
                 self.transport.close()
 
+    # Reading is paused while either the proc's inbound queue is full (`pause`, by the
+    # Rx) or the peer does not read what we write to it (`pause_writing`, by asyncio):
+    # a lane whose caller stopped reading its replies must not make us buffer them
+    # without end, so its requests wait (read ones in `_held`) until it catches up.
+
     def pause(self) -> None:
-        if not self.paused and self.transport is not None and self.state != _CLOSED:
+        if not self.paused:
             self.paused = True
-            self.transport.pause_reading()
+            self._update_reading()
 
     def resume(self) -> None:
-        if self.paused and self.transport is not None and self.state != _CLOSED:
+        if self.paused:
             self.paused = False
-            self.transport.resume_reading()
+            self._update_reading()
+
+    def pause_writing(self) -> None:
+        self._write_blocked = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_blocked = False
+        held, self._held = self._held, None
+        if held and self.state != _CLOSED:
+            self._lane_frames(held)  # (may block writing again)
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        want = self.paused or self._write_blocked
+        if want != self._reading_paused and self.transport is not None and self.state != _CLOSED:
+            self._reading_paused = want
+            if want:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
 
     def eof_received(self) -> bool | None:
         return False
