@@ -280,7 +280,11 @@ async def run_role(req: RunRequest, stop: asyncio.Event, on_ready: OnReady) -> s
 
 
 class _Lines:
-    """Lines read from a non-blocking fd through the loop; ``None`` at EOF."""
+    """Lines read from a non-blocking fd through the loop; ``None`` at EOF.
+
+    A pipe or socket is read when the loop says it is readable; a regular file (or
+    ``/dev/null``), which cannot be polled and never blocks, is read a chunk per loop turn.
+    """
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -288,8 +292,20 @@ class _Lines:
         self._buf = bytearray()
         self._skipping = False
         self._loop = asyncio.get_running_loop()
+        self._closed = False
         os.set_blocking(fd, False)
-        self._loop.add_reader(fd, self._readable)
+        try:
+            self._loop.add_reader(fd, self._readable)
+            self._polled = True
+        except PermissionError:  # not pollable: a regular file
+            self._polled = False
+            self._loop.call_soon(self._read_turn)
+
+    def _read_turn(self) -> None:
+        if not self._closed:
+            self._readable()
+            if not self._closed:
+                self._loop.call_soon(self._read_turn)
 
     def _readable(self) -> None:
         try:
@@ -323,7 +339,10 @@ class _Lines:
             self.queue.put_nowait(b"\x00too long")
 
     def close(self) -> None:
-        self._loop.remove_reader(self.fd)
+        if not self._closed:
+            self._closed = True
+            if self._polled:
+                self._loop.remove_reader(self.fd)
 
 
 def _write(fd: int, data: bytes) -> None:

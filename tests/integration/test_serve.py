@@ -399,3 +399,16 @@ def test_controller_run_serves_until_exit(server: Server, env: dict[str, str]) -
         for h in hosts:
             h.kill()
         system.kill()
+
+
+def test_requests_from_a_regular_file_or_dev_null(tmp_path: Path) -> None:
+    # A file cannot be polled: it is read in turns, answered, and its end ends the server.
+    req = tmp_path / "requests.jsonl"
+    req.write_text('{"Run": 1}\n{"Exit": []}\n')
+    with req.open("rb") as fin:
+        done = subprocess.run([*palatine_cmd(), "serve", "0", "1"], stdin=fin, capture_output=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[0])["Finished"]["error"].startswith("invalid request: Run expects")
+    with open(os.devnull, "rb") as fin:
+        done = subprocess.run([*palatine_cmd(), "serve", "0", "1"], stdin=fin, capture_output=True, timeout=30)
+    assert done.returncode == 0 and done.stdout == b"", done.stderr
