@@ -314,3 +314,24 @@ def test_sigterm_while_joining_stops_the_role_at_once(argv: list[str]) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_refused_join_is_heard_at_once_and_the_first_proc_keeps_its_place(cluster: Cluster) -> None:
+    # hostw[0] is running: a second hostw[0] is refused, and so is a worker in a reserved
+    # world. Neither is routable from the system, yet each hears why in well under its
+    # join timeout (30 s), and the running host keeps its record.
+    env = {**os.environ, **cluster.env}
+    cases = [
+        (["host", "--system-addr", cluster.system.addr, "--host-world", "hostw", "--host-rank", "0"],
+         "proc hostw[0] is already joined from "),
+        (["worker", "--proc-id", "unknown[0]", "--bootstrap-addr", cluster.system.addr],
+         "world name 'unknown' is reserved"),
+    ]
+    for argv, says in cases:
+        t0 = time.monotonic()
+        proc = subprocess.run([*palatine_cmd(), *argv], capture_output=True, text=True, timeout=60, env=env)
+        assert proc.returncode == 1 and says in proc.stderr, proc.stderr
+        assert time.monotonic() - t0 < 10
+    snap = cluster.snapshot()
+    assert sorted(snap["worlds"]["w"]["host_procs"]) == ["hostw[0]", "hostw[1]"]
+    assert cluster.hosts[0].popen.poll() is None

@@ -35,6 +35,7 @@ from palatine.system.messages import (
     Join,
     Leave,
     ProcExited,
+    Rejected,
     Resolve,
     Snapshot,
     Stop,
@@ -124,9 +125,35 @@ class SystemActor(Actor):
             out = [i for i in out if type(i) is not Bind]
         if isinstance(reply, JoinProbeNeeded):
             self._spawn(self._probe_then_join(env, msg, reply.probe))
+        elif type(reply) is Rejected and type(msg) is Join and env.reply_to is not None:
+            self._refuse_joiner(env, msg, reply)
         elif reply is not None and env.reply_to is not None:
             self.cx._inst.reply(env.reply_to, reply, env)
         self._execute(out)
+
+    def _refuse_joiner(self, env: Envelope, msg: Join, reply: Rejected) -> None:
+        """A refused Join has no route back: its proc was not recorded, or its id is
+        another (live) proc's. Reach the joiner once at the address it gave, so it hears
+        why at once instead of waiting out its join timeout."""
+        assert env.reply_to is not None
+        router = self.cx.proc.router
+        actor = env.reply_to.actor
+        try:
+            addr = ChannelAddr.parse(msg.addr) if msg.addr else None
+        except ValueError:
+            addr = None
+        if addr is None:
+            self.cx._inst.reply(env.reply_to, reply, env)  # (routed as usual, if at all)
+            return
+        before = router.binding(actor)
+        router.bind(actor, addr)  # for this one reply: posting picks its Tx right away
+        try:
+            self.cx._inst.reply(env.reply_to, reply, env)
+        finally:
+            if before is None:
+                router.unbind(actor)
+            else:
+                router.bind(actor, before)
 
     async def _probe_then_join(self, env: Envelope, msg: Join, probe: Probe) -> None:
         outcome = await probe_addr(probe.addr, probe.timeout_s)
