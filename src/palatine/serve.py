@@ -64,8 +64,9 @@ class SystemCommand(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``Run.System``: serve the system actor (30-controller.md §1)."""
 
     system_addr: str
-    supervision_update_timeout_in_sec: float = 20.0
-    world_eviction_timeout_in_sec: float = 10.0
+    # None: the configuration decides (``PALATINE_*``, else 20 and 10), as for the CLI.
+    supervision_update_timeout_in_sec: float | None = None
+    world_eviction_timeout_in_sec: float | None = None
 
 
 class HostCommand(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -74,7 +75,7 @@ class HostCommand(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     system_addr: str
     host_world: str
     host_rank: int
-    supervision_update_interval_in_sec: float = 2.0
+    supervision_update_interval_in_sec: float | None = None  # None: the configuration's (2)
 
 
 class RunRequest(msgspec.Struct, frozen=True):
