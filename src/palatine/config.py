@@ -55,6 +55,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # None: min(10, supervision_update_interval_s)
     heartbeat_ack_timeout_s: float | None = None
     proc_stop_timeout_s: float = 5.0
+    # None: min(1, supervision_update_timeout_s / 4) (20-system.md §1.7)
+    health_tick_interval_s: float | None = None
+    stop_fallback_margin_s: float = 3.0
     child_term_grace_s: float = 5.0
     stack_dump_timeout_s: float = 10.0
     spawn_procs_timeout_s: float = 60.0
@@ -85,6 +88,14 @@ def parse_seconds(text: str, *, name: str = "value") -> float:
         raise ConfigError(f"{name}: expected seconds > 0, got {text!r}") from None
     if not value > 0 or math.isnan(value):
         raise ConfigError(f"{name}: expected seconds > 0, got {text!r}")
+    return value
+
+
+def _parse_interval(text: str, *, name: str = "value") -> float:
+    """A period (heartbeats, ticks): seconds > 0, and finite (something must happen)."""
+    value = parse_seconds(text, name=name)
+    if math.isinf(value):
+        raise ConfigError(f"{name}: expected a finite number of seconds > 0, got {text!r}")
     return value
 
 
@@ -147,6 +158,8 @@ def env_var(key: str) -> str:
 def _parser_for(key: str, default: Any) -> Callable[..., Any]:
     if key.endswith("_bytes"):
         return parse_size
+    if key.endswith("interval_s"):
+        return _parse_interval
     if key.endswith("_s"):
         return parse_seconds
     if key.endswith("_us"):

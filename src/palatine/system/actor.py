@@ -296,5 +296,7 @@ def registry_from_config(
         liveness_probe_timeout_s=cfg.liveness_probe_timeout_s,
         exit_report_grace_s=cfg.exit_report_grace_s,
         proc_stop_timeout_s=cfg.proc_stop_timeout_s,
+        health_tick_interval_s=cfg.health_tick_interval_s,
+        stop_fallback_margin_s=cfg.stop_fallback_margin_s,
         rpc_timeout_s=cfg.rpc_timeout_s,
     )
