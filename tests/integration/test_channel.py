@@ -609,6 +609,11 @@ async def test_29_preauth_limit_and_auth_timeout() -> None:
     await silent.frame()  # Hello
     assert await silent.until_eof(timeout=3.0) == []
     assert 0.25 <= time.monotonic() - start < 2.0
+    # Authenticated but never opening a session (no Init): closed on the same clock.
+    mute = await Raw.client(addr, session_id=None)  # type: ignore[arg-type]
+    start = time.monotonic()
+    assert await mute.until_eof(timeout=3.0) == []
+    assert time.monotonic() - start < 2.0
     tx = dial(addr)
     await tx.send(mk(0))  # the listener still serves
     assert seqs(await recv_n(rx, 1)) == [0]

@@ -240,6 +240,13 @@ def test_snapshot_cli_json_and_table(cluster: Cluster) -> None:
     )
     assert table.returncode == 0, table.stderr
     assert "w[3]" in table.stdout and "Live" in table.stdout
+    # several worlds after one --world, as the spec writes it (`--world W ...`)
+    some = subprocess.run(
+        [*palatine_cmd(), "snapshot", "--system-addr", cluster.system.addr, "--json", "--world", "w", "nope"],
+        capture_output=True, text=True, timeout=30, env=env,
+    )
+    assert some.returncode == 0, some.stderr
+    assert list(json.loads(some.stdout)["worlds"]) == ["w"]
 
 
 def test_a_role_stops_when_its_launcher_is_gone() -> None:
@@ -272,6 +279,9 @@ def test_a_role_stops_when_its_launcher_is_gone() -> None:
          "--supervision-update-interval-in-sec must be a finite number > 0, got inf"),
         (["worker", "--proc-id", "w[x]", "--bootstrap-addr", "unix:@nobody"], "--proc-id 'w[x]'"),
         (["worker", "--proc-id", "w[0]", "--bootstrap-addr", "bogus"], "--bootstrap-addr 'bogus'"),
+        (["worker", "--world-id", "alpha", "--proc-id", "beta[0]", "--bootstrap-addr", "unix:@nobody"],
+         "--proc-id 'beta[0]' is not in --world-id 'alpha'"),
+        (["snapshot", "--system-addr", "unix:@nobody", "--world-label", "foo"], "no '=' found in 'foo'"),
     ],
 )
 def test_bad_role_flags_are_a_usage_error_named_at_once(argv: list[str], says: str) -> None:

@@ -211,10 +211,7 @@ class ServerConn(asyncio.BufferedProtocol):
                 return
             self.transport.write(encode_frame(reply))
             self.parser.limit = self.rx._max_frame
-            self.state = _INIT
-            if self._auth_handle is not None:
-                self._auth_handle.cancel()
-                self._auth_handle = None
+            self.state = _INIT  # (the auth timer runs on until the Init: `_auth_expired`)
         elif type(frame) is Init:
             if self.state != _INIT:
                 self._fail("unexpected Init: the session is already initialized")
@@ -251,6 +248,9 @@ class ServerConn(asyncio.BufferedProtocol):
         session.owner = self
         self.session = session
         self.state = _OPEN
+        if self._auth_handle is not None:
+            self._auth_handle.cancel()
+            self._auth_handle = None
         if frame.lane is not None:
             self.lane = frame.lane
             rx.lanes[frame.lane] = self
@@ -325,10 +325,11 @@ class ServerConn(asyncio.BufferedProtocol):
 
     def _auth_expired(self) -> None:
         self._auth_handle = None
-        if self.state == _AUTH:
+        if self.state in (_AUTH, _INIT):  # a session must be open within the auth timeout
+            what = "authenticated" if self.state == _AUTH else "initialized (no Init after authenticating)"
             self.rx._warn(
                 self.peer_key,
-                f"closing connection from {self.peer}: not authenticated within "
+                f"closing connection from {self.peer}: not {what} within "
                 f"{format_seconds(self.rx._auth_timeout)} s",
             )
             self._close(abort=True)

@@ -15,7 +15,8 @@ def parse_kv(items: list[str] | None) -> dict[str, str]:
     out: dict[str, str] = {}
     for s in items or []:
         if "=" not in s:
-            raise SystemExit(f"palatine: invalid KEY=value: no '=' found in '{s}'")
+            print(f"palatine: invalid KEY=value: no '=' found in '{s}'", file=sys.stderr)
+            raise SystemExit(2)
         k, v = s.split("=", 1)
         out[k] = v
     return out
@@ -23,9 +24,10 @@ def parse_kv(items: list[str] | None) -> dict[str, str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-addr", required=True)
-    p.add_argument("--world", action="append", default=[], help="only this world (repeatable)")
-    p.add_argument("--world-label", action="append", default=[], metavar="K=V")
-    p.add_argument("--proc-label", action="append", default=[], metavar="K=V")
+    p.add_argument("--world", action="extend", nargs="+", default=[], metavar="W",
+                   help="only these worlds (repeatable)")
+    p.add_argument("--world-label", action="extend", nargs="+", default=[], metavar="K=V")
+    p.add_argument("--proc-label", action="extend", nargs="+", default=[], metavar="K=V")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     p.add_argument("--timeout-in-sec", type=float, default=10.0)
 

@@ -11,7 +11,8 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-addr", required=True)
-    p.add_argument("--world", action="append", default=[], help="only this world (repeatable)")
+    p.add_argument("--world", action="extend", nargs="+", default=[], metavar="W",
+                   help="only these worlds (repeatable)")
     p.add_argument("--timeout-in-sec", type=float, default=5.0, help="per-proc stop timeout")
 
 

@@ -36,6 +36,10 @@ def run(args: argparse.Namespace) -> int:
         print("palatine worker: need --proc-id and --bootstrap-addr (or PALATINE_PROC_ID and "
               "PALATINE_BOOTSTRAP_ADDR)", file=sys.stderr)
         return 2
+    world = args.world_id or os.environ.get("PALATINE_WORLD_ID")
+    if world and not proc_text.startswith(world + "["):
+        print(f"palatine worker: --proc-id {proc_text!r} is not in --world-id {world!r}", file=sys.stderr)
+        return 2
     return run_role(lambda stop: serve_worker(proc_text, addr, stop))
 
 
