@@ -59,6 +59,8 @@ PROGRAMS = (
     Program("bench/controller_bench.py", None),
     Program("bench/fault_bench.py", None,
             frozenset({"detect_sigstop_s", "detect_hang_s", "tensor_transfer_GBps"})),
+    Program("bench/scaling_bench.py", None,
+            frozenset({"scaling_cast_procs_exponent", "scaling_msg_size_exponent"})),
     Program("bench/peers/monarch_actors.py", "torchmonarch", frozenset(PEER_METRICS)),
     Program("bench/peers/ray_actors.py", "ray", frozenset(PEER_METRICS)),
     Program("bench/peers/dask_actors.py", "distributed", frozenset(PEER_METRICS)),
@@ -97,6 +99,13 @@ METRICS: dict[str, tuple[str, bool, Target]] = {
     "system_1k_procs_cpu": ("% of one core", False, Target("≤ 10 % of one core", 10.0)),
     "snapshot_1k_procs_ms": ("ms", False, Target("≤ 20 ms", 20.0)),
     "tensor_transfer_GBps": ("GB/s", True, Target("≥ 1 GB/s", 1.0)),
+    # The goals' scaling row ("linear or better"), as the worst local exponent of a series
+    # (bench/scaling_bench.py): 1 is linear; 10 % is left for this machine's noise.
+    "scaling_cast_procs_exponent": ("exponent", False,
+                                    Target("≤ 1.1: linear or better in procs, 4 → 64", 1.1)),
+    "scaling_msg_size_exponent": ("exponent", False,
+                                  Target("≤ 1.1: linear or better in size, 64 B → 64 MiB, "
+                                         "relative to a memory copy", 1.1)),
 }
 
 
@@ -649,6 +658,26 @@ def render_markdown(res: dict[str, Any]) -> str:
         "`fetch(t, shard=1).result()` of it repeatedly; 67,108,864 bytes / seconds of one "
         "fetch / 1e9 (median of ≥ 5 fetches; `cpu_ms_per_fetch` per process).",
         "",
+        "palatine's scaling metrics (`bench/scaling_bench.py`; the goals ask that costs grow "
+        "linearly or better with the number of procs, 4 → 64, and the message size, 64 B → "
+        "64 MiB). Each measures a series and reports its worst *local exponent*: between two "
+        "neighbouring points, log(t₂/t₁) / log(x₂/x₁); 1 is linear, less is better, and no "
+        "segment of the range may be worse:",
+        "",
+        "* `scaling_cast_procs_exponent`: `mesh.ping.call(i).get()` (`cast_gather_4`'s shape) "
+        "on meshes of 4, 8, 16, 32 and 64 real procs on this host; ms per operation at each "
+        "size. Up to `cast_fanout` (8) procs the caller writes one request per rank itself; "
+        "above it the request goes down the cast tree (⌈log₈ n⌉ levels, `tree_depth`), and "
+        "the replies come straight back. All procs share the 2 cores, so the total work, and "
+        "the time, grows at least linearly here.",
+        "* `scaling_msg_size_exponent`: one actor in another proc, `call_one(payload).get()` "
+        "with a `bytes` payload it returns, for 64 B, 4 KiB, 256 KiB, 4 MiB and 64 MiB. This "
+        "machine's own cost of moving bytes is far from linear (a copy that fits the CPU "
+        "caches is an order of magnitude cheaper per byte), so each time is divided by one "
+        "plain copy of the payload (`copy_ms`; `call_in_copies`), and the exponent is that of "
+        "the ratio, plus 1: 1 means the call grows exactly as copying the bytes does. The raw "
+        "exponents are in the extras too.",
+        "",
         "Loops run about 0.5 s per repetition after a warm-up; the value is the median of the "
         "repetitions (all of them are in the results file). The other metrics and their "
         "targets are those of the project's goals; their programs are `bench/system_bench.py`, "
@@ -723,6 +752,45 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "12-15 µs. Left: the caller and the actor's proc work in turn, not at once (the "
         "requests leave only when the caller waits), and frame header decoding (≈ 1.3 µs "
         "per message on each side).",
+        "Measured 2026-12-03, night: a batch's requests now leave in chunks of 16, 32, … "
+        "up to 256 as they are encoded (`palatine/lane_calls.py`), so the actor's proc starts "
+        "on the first ones while the caller encodes the rest, and the proc writes a lane's "
+        "replies every 32 instead of once per read, so the caller decodes the first replies "
+        "while later requests are still being handled. Interleaved runs of this program: "
+        "median 39,500-50,700/s before, 48,500-57,700/s after. Choosing between the stdlib "
+        "pickler and cloudpickle no longer scans each pickle with a regular expression "
+        "(the picklers note it as they meet `__main__`, lambdas and local code): ≈ 0.5 µs "
+        "less per call on each side. Left: this VM's stalls of 2-5 ms in either process "
+        "during a batch (seen in timelines of both sides; not the garbage collector).",
+    ],
+    "scaling_msg_size_exponent": [
+        "Measured 2026-12-03: a 64 MiB round trip took ≈ 1.4 s; 0.7 s of it were two scans "
+        "of the pickle with a regular expression, to decide whether the value needs "
+        "cloudpickle (≈ 190 MB/s). The picklers now decide from the objects they meet "
+        "(`refers_by_value`), and a lane receives the rest of a big frame straight into its "
+        "pooled buffer. What is left is copying: a `bytes` payload travels in band, so each "
+        "way it is pickled, encoded into the msgpack header, joined to the length prefix, "
+        "copied by the kernel, received, decoded out of the header and unpickled: ≈ 20 "
+        "copies' worth at 64 MiB (`call_in_copies`), and beyond the CPU caches this VM "
+        "copies at only 1.2-1.7 GB/s. Next: carry a large in-band pickle as a raw buffer "
+        "beside the header (as out-of-band buffers already are), which saves about three "
+        "copies each way.",
+    ],
+    "scaling_cast_procs_exponent": [
+        "Measured 2026-12-03: the series is sublinear except for one step, at 8 → 16 procs, "
+        "where the cast changes form (spec 20-system.md §3): up to `cast_fanout` (8) ranks "
+        "the calling thread writes one request per rank on its own lanes and polls their "
+        "replies; above it the request goes through the loop thread and down the cast tree, "
+        "with one more hop (the heads' comm actors) on the way. With `PALATINE_CAST_FANOUT=16`, "
+        "9 procs take ≈ 0.65 ms against ≈ 1.3 ms through the tree. From 16 to 64 procs (the "
+        "tree throughout) the time grows more slowly than the number of procs.",
+        "CPU per operation (psutil, all processes, a quiet hour): 8 procs 0.67 ms wall, "
+        "≈ 0.35 ms in the caller and ≈ 0.8 ms in the procs; 16 procs 1.74 ms wall, ≈ 0.7 ms "
+        "in the caller (16 replies through its loop thread) and ≈ 2.1 ms in the procs (the 8 "
+        "heads also decode and forward the cast): ≈ 2.8 ms of CPU on 2 cores, so the wall "
+        "time is CPU-bound. Next: let a plain thread's cast take its lanes to the 8 heads "
+        "and poll the replies itself, as it does up to 8 procs, and make the heads' forward "
+        "cheaper.",
     ],
     "controller_invocations_per_s": [
         "Measured 2026-12-03 (`cpu_ms_per_1k_calls`): client ≈ 22-30 µs, the 4 workers "
