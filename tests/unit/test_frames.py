@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from palatine.ids import ActorId
+from palatine.ids import ActorId, PortId
 from palatine.wire.envelope import Envelope
 from palatine.wire.frames import (
     PREAUTH_MAX_FRAME_BYTES,
@@ -303,3 +303,12 @@ def test_a_header_nested_too_deeply_is_a_frame_error_not_a_crash() -> None:
     frame = struct.pack(">QI", len(header) + 4, len(header)) + header
     with pytest.raises(FrameError, match="undecodable frame header: nested too deeply"):
         FrameParser().feed(frame)
+
+
+def test_a_negative_sequence_number_is_a_malformed_frame() -> None:
+    env = Envelope(ActorId.parse("a[0].x[0]"), PortId(ActorId.parse("b[0].y[0]"), 1), 1, 0, b"")
+    for bad in (Message(-1, False, env), Init(1, -5)):
+        header = msgspec.msgpack.encode(bad)
+        frame = struct.pack(">QI", len(header) + 4, len(header)) + header
+        with pytest.raises(FrameError, match="Expected `int` >= 0"):
+            FrameParser().feed(frame)

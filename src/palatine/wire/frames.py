@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -70,6 +70,10 @@ PREFIX_BYTES: Final = 12
 _BIG_FRAME_BYTES: Final = 256 * 1024
 
 
+# A sequence number on the wire: a negative one is a malformed frame, not a retransmit.
+_Seq = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class Hello(msgspec.Struct, tag=1, array_like=True, gc=False):
     """Server → client on accept: ``nonce_s`` is 32 fresh random bytes (§2.5 step 1)."""
 
@@ -104,7 +108,7 @@ class Init(msgspec.Struct, tag=4, array_like=True, gc=False):
     """
 
     session_id: int
-    next_seq: int
+    next_seq: _Seq
     lane: ActorId | None = None
 
 
@@ -116,7 +120,7 @@ class Message(msgspec.Struct, tag=5, array_like=True, gc=False):
     raw; the envelope in the header always has ``buffers == []``.
     """
 
-    seq: int
+    seq: _Seq
     ack_now: bool
     envelope: Envelope
     buffer_lens: list[int] = []
