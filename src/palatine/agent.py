@@ -386,7 +386,11 @@ async def bootstrap_proc(
         listen = any_addr(sys_addr.transport, peer=sys_addr)
     else:
         listen = ChannelAddr.parse(listen_addr) if isinstance(listen_addr, str) else listen_addr
-    bound = await proc.serve(listen)
+    try:
+        bound = await proc.serve(listen)
+    except BaseException:  # (the address taken, say, or a stop): the proc holds its router
+        await proc.close()
+        raise
     agent = agent_cls(
         sys_addr, labels, mode, supervision_update_interval_s, join_timeout_s, host_proc, main_proc,
         **(agent_args or {}),

@@ -174,10 +174,12 @@ class LaneConn:
 
     def _write_rest(self, views: collections.deque[memoryview], started: bool, deadline: float) -> None:
         """Write ``views`` without blocking past ``deadline`` (``started``: part of the
-        frame is out already)."""
+        frame is out already). Replies that come meanwhile are read and dropped: they can
+        only be late ones to calls that timed out (this request's own reply cannot come
+        before it is whole), and a peer whose replies back up stops reading the lane."""
         sock = self.sock
         poller = select.poll()
-        poller.register(sock.fileno(), select.POLLOUT)
+        poller.register(sock.fileno(), select.POLLOUT | select.POLLIN)
         while views:
             try:
                 n = sock.sendmsg(list(itertools.islice(views, 512)), [], socket.MSG_DONTWAIT)
@@ -188,12 +190,21 @@ class LaneConn:
                 raise NotSent from None
             started = started or n > 0
             drop_sent(views, n)
-            if views:
+            while views:
                 left = deadline - time.monotonic()
-                if left <= 0 or not poller.poll(max(1, int(left * 1000))):
+                events = poller.poll(max(1, int(left * 1000))) if left > 0 else []
+                if not events:
                     if started:
                         self.close()  # nothing may follow a cut frame
                     raise WriteTimeout
+                if not any(ev & select.POLLIN for _, ev in events):
+                    break  # writable
+                try:
+                    self.read(None)  # late replies: drop them
+                except Broken:
+                    raise NotSent from None  # the lane is closed; the request did not arrive whole
+                if any(ev & select.POLLOUT for _, ev in events):
+                    break
 
     def encode(self, count: int, make_env: Callable[[int, PortId], Envelope]) -> tuple[bytes, list[PortId]]:
         """Requests ``make_env(i, reply_to)`` for a batch as one buffer (buffers copied

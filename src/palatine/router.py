@@ -125,6 +125,13 @@ class Router:
     def binding(self, key: Key) -> ChannelAddr | None:
         return self._bindings.get(key)
 
+    def is_dynamic(self, key: Key) -> bool:
+        return key in self._dynamic
+
+    def serves(self, addr: ChannelAddr) -> bool:
+        """Whether any binding leads to ``addr`` (a scan: for rare paths)."""
+        return any(a == addr for a in self._bindings.values())
+
     def __repr__(self) -> str:
         items: dict[str, Any] = {str(k): str(v) for k, v in sorted(self._bindings.items())}
         return f"Router({items})"

@@ -81,6 +81,18 @@ PRELUDE = textwrap.dedent(
         st = getattr(lane._tls, "state", None)
         return 0 if st is None else len([l for l in st.lanes.values() if not l.broken])
 
+    def marks_once_still(acc):  # its marks once they stop moving (> 0), read by another thread
+        seen = [-1]
+        def watch():
+            for _ in range(100):  # at most 10 s
+                time.sleep(0.1)
+                n = acc.marks_seen.call_one().get()
+                if n == seen[-1] and n > 0:
+                    return
+                seen.append(n)
+        t = threading.Thread(target=watch); t.start(); t.join()
+        return seen[-1]
+
     procs = this_host().spawn_procs(per_host={"procs": 2})
     mesh = procs.spawn("acc", Acc)
     one = mesh.slice(procs=0)
@@ -587,17 +599,8 @@ def test_a_lane_whose_caller_stops_reading_is_not_served_further_until_it_reads(
         calls = [M._RefCall(dest, dumps(("big", (i,), {}))[0], [], "call big", 60.0) for i in range(300)]
         data, ports = lane.encode(300, lambda i, rt: calls[i].envelope(mb, -1, rt))
         lane.sock.sendall(data)  # ≈ 45 KB of requests: the socket takes them all
-        # Another thread's calls (their own connection) watch the proc's progress.
-        seen = [-1]
-        def watch():
-            for _ in range(100):  # until it has stopped moving (at most 10 s)
-                time.sleep(0.1)
-                n = big.marks_seen.call_one().get()
-                if n == seen[-1] and n > 0:
-                    return
-                seen.append(n)
-        t = threading.Thread(target=watch); t.start(); t.join()
-        print("HANDLED_UNREAD", seen[-1] < 300, seen[-1] > 0)
+        ran = marks_once_still(big)
+        print("HANDLED_UNREAD", ran < 300, ran > 0)
         got = {}
         deadline = time.monotonic() + 60
         while len(got) < 300 and time.monotonic() < deadline:
@@ -610,3 +613,43 @@ def test_a_lane_whose_caller_stops_reading_is_not_served_further_until_it_reads(
     )
     assert out["HANDLED_UNREAD"] == "True True"
     assert out["ALL_READ"] == "300 True 300"
+
+
+def test_late_replies_that_back_up_do_not_block_the_threads_next_large_request() -> None:
+    # A batch whose calls all time out leaves 48 MiB of late replies for the lane; the proc
+    # writes until the connection backs up, then stops reading the lane. The thread's next
+    # request, larger than a socket buffer, is written while those replies are read off.
+    out = run(
+        """
+        class Late(Acc):
+            @endpoint(timeout=0.3)
+            def late(self, s, n):
+                time.sleep(s)
+                self.marks += 1
+                return b"x" * n
+
+            @endpoint(timeout=20)
+            def length(self, b):
+                return len(b)
+
+        late = procs.spawn("late", Late).slice(procs=0)
+        late.length.call_one(b"").get()
+        late.length.call_one(b"").get()  # now on the lane
+        fs = [late.late.call_one(0.6, 1 << 20)] + [late.late.call_one(0, 1 << 20) for _ in range(47)]
+        timed_out = 0
+        for f in fs:
+            try:
+                f.get()
+            except CallTimeout:
+                timed_out += 1
+        ran = marks_once_still(late)
+        t = time.monotonic()
+        n = late.length.call_one(b"y" * (8 << 20)).get()
+        took = round(time.monotonic() - t, 3)
+        print("NEXT", timed_out, ran, n, took, late.marks_seen.call_one().get(), lanes_of_this_thread())
+        """
+    )
+    timed_out, ran_before, n, took, ran_after, lanes = out["NEXT"].split()
+    assert (timed_out, n, ran_after, lanes) == ("48", str(8 << 20), "48", "1")
+    assert 0 < int(ran_before) <= 48
+    assert float(took) < 10.0

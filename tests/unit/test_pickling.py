@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,13 @@ MAKE = textwrap.dedent(
             return x * 2
         return g
 
+    bare = {}  # a namespace without __name__: its function has no module
+    exec("def h(x): return x + 10", bare)
+    h = bare["h"]  # (also reachable as __main__.h here, but not in another __main__)
+
     cases = {
         "main_function": f,
+        "moduleless_function": h,
         "main_class": C,
         "main_instance": C(),
         "lambda": lambda x: x - 1,
@@ -77,6 +83,7 @@ USE = textwrap.dedent(
         if name == "main_function": got = v(1)
         elif name == "main_class": got = v().v
         elif name == "main_instance": got = v.v
+        elif name == "moduleless_function": got = v(1)
         elif name == "lambda": got = v(3)
         elif name == "local_function": got = v(2)
         elif name == "partial_of_main": got = v()
@@ -96,6 +103,7 @@ def test_values_naming_main_lambdas_or_locals_arrive_by_value_in_another_process
     got = {tuple(line.split(" ", 2)[:2]): line.split(" ", 2)[2] for line in proc.stdout.splitlines()}
     expect = {
         "main_function": "2 True",
+        "moduleless_function": "11 True",
         "main_class": "5 True",
         "main_instance": "5 True",
         "lambda": "2 True",
@@ -129,6 +137,23 @@ def test_dumps_is_reentrant_and_recovers_after_a_failure() -> None:
         dumps({"lock": threading.Lock()})  # neither pickler can: the caller hears why
     data, bufs = dumps(("ping", (1,), {}))
     assert pickle.loads(data, buffers=bufs) == ("ping", (1,), {}) and bufs == []
+
+
+class _Payload:
+    def __init__(self, n: int) -> None:
+        self.blob = bytearray(n)
+
+    def __reduce__(self) -> Any:
+        return (bytearray, (pickle.PickleBuffer(self.blob),))
+
+
+def test_the_reused_pickler_keeps_nothing_of_a_value_once_it_is_pickled() -> None:
+    value = _Payload(1 << 20)
+    gone = weakref.ref(value)
+    data, bufs = dumps([value, {"k": value}])
+    del value, bufs
+    assert gone() is None  # neither the memo nor the output buffer holds it
+    assert len(pickle.loads(data, buffers=[bytearray(1 << 20)])[0]) == 1 << 20
 
 
 def test_threads_pickle_independently() -> None:

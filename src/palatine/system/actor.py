@@ -52,6 +52,8 @@ __all__ = ["SystemActor", "probe_addr"]
 
 log = logging.getLogger("palatine.system")
 
+_REFUSAL_FLUSH_S = 2.0  # how long a refused joiner's one-off Tx may take to deliver the refusal
+
 
 async def probe_addr(addr: str, timeout_s: float) -> str:
     """Try to connect to ``addr``: ``connected``, ``refused`` or ``timeout`` (nothing sent)."""
@@ -145,7 +147,8 @@ class SystemActor(Actor):
         if addr is None:
             self.cx._inst.reply(env.reply_to, reply, env)  # (routed as usual, if at all)
             return
-        before = router.binding(actor)
+        before, dynamic = router.binding(actor), router.is_dynamic(actor)
+        had_tx = router.tx_at(addr) is not None
         router.bind(actor, addr)  # for this one reply: posting picks its Tx right away
         try:
             self.cx._inst.reply(env.reply_to, reply, env)
@@ -153,7 +156,11 @@ class SystemActor(Actor):
             if before is None:
                 router.unbind(actor)
             else:
-                router.bind(actor, before)
+                router.bind(actor, before, dynamic=dynamic)
+            if not had_tx and not router.serves(addr):  # a Tx opened for this reply alone
+                tx = router.drop_tx(addr)
+                if tx is not None:
+                    self._spawn(tx.close(_REFUSAL_FLUSH_S))
 
     async def _probe_then_join(self, env: Envelope, msg: Join, probe: Probe) -> None:
         outcome = await probe_addr(probe.addr, probe.timeout_s)

@@ -21,6 +21,7 @@ import hashlib
 import io
 import pickle
 import threading
+import types
 from typing import Any, ClassVar, Final
 
 import msgspec
@@ -185,12 +186,15 @@ PICKLED_VALUE_TID = register(_PickledValue)
 
 def refers_by_value(obj: Any) -> bool:
     """Whether pickling ``obj`` by reference would name code another process cannot import
-    by name: something of ``__main__``, a lambda, a local function or class. Our picklers'
-    ``reducer_override`` asks this of every object that is not a plain builtin value
-    (functions, classes, instances: an instance's class is pickled as well), so a value
-    that needs cloudpickle is known without scanning the pickle's bytes."""
+    by name: something of ``__main__``, a lambda, a local function or class, a function
+    without a module (made by ``exec`` in a bare namespace: the stdlib would name it as
+    ``__main__``'s). Our picklers' ``reducer_override`` asks this of every object that is
+    not a plain builtin value (functions, classes, instances: an instance's class is
+    pickled as well), so a value that needs cloudpickle is known without scanning the
+    pickle's bytes."""
     try:
-        if getattr(obj, "__module__", None) == "__main__":
+        module = getattr(obj, "__module__", None)
+        if module == "__main__" or (module is None and type(obj) is types.FunctionType):
             return True
         q = getattr(obj, "__qualname__", None)
         return type(q) is str and ("<lambda>" in q or "<locals>" in q)
@@ -220,9 +224,6 @@ class _Pickler(pickle.Pickler):
     def pickle(self, value: Any) -> bytes:
         """``value``'s pickle; `buffers` and `by_value` describe it afterwards."""
         out = self._out
-        out.seek(0)
-        out.truncate()
-        self.clear_memo()
         self.buffers = []
         self.by_value = False
         self.busy = True
@@ -231,6 +232,9 @@ class _Pickler(pickle.Pickler):
             return out.getvalue()
         finally:
             self.busy = False
+            self.clear_memo()  # the memo and the output would keep the value alive
+            out.seek(0)
+            out.truncate()
 
 
 _LARGE_PICKLE: Final = 1 << 20  # a pickler that produced more is not kept (its buffer)
