@@ -67,6 +67,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # tensor worker procs run SCHED_BATCH: woken by the controller, they do not preempt it
     # before it has written to every worker (palatine.worker.actor)
     worker_sched_batch: bool = True
+    # a worker proc's GIL switch interval: its loop thread (stall reports, heartbeats, the
+    # next command) gets the GIL within this while a stream runs Python; 0: Python's 5 ms
+    worker_switch_interval_us: int = 1000
     # a plain thread's blocking call_one may use its own connection (palatine.lane), and
     # workers and clients talk to a local controller on direct sessions (channel.direct_tx)
     lanes: bool = True

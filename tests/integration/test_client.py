@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import signal
 import time
 from collections.abc import Iterator
@@ -105,6 +106,9 @@ def test_calls_nobody_fetches_still_run_and_fetches_go_out_at_once(mesh: DeviceM
         # Workers run SCHED_BATCH (they do not preempt the controller when it wakes them).
         policy = remote(os.sched_getscheduler)(0)
         assert [inspect(policy, shard=i) for i in range(4)] == [os.SCHED_BATCH] * 4
+        # ... and switch the GIL every 1 ms: the loop thread answers while a stream spins.
+        switch = remote(sys.getswitchinterval)()
+        assert [inspect(switch, shard=i) for i in range(4)] == [0.001] * 4
         remote(lambda rank, d: touch(f"{d}/{rank}"))(r, str(tmp_path))
         # No fetch, no wait: the sweep sends the call within milliseconds.
         deadline = time.monotonic() + 10
@@ -116,11 +120,12 @@ def test_calls_nobody_fetches_still_run_and_fetches_go_out_at_once(mesh: DeviceM
         assert time.monotonic() - t0 < 5
 
 
-def test_without_lanes_or_batch_scheduling_the_loop_sends_for_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_lanes_batch_scheduling_or_gil_switching_the_loop_sends_for_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
     from palatine import config
 
     monkeypatch.setenv("PALATINE_LANES", "0")
     monkeypatch.setenv("PALATINE_WORKER_SCHED_BATCH", "0")
+    monkeypatch.setenv("PALATINE_WORKER_SWITCH_INTERVAL_US", "0")
     with config.override(lanes=False):
         m = local_mesh(hosts=1, procs_per_host=2, startup_timeout_in_sec=60)
         try:
@@ -132,6 +137,8 @@ def test_without_lanes_or_batch_scheduling_the_loop_sends_for_the_session(monkey
                 assert [inspect(y, shard=i) for i in range(2)] == [1, 2]
                 policy = remote(os.sched_getscheduler)(0)
                 assert [inspect(policy, shard=i) for i in range(2)] == [os.SCHED_OTHER] * 2
+                switch = remote(sys.getswitchinterval)()
+                assert [inspect(switch, shard=i) for i in range(2)] == [sys.getswitchinterval()] * 2
         finally:
             m.shutdown()
 

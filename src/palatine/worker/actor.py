@@ -65,7 +65,7 @@ from palatine.worker.messages import (
     WorkerProgress,
 )
 from palatine.worker.outbox import Outbox
-from palatine.worker.scheduling import batch_scheduling
+from palatine.worker.scheduling import batch_scheduling, gil_switching
 from palatine.worker.state import Borrow, Countdown, WorkerState
 from palatine.worker.stream import InfrastructureError, Stream
 from palatine.worker.values import import_torch
@@ -162,6 +162,7 @@ class WorkerActor(Actor):
     async def init(self) -> None:
         p = self.params
         batch_scheduling(str(self.cx.proc.proc_id))
+        gil_switching(str(self.cx.proc.proc_id))
         device = "cpu"
         torch: Any = None
         # A CPU worker is ready without torch (~1.6 s of CPU to import): the first
