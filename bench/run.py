@@ -861,6 +861,13 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "itself (progress query and stack dump of the stuck rank) and the `Failure` to the "
         "client, ≈ 0.1-0.15 s here. Before, the report waited for the next periodic tick "
         "(anywhere in [due, due + interval]).",
+        "Measured 2026-12-04: the stall report itself took 0.1-0.23 s because the stuck "
+        "rank's stream spins in Python: each time the worker's loop thread gave up the GIL "
+        "(a read, a write) it waited out Python's 5 ms switch interval to get it back. Worker "
+        "procs now switch every 1 ms (`worker_switch_interval_us`): interleaved runs gave "
+        "1.04-1.05 s against 1.10-1.22 s, and `controller_invocations_per_s` and "
+        "`fetch_roundtrip_ms` measured no worse (29,600-36,700/s and 0.79-0.83 ms against "
+        "28,500-29,300/s and 0.87-0.93 ms).",
     ],
     "tensor_transfer_GBps": [
         "Measured 2026-12-03: a fetched value's buffers now travel out of band end to end: "
