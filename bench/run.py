@@ -788,9 +788,18 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "≈ 0.35 ms in the caller and ≈ 0.8 ms in the procs; 16 procs 1.74 ms wall, ≈ 0.7 ms "
         "in the caller (16 replies through its loop thread) and ≈ 2.1 ms in the procs (the 8 "
         "heads also decode and forward the cast): ≈ 2.8 ms of CPU on 2 cores, so the wall "
-        "time is CPU-bound. Next: let a plain thread's cast take its lanes to the 8 heads "
-        "and poll the replies itself, as it does up to 8 procs, and make the heads' forward "
-        "cheaper.",
+        "time is CPU-bound.",
+        "Measured 2026-12-04 (psutil, CPU per operation divided by the procs addressed): "
+        "4 procs 85 µs per proc, 8 (lanes) 87, 16 (tree) 158, 64 (tree) 225. Not the tree: "
+        "with `PALATINE_CAST_FANOUT=16` (16 lanes, no tree) 16 procs take 2.3 ms and 158 µs "
+        "per proc as well, and with `PALATINE_CAST_FANOUT=64` 64 procs take 9.8 ms. What "
+        "grows is the cost of each wake-up with the number of live processes on the 2 cores: "
+        "the same 4-rank call over lanes takes 0.28 ms with 4 procs alive and 0.67 ms when "
+        "the 4 are a slice of 64 live procs (the caller's CPU per call doubles too, "
+        "0.15 → 0.29 ms, for the same work); the 60 idle procs take ≈ 10 % of one core "
+        "between them (heartbeats). So on this machine the series measures the scheduler "
+        "and the caches as much as the cast; a machine with a core per proc would show the "
+        "cast's own growth.",
     ],
     "controller_invocations_per_s": [
         "Measured 2026-12-03 (`cpu_ms_per_1k_calls`): client ≈ 22-30 µs, the 4 workers "
