@@ -31,6 +31,7 @@ __all__ = ["FIRST_CHUNK", "MAX_CHUNK", "call", "gather", "run_batch"]
 FIRST_CHUNK: Final = 16  # requests of a batch encoded before its first write ...
 MAX_CHUNK: Final = 256  # ... then twice as many each time, up to this
 _IOV_MAX: Final = 512  # buffers per sendmsg
+_DRAIN_S: Final = 0.5  # after a failed write: how long to read what the peer sent before its end
 
 Outcomes = dict[int, tuple[Any, BaseException | None]]  # member index -> (value, error)
 
@@ -146,12 +147,10 @@ def _batch_io(lane: LaneConn, futs: list[LaneFuture], outcomes: Outcomes) -> int
                     if not any(ev & select.POLLIN for _, ev in poller.poll(ms)):
                         continue
                     deadline = None  # something to read: do not wait
-            for index, value in lane.read(deadline):
-                i = waiting.pop(index, -1)
-                if i < 0:
-                    continue  # a late reply to an earlier call that timed out
-                outcomes[i] = (None, value.error) if isinstance(value, Failed) else (value, None)
+            _take_replies(lane.read(deadline), waiting, outcomes)
     except (Broken, OSError) as e:  # the lane ended (or a write failed: it is gone)
+        if not isinstance(e, Broken):
+            _read_to_end(lane, waiting, outcomes)
         lane.close()
         why = e.why if isinstance(e, Broken) else lane.ended or e.strerror or str(e)
         left = list(waiting.values())
@@ -162,6 +161,28 @@ def _batch_io(lane: LaneConn, futs: list[LaneFuture], outcomes: Outcomes) -> int
     if out:
         lane.close()  # part of a request may be on the wire: nothing may follow it
     return made
+
+
+def _take_replies(replies: list[tuple[int, Any]], waiting: dict[int, int], outcomes: Outcomes) -> None:
+    for index, value in replies:
+        i = waiting.pop(index, -1)
+        if i < 0:
+            continue  # a late reply to an earlier call that timed out
+        outcomes[i] = (None, value.error) if isinstance(value, Failed) else (value, None)
+
+
+def _read_to_end(lane: LaneConn, waiting: dict[int, int], outcomes: Outcomes) -> None:
+    """After a failed write (the peer closed): the replies it sent before it ended are
+    still to be read; take them, so those members keep their outcome."""
+    deadline = time.monotonic() + _DRAIN_S
+    try:
+        while waiting and not lane.broken:
+            replies = lane.read(deadline)
+            if not replies:
+                return
+            _take_replies(replies, waiting, outcomes)
+    except Broken:
+        pass  # (ECONNRESET once what came before the end is read)
 
 
 def gather(fut: LaneFuture, lanes: list[LaneConn]) -> dict[int, Any]:

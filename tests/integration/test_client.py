@@ -98,6 +98,18 @@ def touch(path: str) -> None:
         f.write("ran")
 
 
+def _switch_interval_in_a_forked_child() -> float:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, repr(sys.getswitchinterval()).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    with os.fdopen(r) as f:
+        return float(f.read())
+
+
 def test_calls_nobody_fetches_still_run_and_fetches_go_out_at_once(mesh: DeviceMesh, tmp_path: object) -> None:
     session = mesh.session
     assert session.direct is not None  # a local mesh: calls leave on the direct session
@@ -109,6 +121,8 @@ def test_calls_nobody_fetches_still_run_and_fetches_go_out_at_once(mesh: DeviceM
         # ... and switch the GIL every 1 ms: the loop thread answers while a stream spins.
         switch = remote(sys.getswitchinterval)()
         assert [inspect(switch, shard=i) for i in range(4)] == [0.001] * 4
+        forked = remote(_switch_interval_in_a_forked_child)()  # ... which their children do not inherit
+        assert inspect(forked, shard=0) == 0.005
         remote(lambda rank, d: touch(f"{d}/{rank}"))(r, str(tmp_path))
         # No fetch, no wait: the sweep sends the call within milliseconds.
         deadline = time.monotonic() + 10
@@ -138,7 +152,7 @@ def test_without_lanes_batch_scheduling_or_gil_switching_the_loop_sends_for_the_
                 policy = remote(os.sched_getscheduler)(0)
                 assert [inspect(policy, shard=i) for i in range(2)] == [os.SCHED_OTHER] * 2
                 switch = remote(sys.getswitchinterval)()
-                assert [inspect(switch, shard=i) for i in range(2)] == [sys.getswitchinterval()] * 2
+                assert [inspect(switch, shard=i) for i in range(2)] == [0.005] * 2  # Python's own
         finally:
             m.shutdown()
 

@@ -156,6 +156,37 @@ def test_the_reused_pickler_keeps_nothing_of_a_value_once_it_is_pickled() -> Non
     assert len(pickle.loads(data, buffers=[bytearray(1 << 20)])[0]) == 1 << 20
 
 
+class _Temp:
+    """Held only by the pickler's memo; its finalizer pickles something else (as a
+    handle's finalizer that sends a release message would)."""
+
+    def __reduce__(self) -> Any:
+        return (_Temp, ())
+
+    def __del__(self) -> None:
+        dumps(("inner", 1))
+
+
+def _rebuild(_temp: Any, blob: Any) -> bytes:
+    return bytes(blob)
+
+
+class _WithTemp:
+    def __init__(self, n: int) -> None:
+        self.blob = bytearray(b"z" * n)
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (_Temp(), pickle.PickleBuffer(self.blob)))
+
+
+def test_a_finalizer_that_pickles_while_the_memo_is_cleared_gets_its_own_pickler() -> None:
+    data, bufs = dumps(_WithTemp(100))
+    assert len(bufs) == 1  # the outer pickle keeps its out-of-band buffer
+    assert pickle.loads(data, buffers=bufs) == b"z" * 100
+    data, bufs = dumps(("after", [1, 2]))
+    assert pickle.loads(data, buffers=bufs) == ("after", [1, 2])
+
+
 def test_threads_pickle_independently() -> None:
     results: dict[int, bool] = {}
 

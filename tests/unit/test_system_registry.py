@@ -636,6 +636,9 @@ def test_a14_bad_joins() -> None:
     h.rejected(Join(proc_id=pid("W[1]"), addr=""), "invalid_argument")
     reply = h.rejected(Join(proc_id=pid("W[1]"), addr="not an address"), "invalid_argument")
     assert reply.message.startswith("join of W[1]: invalid address 'not an address': ")
+    for any_addr in ("unix:", "tcp:127.0.0.1:0"):  # addresses to serve on, not to dial
+        reply = h.rejected(Join(proc_id=pid("W[1]"), addr=any_addr), "invalid_argument")
+        assert reply.message.startswith(f"join of W[1]: address '{any_addr}' cannot be dialed")
     assert "W" not in h.snapshot().worlds or not h.snapshot().worlds["W"].procs  # nothing recorded
     assert isinstance(h.join("user[12345]", mode="Detached")[0], Joined)
     live_world(h, "other", 1)

@@ -84,6 +84,16 @@ async def probe_addr(addr: str, timeout_s: float) -> str:
         sock.close()
 
 
+async def _close_after_reply(tx: Any) -> None:
+    """Close a refused joiner's one-off Tx once its reply is acknowledged (or at once,
+    if the system stops first)."""
+    try:
+        await tx.close(_REFUSAL_FLUSH_S)
+    except asyncio.CancelledError:
+        await tx.close(0)
+        raise
+
+
 class SystemActor(Actor):
     """The registry of worlds and procs, their supervision, eviction and stop."""
 
@@ -144,7 +154,7 @@ class SystemActor(Actor):
             addr = ChannelAddr.parse(msg.addr) if msg.addr else None
         except ValueError:
             addr = None
-        if addr is None:
+        if addr is None or addr.is_any:
             self.cx._inst.reply(env.reply_to, reply, env)  # (routed as usual, if at all)
             return
         before, dynamic = router.binding(actor), router.is_dynamic(actor)
@@ -152,6 +162,8 @@ class SystemActor(Actor):
         router.bind(actor, addr)  # for this one reply: posting picks its Tx right away
         try:
             self.cx._inst.reply(env.reply_to, reply, env)
+        except Exception as e:  # noqa: BLE001 - the address could not be dialed: the joiner waits
+            log.warning("cannot tell %s at %s that its join was refused: %s", msg.proc_id, addr, e)
         finally:
             if before is None:
                 router.unbind(actor)
@@ -160,7 +172,7 @@ class SystemActor(Actor):
             if not had_tx and not router.serves(addr):  # a Tx opened for this reply alone
                 tx = router.drop_tx(addr)
                 if tx is not None:
-                    self._spawn(tx.close(_REFUSAL_FLUSH_S))
+                    self._spawn(_close_after_reply(tx))
 
     async def _probe_then_join(self, env: Envelope, msg: Join, probe: Probe) -> None:
         outcome = await probe_addr(probe.addr, probe.timeout_s)

@@ -187,9 +187,12 @@ class SystemRegistry(DetectionMixin, StoppingMixin):
             return "invalid_argument", f"join of {pid} has no address"
         if msg.addr:
             try:
-                ChannelAddr.parse(msg.addr)
+                addr = ChannelAddr.parse(msg.addr)
             except ValueError as e:
                 return "invalid_argument", f"join of {pid}: invalid address {msg.addr!r}: {e}"
+            if addr.is_any:
+                why = "an 'any' address is for serving; a join gives the address it serves"
+                return "invalid_argument", f"join of {pid}: address {msg.addr!r} cannot be dialed ({why})"
         if mode == MANAGED_BY_SYSTEM:
             wname = served_name(name) if is_host else name
             world = self._worlds.get(wname)

@@ -231,10 +231,14 @@ class _Pickler(pickle.Pickler):
             self.dump(value)
             return out.getvalue()
         finally:
-            self.busy = False
-            self.clear_memo()  # the memo and the output would keep the value alive
-            out.seek(0)
-            out.truncate()
+            try:
+                self.clear_memo()  # the memo and the output would keep the value alive
+                out.seek(0)
+                out.truncate()
+            finally:
+                # Only now: clearing the memo may run a finalizer that pickles too, and
+                # it must get a pickler of its own (`dumps`), not this half-cleared one.
+                self.busy = False
 
 
 _LARGE_PICKLE: Final = 1 << 20  # a pickler that produced more is not kept (its buffer)

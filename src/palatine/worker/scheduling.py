@@ -58,7 +58,10 @@ def gil_switching(proc_id: str) -> None:
 
     micros = config.get().worker_switch_interval_us
     if micros and os.environ.get("PALATINE_PROC_ID") == proc_id:
+        before = sys.getswitchinterval()
         sys.setswitchinterval(micros / 1e6)
+        # A process forked from the worker (a data loader, a pool) gets Python's back.
+        os.register_at_fork(after_in_child=lambda: sys.setswitchinterval(before))
 
 
 def default_scheduling() -> None:
