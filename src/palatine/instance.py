@@ -166,7 +166,7 @@ class ActorInstance:
         if self._endpoints:
             mb.bind_handler(ENDPOINT_CALL_TID, self._enqueue_endpoint, "EndpointCall")
         for tid, (name, mtype, _) in self._handlers.items():
-            mb.bind_handler(tid, self._enqueue_handler, mtype.__name__)
+            mb.bind_handler(tid, self._enqueue_handler, mtype.__name__, self._handlers.__contains__)
         mb.bind_handler(UNDELIVERABLE_TID, self._enqueue_undeliverable, "Undeliverable")
 
     # ---------------------------------------------------------------- status

@@ -171,18 +171,31 @@ class Port(abc.ABC):
 
 
 class HandlerPort(Port):
-    """A typed handler port: decodes and hands the payload to ``sink(payload, env)``."""
+    """A typed handler port: decodes and hands the payload to ``sink(payload, env)``.
 
-    __slots__ = ("sink", "type_name")
+    It takes messages of its own type (its index is the type id), and of the other types
+    ``accepts`` names (an actor's handler ports take any type it has a handler for); any
+    other message is refused before it is decoded, as the sender's error."""
+
+    __slots__ = ("sink", "type_name", "accepts")
 
     def __init__(
-        self, mailbox: Mailbox, index: int, sink: Callable[[Any, Envelope], None], type_name: str
+        self,
+        mailbox: Mailbox,
+        index: int,
+        sink: Callable[[Any, Envelope], None],
+        type_name: str,
+        accepts: Callable[[int], bool] | None = None,
     ) -> None:
         super().__init__(mailbox, index)
         self.sink = sink
         self.type_name = type_name
+        self.accepts = accepts
 
     def deliver(self, env: Envelope) -> str | None:
+        tid = env.type_id
+        if tid != self.index and (self.accepts is None or not self.accepts(tid)):
+            return f"mailbox error: {self.id} takes {self.type_name}, not {type_name_of(tid)}"
         try:
             payload = decode_payload(env)
         except Exception as e:  # noqa: BLE001 - any decode failure is the sender's fault
@@ -501,9 +514,13 @@ class Mailbox:
         return idx
 
     def bind_handler(
-        self, type_id: int, sink: Callable[[Any, Envelope], None], type_name: str | None = None
+        self,
+        type_id: int,
+        sink: Callable[[Any, Envelope], None],
+        type_name: str | None = None,
+        accepts: Callable[[int], bool] | None = None,
     ) -> PortId:
-        port = HandlerPort(self, type_id, sink, type_name or type_name_of(type_id))
+        port = HandlerPort(self, type_id, sink, type_name or type_name_of(type_id), accepts)
         self.ports[type_id] = port
         return port.id
 

@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 
 MAX_LINE_BYTES = 1 << 20
 _ROLE_STOP_BOUND_S = 20.0
+_READ_AHEAD_LINES = 256  # request lines read ahead of the server at most
+_RESPONSES_HIGH = 1 << 20  # response bytes waiting to be read before requests wait too
+_RESPONSES_CLOSE_S = 1.0  # at the end: how long responses may take to be read
 
 OnReady = Callable[[str, str], None]
 """``on_ready(role, addr)``: the role can serve (print the ready line)."""
@@ -294,6 +297,7 @@ class _Lines:
         self._skipping = False
         self._loop = asyncio.get_running_loop()
         self._closed = False
+        self._paused = False
         os.set_blocking(fd, False)
         try:
             self._loop.add_reader(fd, self._readable)
@@ -302,10 +306,27 @@ class _Lines:
             self._polled = False
             self._loop.call_soon(self._read_turn)
 
+    def get(self) -> asyncio.Future[bytes | None]:
+        """The next line (``None`` at EOF), as a future; reading resumes once the lines
+        read ahead are taken (at most `_READ_AHEAD_LINES` wait)."""
+        if self._paused and self.queue.qsize() <= _READ_AHEAD_LINES // 2:
+            self._paused = False
+            if self._polled:
+                self._loop.add_reader(self.fd, self._readable)
+            else:
+                self._loop.call_soon(self._read_turn)
+        return asyncio.ensure_future(self.queue.get())
+
+    def _pause_if_ahead(self) -> None:
+        if not self._closed and not self._paused and self.queue.qsize() >= _READ_AHEAD_LINES:
+            self._paused = True
+            if self._polled:
+                self._loop.remove_reader(self.fd)
+
     def _read_turn(self) -> None:
-        if not self._closed:
+        if not self._closed and not self._paused:
             self._readable()
-            if not self._closed:
+            if not self._closed and not self._paused:
                 self._loop.call_soon(self._read_turn)
 
     def _readable(self) -> None:
@@ -338,40 +359,93 @@ class _Lines:
             self._buf.clear()
             self._skipping = True
             self.queue.put_nowait(b"\x00too long")
+        self._pause_if_ahead()
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            if self._polled:
+            if self._polled and not self._paused:
                 self._loop.remove_reader(self.fd)
 
 
-def _write(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            n = os.write(fd, view)
-        except BlockingIOError:
-            import select
+class _Responses:
+    """Response lines written to a non-blocking fd through the loop: a launcher that is
+    slow to read never blocks the loop (nor the role it runs). While more than
+    `_RESPONSES_HIGH` bytes wait, `backlogged` holds and the server reads no requests."""
 
-            select.select([], [fd], [], 1.0)
-            continue
-        view = view[n:]
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._loop = asyncio.get_running_loop()
+        self._buf = bytearray()
+        self._polled = False
+        self._broken = False
+        self.drained = asyncio.Event()
+        self.drained.set()
+        try:
+            os.set_blocking(fd, False)
+        except OSError as e:
+            log.warning("responses: %s", e)
+
+    @property
+    def backlogged(self) -> bool:
+        return len(self._buf) > _RESPONSES_HIGH
+
+    def write(self, data: bytes) -> None:
+        if self._broken:
+            log.warning("response not written (the response fd is broken): %s", data.decode(errors="replace").strip())
+            return
+        self._buf += data
+        self._flush()
+
+    def _flush(self) -> None:
+        buf = self._buf
+        while buf:
+            try:
+                n = os.write(self.fd, buf)
+            except BlockingIOError:
+                break
+            except OSError as e:
+                log.warning("cannot write the responses: %s", e)
+                self._broken = True
+                buf.clear()
+                break
+            del buf[:n]
+        if buf:
+            self.drained.clear()
+            if not self._polled:
+                self._loop.add_writer(self.fd, self._flush)
+                self._polled = True
+        else:
+            if self._polled:
+                self._loop.remove_writer(self.fd)
+                self._polled = False
+            self.drained.set()
+
+    async def close(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for what is queued to be written, then stop."""
+        if self._buf:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self.drained.wait()
+            except TimeoutError:
+                log.warning("%d bytes of responses not read within %g s: dropped", len(self._buf), timeout_s)
+        if self._polled:
+            self._loop.remove_writer(self.fd)
+            self._polled = False
 
 
 async def serve(read_fd: int, write_fd: int, stop: asyncio.Event, on_ready: OnReady) -> int:
     """Serve requests until ``Exit``, EOF or ``stop``; returns the exit status (0)."""
     lines = _Lines(read_fd)
+    out = _Responses(write_fd)
     running: asyncio.Task[str | None] | None = None
     role_stop = asyncio.Event()
-    next_line: asyncio.Future[bytes | None] = asyncio.ensure_future(lines.queue.get())
+    next_line = lines.get()
     stopper = asyncio.ensure_future(stop.wait())
+    drained: asyncio.Future[Any] | None = None
 
     def finish(error: str | None) -> None:
-        try:
-            _write(write_fd, finished_line(error))
-        except OSError as e:
-            log.warning("cannot write the response: %s", e)
+        out.write(finished_line(error))
 
     async def end_run() -> None:
         nonlocal running
@@ -389,7 +463,13 @@ async def serve(read_fd: int, write_fd: int, stop: asyncio.Event, on_ready: OnRe
 
     try:
         while True:
-            waits: set[asyncio.Future[Any]] = {next_line, stopper}
+            waits: set[asyncio.Future[Any]] = {stopper}
+            if out.backlogged:  # the launcher is not reading: read no more requests for now
+                if drained is None or drained.done():
+                    drained = asyncio.ensure_future(out.drained.wait())
+                waits.add(drained)
+            else:
+                waits.add(next_line)
             if running is not None:
                 waits.add(running)
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -400,8 +480,10 @@ async def serve(read_fd: int, write_fd: int, stop: asyncio.Event, on_ready: OnRe
             if stopper.done():
                 await end_run()
                 return 0
+            if out.backlogged or not next_line.done():
+                continue
             line = next_line.result()
-            next_line = asyncio.ensure_future(lines.queue.get())
+            next_line = lines.get()
             if line is None:
                 await end_run()
                 return 0
@@ -430,5 +512,8 @@ async def serve(read_fd: int, write_fd: int, stop: asyncio.Event, on_ready: OnRe
         lines.close()
         next_line.cancel()
         stopper.cancel()
+        if drained is not None:
+            drained.cancel()
         if running is not None and not running.done():
             running.cancel()
+        await out.close(_RESPONSES_CLOSE_S)

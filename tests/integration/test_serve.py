@@ -263,6 +263,25 @@ def test_request_during_a_run_is_refused_and_exit_stops_the_run(
     assert time.monotonic() - t0 < 10
 
 
+def test_a_launcher_slow_to_read_responses_does_not_stall_the_role(server: Server, env: dict[str, str]) -> None:
+    # 4,000 bad lines: their answers (≈ 300 KB) are more than the response pipe holds,
+    # and nobody reads them for now. The system the server runs keeps serving meanwhile,
+    # and every answer arrives, in order, once the launcher reads.
+    server.send({"Run": {"System": {"system_addr": "unix:"}}})
+    addr = server.ready()["addr"]
+    os.write(server.req_w, b"bad\n" * 4000)
+    snap = subprocess.run(
+        [*palatine_cmd(), "snapshot", "--system-addr", addr, "--json", "--timeout-in-sec", "10"],
+        check=False, capture_output=True, text=True, timeout=30, env={**os.environ, **env},
+    )
+    assert snap.returncode == 0, snap.stderr
+    errors = [server.finished() for _ in range(4000)]
+    assert all(e is not None and e.startswith("invalid request: ") for e in errors)
+    server.send({"Exit": []})
+    assert server.finished() is None
+    assert server.wait(10) == 0
+
+
 def test_sigterm_stops_the_run_and_writes_finished(server: Server) -> None:
     server.send({"Run": {"System": {"system_addr": "unix:"}}})
     server.ready()

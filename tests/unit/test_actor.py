@@ -392,6 +392,42 @@ async def test_typed_messages_in_send_order_across_procs() -> None:
         assert seen[:1000] == [f"ping{i}" if i % 2 == 0 else f"pong{i}" for i in range(1000)]
 
 
+class Unhandled(Message, kw_only=True):
+    i: int
+
+
+async def test_a_message_sent_to_a_handler_port_of_another_type_is_refused_and_the_actor_serves_on() -> None:
+    # A peer may address any port with any type id: the port refuses a type its actor
+    # has no handler for (before decoding it), and the sender hears why.
+    from palatine.actor import ENDPOINT_CALL_TID
+    from palatine.ids import PortId
+    from palatine.instance import UNDELIVERABLE_TID
+    from palatine.wire.codec import encode_message
+    from palatine.wire.envelope import ENC_MSGPACK, Envelope
+
+    async with proc_cluster(2) as (procs, client):
+        aid = await procs[1].spawn("t", Typed)
+        ref = ActorRef(aid, Typed)
+        mb = client.mailbox
+        ping_tid = Ping.__palatine_type_id__
+        for port, msg in [
+            (ping_tid, Unhandled(i=1)),  # no handler for it
+            (UNDELIVERABLE_TID, Ping(i=2)),  # not an Undeliverable
+            (ENDPOINT_CALL_TID, Ping(i=3)),  # not an endpoint call
+        ]:
+            p = mb.pending(aid, "raw", 5.0)
+            tid = type(msg).__palatine_type_id__
+            mb.proc.post(Envelope(mb.actor_id, PortId(aid, port), tid, ENC_MSGPACK, encode_message(msg), p.id))
+            with pytest.raises(DeliveryError, match=f"takes .*, not {type(msg).__name__}"):
+                await p.future
+        # Another handler's port takes a type the actor handles (dispatch is by type).
+        p = mb.pending(aid, "raw", 5.0)
+        mb.proc.post(Envelope(mb.actor_id, PortId(aid, Pong.__palatine_type_id__), ping_tid, ENC_MSGPACK,
+                              encode_message(Ping(i=4)), p.id))
+        assert await p.future == Pong(i=4)
+        assert await ref.log.call_one() == ["ping4"]
+
+
 class PongCounting:
     """A handler mixin whose ``self`` names a type only the type checker imports."""
 

@@ -641,6 +641,8 @@ def test_a14_bad_joins() -> None:
         assert reply.message.startswith(f"join of W[1]: address '{any_addr}' cannot be dialed")
     assert "W" not in h.snapshot().worlds or not h.snapshot().worlds["W"].procs  # nothing recorded
     assert isinstance(h.join("user[12345]", mode="Detached")[0], Joined)
+    reply, out = h.join("user[12346]", mode="Detached", addr="")  # no address: no route to bind
+    assert isinstance(reply, Joined) and not [i for i in out if type(i).__name__ == "Bind"]
     live_world(h, "other", 1)
     h.ok(Stop())
     reply = h.rejected(Join(proc_id=pid("W[1]"), addr="unix:/x"), "shutting_down")

@@ -227,7 +227,8 @@ class SystemRegistry(DetectionMixin, StoppingMixin):
                     # A retried join of the same process: answer again, change nothing.
                     if old.addr != msg.addr:
                         old.addr = msg.addr
-                        out.append(Bind(pid, msg.addr))
+                        if msg.addr:
+                            out.append(Bind(pid, msg.addr))
                     return self._joined(), out
                 if probe is None or probe.incarnation != old.incarnation or probe.addr != old.addr:
                     return (
@@ -310,7 +311,8 @@ class SystemRegistry(DetectionMixin, StoppingMixin):
         )
         self._records[pid] = rec
         self._unknown_told.pop(pid, None)
-        out.append(Bind(pid, msg.addr))
+        if msg.addr:  # (a detached client may give none: replies go back on its connection)
+            out.append(Bind(pid, msg.addr))
         if kind == "managing":
             self._managing[pid] = rec
         elif kind == "host":
