@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 from palatine.channel.direct_tx import drop_sent
-from palatine.channel.spin import poll_spinning, spin_seconds
+from palatine.channel.spin import poll_ms, poll_spinning, spin_seconds
 from palatine.ids import ActorId, PortId
 from palatine.lane_conn import Broken, Failed, LaneConn, NotSent, WriteTimeout, broken_errors, timeout_error
 
@@ -143,7 +143,7 @@ def _batch_io(lane: LaneConn, futs: list[LaneFuture], outcomes: Outcomes) -> int
                     if poller is None:
                         poller = select.poll()
                         poller.register(sock.fileno(), select.POLLIN | select.POLLOUT)
-                    ms = max(1, int((due[0][0] - time.monotonic()) * 1000))
+                    ms = poll_ms(due[0][0] - time.monotonic())
                     if not any(ev & select.POLLIN for _, ev in poller.poll(ms)):
                         continue
                     deadline = None  # something to read: do not wait
@@ -217,7 +217,7 @@ def gather(fut: LaneFuture, lanes: list[LaneConn]) -> dict[int, Any]:
             for rank, _lane, _port, _i in waiting.values():
                 errors[rank] = timeout_error(fut._what, _dest(fut, 0), fut._timeout_s)
             break
-        for fd, _ev in poll_spinning(poller, max(1, int(left * 1000)), spin_s):
+        for fd, _ev in poll_spinning(poller, poll_ms(left), spin_s):
             rank, lane, reply_to, i = waiting[fd]
             try:
                 got, value = lane.take(reply_to, None)

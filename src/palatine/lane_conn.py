@@ -23,7 +23,7 @@ from palatine import config, runtime
 from palatine.channel.addr import ChannelAddr
 from palatine.channel.blocking import BlockingConn
 from palatine.channel.direct_tx import drop_sent
-from palatine.channel.spin import recv_spinning, spin_seconds
+from palatine.channel.spin import MAX_WAIT_S, poll_ms, recv_spinning, spin_seconds
 from palatine.errors import CallTimeout, DeliveryError
 from palatine.ids import ActorId, PortId, ProcId
 from palatine.mailbox import Undeliverable
@@ -192,7 +192,7 @@ class LaneConn:
             drop_sent(views, n)
             while views:
                 left = deadline - time.monotonic()
-                events = poller.poll(max(1, int(left * 1000))) if left > 0 else []
+                events = poller.poll(poll_ms(left)) if left > 0 else []
                 if not events:
                     if started:
                         self.close()  # nothing may follow a cut frame
@@ -302,6 +302,7 @@ class LaneConn:
             raise Broken(f"protocol error: {e.reason}") from None
 
     def _set_rcvtimeo(self, seconds: float) -> None:
+        seconds = min(seconds, MAX_WAIT_S)  # (the caller reads again until its deadline)
         whole = int(seconds)
         micros = int((seconds - whole) * 1e6)
         if whole == 0 and micros == 0:

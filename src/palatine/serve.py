@@ -54,6 +54,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_LINE_BYTES = 1 << 20
+TOO_LONG = b"<a line over MAX_LINE_BYTES>"  # queued for such a line (told apart by identity)
 _ROLE_STOP_BOUND_S = 20.0
 _READ_AHEAD_LINES = 256  # request lines read ahead of the server at most
 _RESPONSES_HIGH = 1 << 20  # response bytes waiting to be read before requests wait too
@@ -354,11 +355,11 @@ class _Lines:
             if self._skipping:
                 self._skipping = False
                 continue
-            self.queue.put_nowait(line)
+            self.queue.put_nowait(line if len(line) <= MAX_LINE_BYTES else TOO_LONG)
         if len(self._buf) > MAX_LINE_BYTES and not self._skipping:
             self._buf.clear()
             self._skipping = True
-            self.queue.put_nowait(b"\x00too long")
+            self.queue.put_nowait(TOO_LONG)
         self._pause_if_ahead()
 
     def close(self) -> None:
@@ -490,7 +491,7 @@ async def serve(read_fd: int, write_fd: int, stop: asyncio.Event, on_ready: OnRe
             if not line.strip():
                 continue
             try:
-                if line == b"\x00too long":
+                if line is TOO_LONG:
                     raise InvalidRequest(f"line longer than {MAX_LINE_BYTES} bytes")
                 req = parse_request(line)
             except InvalidRequest as e:

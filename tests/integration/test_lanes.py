@@ -343,6 +343,23 @@ def test_lanes_off_by_environment() -> None:
     assert out["NOLANE"] == "0 20"
 
 
+def test_an_endless_call_timeout_works_on_lanes() -> None:
+    # PALATINE_CALL_TIMEOUT=inf: every wait on a lane (a read's SO_RCVTIMEO, a poll) is
+    # taken a day at a time instead of failing to convert infinity.
+    out = run(
+        """
+        one.add.call_one(0).get()
+        got = [one.add.call_one(1).get()]
+        fs = [one.add.call_one(1) for _ in range(5)]
+        got += [f.get() for f in fs]
+        got.append(len(one.blob.call_one(8 << 20).get()))
+        print("ENDLESS", got, lanes_of_this_thread(), one.add._timeout())
+        """,
+        env={"PALATINE_CALL_TIMEOUT": "inf"},
+    )
+    assert out["ENDLESS"] == f"[1, 2, 3, 4, 5, 6, {8 << 20}] 1 inf"
+
+
 def test_calls_made_before_waiting_go_out_as_one_batch_in_order() -> None:
     out = run(
         """

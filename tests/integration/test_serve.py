@@ -282,6 +282,29 @@ def test_a_launcher_slow_to_read_responses_does_not_stall_the_role(server: Serve
     assert server.wait(10) == 0
 
 
+def test_lines_over_the_limit_are_refused_whole_or_cut(server: Server) -> None:
+    from palatine.serve import MAX_LINE_BYTES
+
+    # One line just over the limit that arrives whole, one that arrives in pieces, and a
+    # line that only spells the refusal's own placeholder: each gets its own answer.
+    line = json.dumps({"Run": {"System": {"system_addr": "unix:@" + "x" * MAX_LINE_BYTES}}})
+    os.write(server.req_w, line.encode() + b"\n")
+    assert server.finished() == f"invalid request: line longer than {MAX_LINE_BYTES} bytes"
+    server.send("\x00too long")
+    error = server.finished()
+    assert error is not None and error.startswith("invalid request: ") and "longer than" not in error
+    server.send({"Exit": []})
+    assert server.wait(10) == 0
+
+
+@pytest.mark.parametrize("fds", [["99", "1"], ["99999999999999999999", "1"], ["0", "-5"]])
+def test_fds_that_are_not_open_exit_2_with_one_line(fds: list[str]) -> None:
+    proc = subprocess.run([*palatine_cmd(), "serve", *fds], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("palatine serve: error: ") and "is not an open file descriptor" in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+
+
 def test_sigterm_stops_the_run_and_writes_finished(server: Server) -> None:
     server.send({"Run": {"System": {"system_addr": "unix:"}}})
     server.ready()

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from palatine import config
-from palatine.channel.spin import LoopSpin, loop_spin, poll_spinning, recv_spinning
+from palatine.channel.spin import MAX_WAIT_S, LoopSpin, loop_spin, poll_ms, poll_spinning, recv_spinning
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -122,3 +122,8 @@ def test_poll_spinning_spins_then_blocks_for_the_rest() -> None:
         b.send(b"x")
         assert poll_spinning(poller, 1000, 0.01) == [(a.fileno(), select.POLLIN)]
         assert poll_spinning(poller, 1000, 0.0) == [(a.fileno(), select.POLLIN)]
+
+
+def test_poll_timeouts_are_whole_milliseconds_within_a_day() -> None:
+    assert poll_ms(0.0) == 1 and poll_ms(0.0004) == 1 and poll_ms(0.25) == 250
+    assert poll_ms(float("inf")) == poll_ms(1e300) == int(MAX_WAIT_S * 1000) < 2**31

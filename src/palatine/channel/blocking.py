@@ -28,6 +28,7 @@ from typing import Any, Final
 
 from palatine.channel.addr import ChannelAddr
 from palatine.channel.net import tune_socket
+from palatine.channel.spin import MAX_WAIT_S
 from palatine.ids import ActorId
 from palatine.wire import frames
 from palatine.wire.handshake import ClientHandshake, HandshakeError
@@ -95,7 +96,7 @@ class Waiter:
                 timeout = deadline - time.monotonic()
                 if timeout <= 0:
                     return False
-                for key, _ in selector.select(timeout):
+                for key, _ in selector.select(min(timeout, MAX_WAIT_S)):
                     if key.fileobj is self._wake:
                         raise Stopped
                     if sock is not None:

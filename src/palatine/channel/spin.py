@@ -34,7 +34,7 @@ import weakref
 
 from palatine import config
 
-__all__ = ["LoopSpin", "loop_spin", "recv_spinning", "poll_spinning", "spin_seconds"]
+__all__ = ["LoopSpin", "loop_spin", "recv_spinning", "poll_spinning", "poll_ms", "spin_seconds", "MAX_WAIT_S"]
 
 _yield = getattr(os, "sched_yield", lambda: None)  # every Unix we know has it
 _now = time.perf_counter
@@ -110,6 +110,15 @@ def recv_spinning(sock: socket.socket, nbytes: int, spin_s: float) -> bytes | No
             if _now() >= until:
                 return None
             _yield()
+
+
+MAX_WAIT_S = 86400.0  # one blocking wait at most (callers loop until their deadline)
+
+
+def poll_ms(seconds: float) -> int:
+    """A ``poll`` timeout for ``seconds`` left: at least 1 ms, at most `MAX_WAIT_S` (an
+    infinite or huge timeout is not an int ``poll`` takes)."""
+    return max(1, int(min(seconds, MAX_WAIT_S) * 1000))
 
 
 def poll_spinning(poller: select.poll, timeout_ms: int, spin_s: float) -> list[tuple[int, int]]:

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     for name, fd in (("READ_FD", args.read_fd), ("WRITE_FD", args.write_fd)):
         try:
             os.fstat(fd)
-        except OSError as e:
+        except (OSError, OverflowError, ValueError) as e:  # (a number no fd can be)
             print(
                 f"palatine serve: error: {name} {fd} is not an open file descriptor: {e}",
                 file=sys.stderr,
