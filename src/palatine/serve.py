@@ -33,6 +33,7 @@ from palatine.channel.addr import ChannelAddr
 from palatine.controller.bootstrap import BootstrapError, ControllerCommand, validate_command
 from palatine.errors import ConfigError, JoinError
 from palatine.ids import WorldId, is_host_world
+from palatine.supervision_hook import set_unhandled_fault_hook
 
 __all__ = [
     "ControllerCommand",
@@ -445,7 +446,22 @@ async def serve(read_fd: int, write_fd: int, stop: asyncio.Event, on_ready: OnRe
     stopper = asyncio.ensure_future(stop.wait())
     drained: asyncio.Future[Any] | None = None
 
+    faults: list[str] = []  # root actors of the current run that failed unhandled
+
+    def on_fault(event: Any) -> None:
+        # A role's root actor failed with nobody to supervise it: that run ends with the
+        # failure as its error, and the server serves on (a plain role process exits 1).
+        log.error("unhandled failure of %s: %s", event.actor_id, event.message)
+        if running is not None and not running.done():
+            faults.append(f"{event.actor_id} failed: {event.message}")
+            role_stop.set()
+
+    set_unhandled_fault_hook(on_fault)
+
     def finish(error: str | None) -> None:
+        if error is None and faults:
+            error = faults[0]
+        faults.clear()
         out.write(finished_line(error))
 
     async def end_run() -> None:
@@ -517,4 +533,5 @@ async def serve(read_fd: int, write_fd: int, stop: asyncio.Event, on_ready: OnRe
             drained.cancel()
         if running is not None and not running.done():
             running.cancel()
+        set_unhandled_fault_hook(None)
         await out.close(_RESPONSES_CLOSE_S)

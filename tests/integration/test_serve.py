@@ -454,3 +454,56 @@ def test_requests_from_a_regular_file_or_dev_null(tmp_path: Path) -> None:
     with open(os.devnull, "rb") as fin:
         done = subprocess.run([*palatine_cmd(), "serve", "0", "1"], stdin=fin, capture_output=True, timeout=30)
     assert done.returncode == 0 and done.stdout == b"", done.stderr
+
+
+def test_a_root_actor_failure_ends_the_run_with_its_error_and_the_server_serves_on() -> None:
+    """`palatine serve`'s loop in this process, through real pipes, running a real
+    System role: an unhandled root failure (as a panicking root actor reports it) ends
+    that run with the failure as its ``Finished`` error; the next request is served."""
+    import asyncio
+
+    from palatine import runtime
+    from palatine.actor import SupervisionEvent
+    from palatine.serve import serve
+    from palatine.supervision_hook import unhandled_fault
+
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
+    ready: list[str] = []
+
+    async def main() -> tuple[int, list[dict[str, object]]]:
+        runtime.adopt_current_loop()
+        try:
+            task = asyncio.ensure_future(serve(req_r, resp_w, asyncio.Event(), lambda role, addr: ready.append(role)))
+            os.write(req_w, json.dumps({"Run": {"System": {"system_addr": "unix:"}}}).encode() + b"\n")
+            async with asyncio.timeout(20):
+                while not ready:
+                    await asyncio.sleep(0.01)
+            unhandled_fault(SupervisionEvent(actor_id="system[0].root[0]", status="failed", message="panic: boom"))
+            os.set_blocking(resp_r, False)
+            answers: list[dict[str, object]] = []
+            buf = b""
+            async with asyncio.timeout(30):
+                while not answers:
+                    await asyncio.sleep(0.01)
+                    try:
+                        buf += os.read(resp_r, 65536)
+                    except BlockingIOError:
+                        pass
+                    if b"\n" in buf:
+                        first, buf = buf.split(b"\n", 1)
+                        answers.append(json.loads(first))
+                os.write(req_w, json.dumps({"Exit": []}).encode() + b"\n")
+                code = await task
+            return code, answers
+        finally:
+            runtime.release_current_loop()
+
+    try:
+        code, answers = asyncio.run(main())
+    finally:
+        for fd in (req_r, req_w, resp_r, resp_w):
+            os.close(fd)
+    assert ready == ["system"]
+    assert answers == [{"Finished": {"error": "system[0].root[0] failed: panic: boom"}}]
+    assert code == 0

@@ -202,3 +202,4 @@ def test_invalid_requests_say_what_and_where(raw: bytes, fragment: str) -> None:
 def test_finished_line() -> None:
     assert finished_line(None) == b'{"Finished":{"error":null}}\n'
     assert json.loads(finished_line("boom")) == {"Finished": {"error": "boom"}}
+
