@@ -597,6 +597,36 @@ async def test_28_huge_length_prefix_closes_without_allocating() -> None:
 
 
 @pytest.mark.timeout(30)
+async def test_28b_a_big_frame_that_stops_arriving_is_rejected_and_its_buffer_freed() -> None:
+    # A session announces a 4 MiB frame, sends 1 KiB of it and stalls: after the delivery
+    # timeout (its sender has given the message up by then) the connection is rejected
+    # and the frame's buffer goes back to the pool; a frame that keeps coming is not cut.
+    from palatine.wire.buffers import POOL
+
+    with config.override(message_delivery_timeout_s=0.5):
+        addr, rx = await net_rx("tcp")
+    slow = await Raw.client(addr, session_id=43)
+    assert await slow.frame() == Ack(-1)
+    raw = await Raw.client(addr)
+    assert await raw.frame() == Ack(-1)
+    raw.write(struct.pack(">Q", 4 << 20) + b"\0" * 1024)
+    free_before = POOL.free_bytes
+    start = time.monotonic()
+    frames = await raw.until_eof(timeout=5.0)
+    assert 0.4 <= time.monotonic() - start < 3.0
+    assert frames == [Reject("a frame stopped arriving: no byte of it for 0.5 s")]
+    assert POOL.free_bytes >= free_before + (4 << 20)  # returned, not held by the dead connection
+    # A big message whose bytes keep coming, slower than the timeout in total, arrives.
+    head, bufs, size = encode_message(0, False, mk(0, buffers=[b"y" * (2 << 20)]))
+    data = head + b"".join(bytes(b) for b in bufs)
+    for i in range(0, len(data), len(data) // 8 + 1):
+        slow.write(data[i : i + len(data) // 8 + 1])
+        await asyncio.sleep(0.1)
+    assert seqs(await recv_n(rx, 1)) == [0]
+    await rx.stop()
+
+
+@pytest.mark.timeout(30)
 async def test_29_preauth_limit_and_auth_timeout() -> None:
     with config.override(auth_timeout_s=0.3):
         addr, rx = await net_rx("tcp")

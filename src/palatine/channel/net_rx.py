@@ -61,6 +61,7 @@ class NetRx(Rx):
         cfg = config.get()
         self._max_frame = cfg.max_frame_bytes
         self._auth_timeout = cfg.auth_timeout_s
+        self._stall_timeout = cfg.message_delivery_timeout_s  # a big frame's bytes stop (`ServerConn`)
         self._ack_every_n = cfg.message_ack_every_n
         self._ack_interval = cfg.message_ack_interval_s
         self._session_gc_s = 2 * cfg.message_delivery_timeout_s

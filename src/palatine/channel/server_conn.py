@@ -85,6 +85,8 @@ class ServerConn(asyncio.BufferedProtocol):
         self._last_ack = -1
         self._ack_handle: asyncio.TimerHandle | None = None
         self._auth_handle: asyncio.TimerHandle | None = None
+        self._stall_handle: asyncio.TimerHandle | None = None  # (see `_watch_big_frame`)
+        self._progress_at = 0.0
         self.paused = False
         self._write_blocked = False  # (see `pause_writing`)
         self._reading_paused = False
@@ -128,6 +130,7 @@ class ServerConn(asyncio.BufferedProtocol):
         except FrameError as exc:
             self._fail(exc.reason, reject=not exc.before_body)
             return
+        self._watch_big_frame()
         if frames:
             self._frames(frames)
 
@@ -139,6 +142,8 @@ class ServerConn(asyncio.BufferedProtocol):
         except FrameError as exc:
             self._fail(exc.reason, reject=not exc.before_body)
             return
+        if self._stall_handle is not None or self.parser.big_window() is not None:
+            self._watch_big_frame()
         if self.lane is None:
             self._frames(frames)
             return
@@ -321,6 +326,30 @@ class ServerConn(asyncio.BufferedProtocol):
         if self.state == _OPEN and self._since_ack:
             self._send_ack()
 
+    # -- a big frame that stops arriving ----------------------------------------------------
+    # Its buffer is as big as the frame announced: a peer that stops sending mid-way must
+    # not hold it for ever. After `message_delivery_timeout_s` without a byte (its sender
+    # has failed the message by then) the connection is closed and the buffer freed.
+
+    def _watch_big_frame(self) -> None:
+        self._progress_at = self.rx._loop.time()
+        if self._stall_handle is None and self.parser.big_window() is not None:
+            self._stall_handle = self.rx._loop.call_later(self.rx._stall_timeout, self._stall_check)
+
+    def _stall_check(self) -> None:
+        self._stall_handle = None
+        if self.state == _CLOSED or self.parser.big_window() is None:
+            return
+        timeout = self.rx._stall_timeout
+        now = self.rx._loop.time()
+        if self._reading_paused:  # we are not reading: not the peer's stall
+            self._progress_at = now
+        left = self._progress_at + timeout - now
+        if left > 0:
+            self._stall_handle = self.rx._loop.call_later(left, self._stall_check)
+            return
+        self._fail(f"a frame stopped arriving: no byte of it for {format_seconds(timeout)} s")
+
     # -- failure and closing -------------------------------------------------------------
 
     def _auth_expired(self) -> None:
@@ -341,6 +370,14 @@ class ServerConn(asyncio.BufferedProtocol):
             self.transport.write(encode_frame(Reject(reason)))
         self._close(abort=not reject)
 
+    def _release(self) -> None:
+        """Cancel the timers and drop any incomplete frame (its buffer, at once)."""
+        for handle in (self._ack_handle, self._auth_handle, self._stall_handle):
+            if handle is not None:
+                handle.cancel()
+        self._ack_handle = self._auth_handle = self._stall_handle = None
+        self.parser.discard()
+
     def _close(self, abort: bool = False, final_ack: bool = False) -> None:
         if self.state == _CLOSED:
             return
@@ -348,10 +385,7 @@ class ServerConn(asyncio.BufferedProtocol):
             self._send_ack()
         self.state = _CLOSED
         self._unregister_lane()
-        for handle in (self._ack_handle, self._auth_handle):
-            if handle is not None:
-                handle.cancel()
-        self._ack_handle = self._auth_handle = None
+        self._release()
         if self.transport is not None:
             if abort:
                 self.transport.abort()
@@ -404,10 +438,7 @@ class ServerConn(asyncio.BufferedProtocol):
         if self.state != _CLOSED and not self.parser.at_boundary:
             logger.debug("connection from %s lost inside a frame", self.peer)
         self.state = _CLOSED
-        for handle in (self._ack_handle, self._auth_handle):
-            if handle is not None:
-                handle.cancel()
-        self._ack_handle = self._auth_handle = None
+        self._release()
         rx._conns.discard(self)
         rx._paused.discard(self)
         self._unregister_lane()

@@ -285,6 +285,14 @@ class FrameParser:
         """How many bytes of an incomplete frame are held."""
         return len(self._part) + self._big_pos
 
+    def discard(self) -> None:
+        """Drop any incomplete frame (its connection is gone): its buffer is freed, and
+        the parser takes nothing more."""
+        self._part = bytearray()
+        self._big = None
+        self._big_pos = 0
+        self._failed = True
+
     def _check(self, length: int) -> None:
         if length > self.limit:
             self._failed = True
