@@ -36,6 +36,7 @@ from palatine.ids import (
 )
 from palatine.supervision import format_seconds, signal_text
 from palatine.system.messages import WorldSnapshot
+from palatine.system.worlds import MAX_PROCS_PER_HOST, MAX_WORLD_PROCS
 
 __all__ = [
     "LABEL_CONTROLLER_ACTOR_ID",
@@ -172,17 +173,19 @@ def validate_command(cmd: ControllerCommand) -> None:
         raise ConfigError(f"{bad}: world {actor.world} is reserved")
     if actor.name in RESERVED_ACTOR_NAMES:
         raise ConfigError(f"{bad}: actor name {actor.name!r} is reserved for the runtime")
-    if cmd.world_size < 1:
-        raise ConfigError(f"--world-size must be >= 1, got {cmd.world_size}")
-    if cmd.num_procs_per_host < 1:
-        raise ConfigError(f"--num-procs-per-host must be >= 1, got {cmd.num_procs_per_host}")
+    if not 1 <= cmd.world_size <= MAX_WORLD_PROCS:
+        raise ConfigError(f"--world-size must be in [1, {MAX_WORLD_PROCS:,}], got {cmd.world_size}")
+    if not 1 <= cmd.num_procs_per_host <= MAX_PROCS_PER_HOST:
+        raise ConfigError(
+            f"--num-procs-per-host must be in [1, {MAX_PROCS_PER_HOST:,}], got {cmd.num_procs_per_host}"
+        )
     if not cmd.worker_name.isidentifier() or cmd.worker_name in RESERVED_ACTOR_NAMES:
         raise ConfigError(
             f"invalid --worker-name {cmd.worker_name!r}: an identifier, not proc or comm"
         )
-    if cmd.operations_per_worker_progress_request < 1:
+    if not 1 <= cmd.operations_per_worker_progress_request < 2**63:
         raise ConfigError(
-            "--operations-per-worker-progress-request must be >= 1, got "
+            "--operations-per-worker-progress-request must be in [1, 2**63), got "
             f"{cmd.operations_per_worker_progress_request}"
         )
     for name in (
