@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import socket
@@ -422,7 +423,7 @@ class HeartbeatThread:
             except Exception:
                 logger.exception("on_system_lost callback of the heartbeat thread failed")
         grace = s.proc_stop_timeout_s + _STOP_GRACE_S
-        if self._stop.wait(grace):
+        if self._stop.wait(None if math.isinf(grace) else grace):  # (inf: no bound)
             return
         if self._exit_process:
             logger.critical(

@@ -192,10 +192,16 @@ class HandlerPort(Port):
         self.type_name = type_name
         self.accepts = accepts
 
+    def refusal(self, type_id: int) -> str | None:
+        """Why a message of ``type_id`` is not taken here (None: it is)."""
+        if type_id != self.index and (self.accepts is None or not self.accepts(type_id)):
+            return f"mailbox error: {self.id} takes {self.type_name}, not {type_name_of(type_id)}"
+        return None
+
     def deliver(self, env: Envelope) -> str | None:
-        tid = env.type_id
-        if tid != self.index and (self.accepts is None or not self.accepts(tid)):
-            return f"mailbox error: {self.id} takes {self.type_name}, not {type_name_of(tid)}"
+        refused = self.refusal(env.type_id)
+        if refused is not None:
+            return refused
         try:
             payload = decode_payload(env)
         except Exception as e:  # noqa: BLE001 - any decode failure is the sender's fault

@@ -276,7 +276,7 @@ class _Stream:
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         while self._seen < self.expected:
             self._seen += 1
-            yield self._q.get(timeout=config.get().call_timeout_s + 5)
+            yield self._q.get(timeout=_stream_wait_s())
 
     def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
         return self._agen()
@@ -287,7 +287,14 @@ class _Stream:
             try:
                 yield self._q.get_nowait()
             except queue.Empty:
-                yield await asyncio.to_thread(self._q.get, True, config.get().call_timeout_s + 5)
+                yield await asyncio.to_thread(self._q.get, True, _stream_wait_s())
+
+
+def _stream_wait_s() -> float | None:
+    """How long a stream's reader waits for the next item: past the call timeout (the
+    gather fails each missing rank by then); None (no bound) for an endless one."""
+    t = config.get().call_timeout_s
+    return None if math.isinf(t) else t + 5
 
 
 class ActorRef:

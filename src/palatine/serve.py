@@ -21,6 +21,8 @@ their ready line through the ``on_ready`` callback (the CLI passes its ready-lin
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import logging
 import math
 import os
@@ -300,6 +302,7 @@ class _Lines:
         self._loop = asyncio.get_running_loop()
         self._closed = False
         self._paused = False
+        self._was_blocking = os.get_blocking(fd)
         os.set_blocking(fd, False)
         try:
             self._loop.add_reader(fd, self._readable)
@@ -308,10 +311,17 @@ class _Lines:
             self._polled = False
             self._loop.call_soon(self._read_turn)
 
+    def restore(self) -> None:
+        """Give the fd back as it was (blocking or not): it may be shared."""
+        try:
+            os.set_blocking(self.fd, self._was_blocking)
+        except OSError:
+            pass
+
     def get(self) -> asyncio.Future[bytes | None]:
         """The next line (``None`` at EOF), as a future; reading resumes once the lines
         read ahead are taken (at most `_READ_AHEAD_LINES` wait)."""
-        if self._paused and self.queue.qsize() <= _READ_AHEAD_LINES // 2:
+        if self._paused and not self._closed and self.queue.qsize() <= _READ_AHEAD_LINES // 2:
             self._paused = False
             if self._polled:
                 self._loop.add_reader(self.fd, self._readable)
@@ -346,6 +356,12 @@ class _Lines:
             self._buf.clear()
             self.queue.put_nowait(None)
             return
+        if self._skipping:  # the rest of a line over the limit: dropped as it comes
+            i = data.find(b"\n")
+            if i < 0:
+                return
+            self._skipping = False
+            data = data[i + 1 :]
         self._buf += data
         while True:
             i = self._buf.find(b"\n")
@@ -353,9 +369,6 @@ class _Lines:
                 break
             line = bytes(self._buf[:i])
             del self._buf[: i + 1]
-            if self._skipping:
-                self._skipping = False
-                continue
             self.queue.put_nowait(line if len(line) <= MAX_LINE_BYTES else TOO_LONG)
         if len(self._buf) > MAX_LINE_BYTES and not self._skipping:
             self._buf.clear()
@@ -368,6 +381,13 @@ class _Lines:
             self._closed = True
             if self._polled and not self._paused:
                 self._loop.remove_reader(self.fd)
+
+
+def _same_file(fd: int, other: int) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.fstat(other))
+    except OSError:
+        return False
 
 
 class _Responses:
@@ -383,10 +403,16 @@ class _Responses:
         self._broken = False
         self.drained = asyncio.Event()
         self.drained.set()
-        try:
-            os.set_blocking(fd, False)
-        except OSError as e:
-            log.warning("responses: %s", e)
+        # Shared with this process's stderr (logging), the fd stays blocking: a full pipe
+        # then blocks the loop, as a full stderr would anyway. Shared with stdout, the ready
+        # lines go through here too (`ordered_ready`), so lines never interleave.
+        self.shares_stdout = _same_file(fd, 1)
+        self._was_blocking = os.get_blocking(fd)
+        if not _same_file(fd, 2):
+            try:
+                os.set_blocking(fd, False)
+            except OSError as e:
+                log.warning("responses: %s", e)
 
     @property
     def backlogged(self) -> bool:
@@ -434,12 +460,31 @@ class _Responses:
         if self._polled:
             self._loop.remove_writer(self.fd)
             self._polled = False
+        try:
+            os.set_blocking(self.fd, self._was_blocking)  # (it may be shared)
+        except OSError:
+            pass
+
+    def ordered_ready(self, on_ready: OnReady) -> OnReady:
+        """``on_ready`` for a server whose responses go to its stdout: what it prints is
+        queued behind the responses already written, never into the middle of one."""
+        if not self.shares_stdout:
+            return on_ready
+
+        def ready(role: str, addr: str) -> None:
+            text = io.StringIO()
+            with contextlib.redirect_stdout(text):
+                on_ready(role, addr)
+            self.write(text.getvalue().encode())
+
+        return ready
 
 
 async def serve(read_fd: int, write_fd: int, stop: asyncio.Event, on_ready: OnReady) -> int:
     """Serve requests until ``Exit``, EOF or ``stop``; returns the exit status (0)."""
     lines = _Lines(read_fd)
     out = _Responses(write_fd)
+    on_ready = out.ordered_ready(on_ready)
     running: asyncio.Task[str | None] | None = None
     role_stop = asyncio.Event()
     next_line = lines.get()
@@ -456,9 +501,14 @@ async def serve(read_fd: int, write_fd: int, stop: asyncio.Event, on_ready: OnRe
             faults.append(f"{event.actor_id} failed: {event.message}")
             role_stop.set()
 
-    set_unhandled_fault_hook(on_fault)
+    hook_before = set_unhandled_fault_hook(on_fault)
+
+    def answer(error: str) -> None:
+        """The answer to a request that started nothing (the run's faults stay)."""
+        out.write(finished_line(error))
 
     def finish(error: str | None) -> None:
+        """The end of the run: its own error, else the first fault of its root actors."""
         if error is None and faults:
             error = faults[0]
         faults.clear()
@@ -511,18 +561,19 @@ async def serve(read_fd: int, write_fd: int, stop: asyncio.Event, on_ready: OnRe
                     raise InvalidRequest(f"line longer than {MAX_LINE_BYTES} bytes")
                 req = parse_request(line)
             except InvalidRequest as e:
-                finish(f"invalid request: {e}")
+                answer(f"invalid request: {e}")
                 continue
             except Exception as e:  # noqa: BLE001 - whatever the line does, keep serving
-                finish(f"invalid request: {type(e).__name__}: {e}")
+                answer(f"invalid request: {type(e).__name__}: {e}")
                 continue
             if isinstance(req, ExitRequest):
                 await end_run()
                 return 0
             if running is not None:
-                finish("invalid request: a Run is already in progress")
+                answer("invalid request: a Run is already in progress")
                 continue
             role_stop = asyncio.Event()
+            faults.clear()
             log.info("serve: starting %s", req.role)
             running = asyncio.ensure_future(run_role(req, role_stop, on_ready))
     finally:
@@ -533,5 +584,6 @@ async def serve(read_fd: int, write_fd: int, stop: asyncio.Event, on_ready: OnRe
             drained.cancel()
         if running is not None and not running.done():
             running.cancel()
-        set_unhandled_fault_hook(None)
+        set_unhandled_fault_hook(hook_before)
         await out.close(_RESPONSES_CLOSE_S)
+        lines.restore()

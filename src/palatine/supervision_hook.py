@@ -23,10 +23,13 @@ def _default(event: Any) -> None:
 _hook: Callable[[Any], None] = _default
 
 
-def set_unhandled_fault_hook(fn: Callable[[Any], None] | None) -> None:
-    """Install ``fn(event)`` for root failures with no coordinator (None restores the default)."""
+def set_unhandled_fault_hook(fn: Callable[[Any], None] | None) -> Callable[[Any], None]:
+    """Install ``fn(event)`` for root failures with no coordinator (None restores the
+    default); returns the hook it replaces (to put back later)."""
     global _hook
+    before = _hook
     _hook = fn if fn is not None else _default
+    return before
 
 
 def unhandled_fault(event: Any) -> None:

@@ -305,6 +305,41 @@ def test_fds_that_are_not_open_exit_2_with_one_line(fds: list[str]) -> None:
     assert proc.stderr.count("\n") == 1, proc.stderr
 
 
+def test_responses_on_stdout_keep_the_ready_line_whole_and_in_order(env: dict[str, str]) -> None:
+    # `palatine serve 0 1`: responses and the ready line share one pipe. 2,000 answers
+    # fill it before the Run's ready line is printed, and nobody reads for now: the ready
+    # line still arrives, after them, as a whole line.
+    addr = f"unix:@palatine-test-{secrets.token_hex(6)}"
+    req_r, req_w = os.pipe()
+    out_r, out_w = os.pipe()
+    popen = subprocess.Popen([*palatine_cmd(), "serve", "0", "1"], stdin=req_r, stdout=out_w,
+                             stderr=subprocess.DEVNULL, env={**os.environ, **env}, start_new_session=True)
+    os.close(req_r)
+    os.close(out_w)
+    try:
+        os.write(req_w, b"bad\n" * 2000 + json.dumps({"Run": {"System": {"system_addr": addr}}}).encode() + b"\n")
+        deadline = time.monotonic() + 30
+        while subprocess.run([*palatine_cmd(), "snapshot", "--system-addr", addr, "--timeout-in-sec", "2"],
+                             capture_output=True, env={**os.environ, **env}, timeout=30).returncode != 0:
+            assert time.monotonic() < deadline, "the system never answered"
+        os.write(req_w, b'{"Exit": []}\n')
+        data = b""
+        while chunk := os.read(out_r, 1 << 16):
+            data += chunk
+        assert popen.wait(20) == 0
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait(5)
+        os.close(req_w)
+        os.close(out_r)
+    lines = [json.loads(line) for line in data.splitlines()]  # every line whole
+    assert len(lines) == 2002
+    assert all(list(x) == ["Finished"] and x["Finished"]["error"].startswith("invalid request") for x in lines[:2000])
+    assert lines[2000]["event"] == "ready" and lines[2000]["addr"] == addr
+    assert lines[2001] == {"Finished": {"error": None}}
+
+
 def test_sigterm_stops_the_run_and_writes_finished(server: Server) -> None:
     server.send({"Run": {"System": {"system_addr": "unix:"}}})
     server.ready()
@@ -480,17 +515,18 @@ def test_a_root_actor_failure_ends_the_run_with_its_error_and_the_server_serves_
                 while not ready:
                     await asyncio.sleep(0.01)
             unhandled_fault(SupervisionEvent(actor_id="system[0].root[0]", status="failed", message="panic: boom"))
+            os.write(req_w, b"bad\n")  # answered meanwhile: the run keeps its fault
             os.set_blocking(resp_r, False)
             answers: list[dict[str, object]] = []
             buf = b""
             async with asyncio.timeout(30):
-                while not answers:
+                while len(answers) < 2:
                     await asyncio.sleep(0.01)
                     try:
                         buf += os.read(resp_r, 65536)
                     except BlockingIOError:
                         pass
-                    if b"\n" in buf:
+                    while b"\n" in buf:
                         first, buf = buf.split(b"\n", 1)
                         answers.append(json.loads(first))
                 os.write(req_w, json.dumps({"Exit": []}).encode() + b"\n")
@@ -505,5 +541,7 @@ def test_a_root_actor_failure_ends_the_run_with_its_error_and_the_server_serves_
         for fd in (req_r, req_w, resp_r, resp_w):
             os.close(fd)
     assert ready == ["system"]
-    assert answers == [{"Finished": {"error": "system[0].root[0] failed: panic: boom"}}]
+    errors = sorted(str(a["Finished"]["error"]) for a in answers)  # type: ignore[index]
+    assert errors[0].startswith("invalid request: ")
+    assert errors[1] == "system[0].root[0] failed: panic: boom"
     assert code == 0

@@ -788,6 +788,28 @@ async def test_undecodable_command_fails_the_worker_actor() -> None:
     await with_workers(1, body)
 
 
+async def test_a_command_port_refuses_a_type_the_worker_does_not_handle() -> None:
+    from palatine.errors import DeliveryError
+    from palatine.ids import PortId
+    from palatine.system.messages import SystemStopping  # registered; no worker handler
+    from palatine.wire.codec import encode_message
+    from palatine.wire.envelope import ENC_MSGPACK, Envelope
+
+    async def body(ctl: Ctl) -> None:
+        mb = ctl.client.mailbox
+        p = mb.pending(ctl.workers[0], "raw", 10.0)
+        msg = SystemStopping(reason="x")
+        tid = CallFunction.__palatine_type_id__
+        mb.proc.post(Envelope(mb.actor_id, PortId(ctl.workers[0], tid), SystemStopping.__palatine_type_id__,
+                              ENC_MSGPACK, encode_message(msg), p.id))
+        with pytest.raises(DeliveryError, match="takes CallFunction, not SystemStopping"):
+            await p.future
+        inst = ctl.procs[0].instance(ctl.workers[0])
+        assert inst is not None and not inst.terminated  # the worker serves on
+
+    await with_workers(1, body)
+
+
 async def test_spawn_checks_rank_and_params_decode_from_msgpack() -> None:
     async with proc_cluster(1) as (procs, client):
         bad = WorkerParams(world_size=2, rank=2, device_index=None, controller_actor=client.id)

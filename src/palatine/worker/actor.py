@@ -34,8 +34,8 @@ from palatine.actor import Actor, handler
 from palatine.channel.blocking import LinkLost
 from palatine.channel.direct_tx import open_direct
 from palatine.ids import PortId
-from palatine.mailbox import Mailbox, Port
-from palatine.wire.codec import decode_payload, type_name_of
+from palatine.mailbox import HandlerPort
+from palatine.wire.codec import decode_payload
 from palatine.wire.envelope import Envelope
 from palatine.worker import torch_warmup
 from palatine.worker.messages import (
@@ -85,30 +85,25 @@ def exit_timeout_s() -> float:
     return parse_seconds(text, name="PALATINE_WORKER_EXIT_TIMEOUT") if text else 30.0
 
 
-class _CommandPort(Port):
+class _CommandPort(HandlerPort):
     """A handler port for a worker command whose decode failure fails the worker.
 
     The runtime's handler port would return an undecodable message to its sender (the
     controller, which only logs casts that bounce); for a worker that means the client
-    and worker disagree on the protocol, so it is an infrastructure error (§1.5).
+    and worker disagree on the protocol, so it is an infrastructure error (§1.5). A
+    message of a type the worker has no handler for is refused as on any handler port.
     """
 
-    __slots__ = ("on_bad", "sink", "type_name")
+    __slots__ = ("on_bad",)
 
-    def __init__(
-        self,
-        mailbox: Mailbox,
-        index: int,
-        sink: Callable[[Any, Envelope], None],
-        type_name: str,
-        on_bad: Callable[[str], None],
-    ) -> None:
-        super().__init__(mailbox, index)
-        self.sink = sink
-        self.type_name = type_name
+    def __init__(self, port: HandlerPort, on_bad: Callable[[str], None]) -> None:
+        super().__init__(port.mailbox, port.index, port.sink, port.type_name, port.accepts)
         self.on_bad = on_bad
 
     def deliver(self, env: Envelope) -> str | None:
+        refused = self.refusal(env.type_id)
+        if refused is not None:
+            return refused
         try:
             payload = decode_payload(env)
         except Exception as e:  # noqa: BLE001 - any decode failure
@@ -219,10 +214,9 @@ class WorkerActor(Actor):
         for cls in _COMMAND_TYPES:
             tid = cls.__palatine_type_id__
             port = mb.ports.get(tid)
-            sink = getattr(port, "sink", None)
-            if sink is None:
+            if type(port) is not HandlerPort:
                 continue
-            mb.ports[tid] = _CommandPort(mb, tid, sink, type_name_of(tid), self._undecodable)
+            mb.ports[tid] = _CommandPort(port, self._undecodable)
 
     def _undecodable(self, text: str) -> None:
         self._fail(InfrastructureError(text))

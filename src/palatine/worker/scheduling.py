@@ -57,7 +57,7 @@ def gil_switching(proc_id: str) -> None:
     from palatine import config
 
     micros = config.get().worker_switch_interval_us
-    if micros and os.environ.get("PALATINE_PROC_ID") == proc_id:
+    if micros > 0 and os.environ.get("PALATINE_PROC_ID") == proc_id:
         before = sys.getswitchinterval()
         sys.setswitchinterval(micros / 1e6)
         # A process forked from the worker (a data loader, a pool) gets Python's back.
