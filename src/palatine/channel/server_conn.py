@@ -425,6 +425,7 @@ class ServerConn(asyncio.BufferedProtocol):
             if want:
                 self.transport.pause_reading()
             else:
+                self._progress_at = self.rx._loop.time()  # (a stalled frame's clock restarts)
                 self.transport.resume_reading()
 
     def eof_received(self) -> bool | None:
