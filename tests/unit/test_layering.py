@@ -33,7 +33,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (7, ("system", "agent", "host")),
     (8, ("hostmesh",)),
     (9, ("controller", "worker")),
-    (10, ("client", "serve")),
+    (10, ("client", "serve", "serve_pipes")),
     (11, ("cli", "__main__", "demo")),
 ]
 
