@@ -199,15 +199,20 @@ class HandlerPort(Port):
         return None
 
     def deliver(self, env: Envelope) -> str | None:
-        refused = self.refusal(env.type_id)
-        if refused is not None:
-            return refused
+        if env.type_id != self.index:
+            refused = self.refusal(env.type_id)
+            if refused is not None:
+                return refused
         try:
             payload = decode_payload(env)
-        except Exception as e:  # noqa: BLE001 - any decode failure is the sender's fault
-            return f"mailbox error: cannot decode {self.type_name} for {self.id}: {e}"
+        except Exception as e:  # noqa: BLE001 - any decode failure
+            return self.undecodable(env, e)
         self.sink(payload, env)
         return None
+
+    def undecodable(self, env: Envelope, error: Exception) -> str | None:
+        """A payload that does not decode: the sender's fault, returned to it."""
+        return f"mailbox error: cannot decode {self.type_name} for {self.id}: {error}"
 
 
 class StreamPort(Port):

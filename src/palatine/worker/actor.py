@@ -35,7 +35,6 @@ from palatine.channel.blocking import LinkLost
 from palatine.channel.direct_tx import open_direct
 from palatine.ids import PortId
 from palatine.mailbox import HandlerPort
-from palatine.wire.codec import decode_payload
 from palatine.wire.envelope import Envelope
 from palatine.worker import torch_warmup
 from palatine.worker.messages import (
@@ -100,16 +99,8 @@ class _CommandPort(HandlerPort):
         super().__init__(port.mailbox, port.index, port.sink, port.type_name, port.accepts)
         self.on_bad = on_bad
 
-    def deliver(self, env: Envelope) -> str | None:
-        refused = self.refusal(env.type_id)
-        if refused is not None:
-            return refused
-        try:
-            payload = decode_payload(env)
-        except Exception as e:  # noqa: BLE001 - any decode failure
-            self.on_bad(f"undecodable {self.type_name} command from {env.sender}: {e}")
-            return None
-        self.sink(payload, env)
+    def undecodable(self, env: Envelope, error: Exception) -> str | None:
+        self.on_bad(f"undecodable {self.type_name} command from {env.sender}: {error}")
         return None
 
 

@@ -12,6 +12,12 @@ __all__ = ["batch_scheduling", "default_scheduling", "gil_switching"]
 log = logging.getLogger(__name__)
 
 
+def _own_process(proc_id: str) -> bool:
+    """Whether this process was started for the proc (``PALATINE_PROC_ID``), not a
+    program that hosts it among other things (a test, an in-process mesh)."""
+    return os.environ.get("PALATINE_PROC_ID") == proc_id
+
+
 def batch_scheduling(proc_id: str) -> None:
     """Run this worker proc's threads (and the streams they start) as ``SCHED_BATCH``,
     when the process is the proc's own (started for it: ``PALATINE_PROC_ID``), not a
@@ -29,7 +35,7 @@ def batch_scheduling(proc_id: str) -> None:
     batch = getattr(os, "SCHED_BATCH", None)
     if batch is None or not config.get().worker_sched_batch:
         return
-    if os.environ.get("PALATINE_PROC_ID") != proc_id:
+    if not _own_process(proc_id):
         return
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
@@ -57,7 +63,7 @@ def gil_switching(proc_id: str) -> None:
     from palatine import config
 
     micros = config.get().worker_switch_interval_us
-    if micros > 0 and os.environ.get("PALATINE_PROC_ID") == proc_id:
+    if micros > 0 and _own_process(proc_id):
         before = sys.getswitchinterval()
         sys.setswitchinterval(micros / 1e6)
         # A process forked from the worker (a data loader, a pool) gets Python's back.
