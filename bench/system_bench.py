@@ -101,7 +101,7 @@ class Role(RoleProcess):
     def __init__(self, args: list[str]) -> None:
         fd, self.errpath = tempfile.mkstemp(prefix="palatine-bench-", suffix=".log")
         os.close(fd)
-        super().__init__(args, None, READY_TIMEOUT_S, stderr_path=self.errpath)
+        super().__init__(args, None, READY_TIMEOUT_S, log_path=self.errpath)
 
     def stderr_tail(self, n: int = 4000) -> str:
         try:

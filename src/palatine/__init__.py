@@ -41,6 +41,7 @@ __all__ = [
     "RemoteException",
     "DeviceException",
     "StuckWorkersException",
+    "TooManyOpenFiles",
 ]
 
 _WHERE = {
@@ -68,6 +69,7 @@ _WHERE = {
     "RemoteException": "palatine.errors",
     "DeviceException": "palatine.errors",
     "StuckWorkersException": "palatine.errors",
+    "TooManyOpenFiles": "palatine.errors",
 }
 
 

@@ -2,7 +2,7 @@
 
 Pure helpers, free of the process machinery in `palatine.children`: the environment
 table a host adds for an exec'd proc (`child_env`), where the proc's log and stack-dump
-files go (`default_log_dir`, `log_path_for`, `stack_path_for`), the human text for a
+files go (`log_path_for`, `stack_path_for`), the human text for a
 process end (`describe_exit`), and `arm_parent_death_signal`, which a bootstrapping proc
 calls so that it dies with the host that started it.
 """
@@ -15,16 +15,15 @@ import os
 import re
 import signal
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from palatine import config
+from palatine.logs import default_log_dir
 
 __all__ = [
     "arm_parent_death_signal",
     "child_env",
-    "default_log_dir",
     "describe_exit",
     "log_path_for",
     "stack_path_for",
@@ -49,14 +48,6 @@ def describe_exit(exit_code: int | None, exit_signal: int | None) -> str:
     if exit_code is not None:
         return f"exited with code {exit_code}"
     return "exited (status unknown)"
-
-
-def default_log_dir() -> Path:
-    """``PALATINE_LOG_DIR`` (the ``log_dir`` config key), else ``palatine-logs`` in the temp dir."""
-    configured = config.get().log_dir
-    if configured:
-        return Path(configured)
-    return Path(tempfile.gettempdir()) / "palatine-logs"
 
 
 _INDEX_RE = re.compile(r"\[(\d+)\]")

@@ -7,8 +7,9 @@ actor runtime. It runs on the host's event loop and, for each worker proc:
   session and process group, the host's working directory and ``os.environ`` plus the
   given variables (`palatine.child_env.child_env` builds the §2.5 table);
 * appends every output line to the proc's log file, forwards it to the host's stderr as
-  ``[W[r]] line`` (undecodable bytes replaced) and keeps the last 50 lines for the exit
-  report;
+  ``[W[r]] line`` (undecodable bytes replaced; never blocking the loop: a console that
+  does not keep up loses lines, counted, not the log file) and keeps the last 50 lines for
+  the exit report;
 * watches the process through a ``pidfd`` registered with ``loop.add_reader`` (a waiter
   thread where pidfds are unavailable) and calls ``on_exit(child, exit_code, exit_signal,
   tail)`` as soon as it dies, so the system hears of a death within milliseconds rather
@@ -43,7 +44,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -53,6 +53,7 @@ from typing import Any, Self, TextIO
 from palatine import config
 from palatine.child_env import describe_exit
 from palatine.child_proc import TAIL_LINES, Child, ChildExit, ChildState, PipeReader, write_all
+from palatine.console import ConsoleWriter
 from palatine.forkserver import ForkedProcess, ForkServer, ForkServerError, fork_server_supported
 
 __all__ = ["TAIL_LINES", "Child", "ChildExit", "ChildProcs", "ChildState", "OnExit"]
@@ -115,8 +116,17 @@ class ChildProcs:
         self._on_exit = on_exit
         self._fork_server = fork_server
         self._owns_fork_server = False
-        self._echo = echo
-        self._echo_stream = echo_stream
+        # The echo never blocks the loop: a console writer thread, bounded, drops with a count.
+        self._console = (
+            ConsoleWriter(
+                echo_stream,
+                limit_bytes=config.get().console_buffer_bytes,
+                complete_in="the per-proc log files",
+                name="palatine-echo",
+            )
+            if echo
+            else None
+        )
         self._kill_group_on_exit = kill_group_on_exit
         self._use_pidfd = hasattr(os, "pidfd_open") if use_pidfd is None else use_pidfd
         self._tail_lines = tail_lines
@@ -187,6 +197,8 @@ class ChildProcs:
             self._fail(child, "cannot execute '': empty command")
             return child
         if log_path is not None:
+            if self._console is not None:
+                self._console.complete_in = f"the log files in {log_path.parent}"
             try:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 child._log_fd = os.open(
@@ -320,15 +332,12 @@ class ChildProcs:
                 self._close_log(child)
         texts = [line.decode("utf-8", "replace").rstrip("\r") for line in lines]
         child._tail.extend(texts)
-        if self._echo:
-            stream = self._echo_stream if self._echo_stream is not None else sys.stderr
-            prefix = f"[{child.proc_id}] "
-            try:
-                stream.write("".join(f"{prefix}{t}\n" for t in texts))
-                stream.flush()
-            except (OSError, ValueError) as e:
-                log.warning("cannot forward child output to stderr any more: %s", e)
-                self._echo = False
+        if self._console is not None:
+            self._console.write_lines(lines, f"[{child.proc_id}] ")
+
+    def flush_echo(self, timeout_s: float) -> bool:
+        """Wait (blocking, bounded) until the echoed lines so far are written; whether they were."""
+        return self._console is None or self._console.flush(timeout_s)
 
     def _eof(self, child: Child) -> None:
         child._open_streams -= 1
@@ -534,6 +543,8 @@ class ChildProcs:
                 self._close_log(child)
         if self._owns_fork_server and self._fork_server is not None:
             await self._fork_server.close()
+        if self._console is not None:
+            await asyncio.to_thread(self._console.close, 1.0)
 
 
 async def _await(result: Awaitable[None]) -> None:

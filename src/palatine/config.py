@@ -77,6 +77,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # long before sleeping (palatine.channel.spin); 0: off
     idle_spin_us: int = 100
     log_dir: str | None = None
+    # log directories of jobs started here (palatine.logs) kept after they end, newest first
+    keep_logs: int = 10
+    # text a console writer queues before it drops output with a count (palatine.console)
+    console_buffer_bytes: int = 4 * 1024 * 1024
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*(KiB|MiB|GiB|B)?\s*$")

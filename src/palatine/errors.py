@@ -30,6 +30,7 @@ __all__ = [
     "JoinError",
     "StackDumpError",
     "InfrastructureError",
+    "TooManyOpenFiles",
 ]
 
 
@@ -236,4 +237,13 @@ class InfrastructureError(PalatineError):
 
     Raised inside the worker; it fails the worker actor with its message, which the
     client sees as ``DeviceException(actor_failed)``. Never sent as a user error.
+    """
+
+
+class TooManyOpenFiles(PalatineError, OSError):
+    """The open-files limit (``ulimit -n``) is below what a job needs.
+
+    Raised by `palatine.limits.check_open_files` before anything is started (by
+    ``local_mesh``, ``this_host().spawn_procs`` and ``palatine controller``), instead of
+    the job failing later, in another process, with ``EMFILE`` seen nowhere.
     """

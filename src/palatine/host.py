@@ -55,8 +55,16 @@ class HostAgent(ProcAgent):
 
     __palatine_name__ = "palatine.host.HostAgent"
 
-    def __init__(self, *args: Any, fork_server: ForkServer | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        fork_server: ForkServer | None = None,
+        log_dir: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
+        # Where the procs' logs go: the job's log directory, else the configured one.
+        self.log_dir = log_dir
         self.children = ChildProcs(on_exit=self._child_exited, fork_server=fork_server)
         self.local_procs: dict[ProcId, ProcHandle] = {}
         self._reports: set[asyncio.Task[None]] = set()
@@ -89,7 +97,8 @@ class HostAgent(ProcAgent):
         token = token_mod.resolve_token().decode()
 
         async def one(a: ProcAssignment) -> Child:
-            log_path = log_path_for(config.get().log_dir, execution_id, self.proc.proc_id, a.proc_id)
+            log_dir = self.log_dir if self.log_dir is not None else config.get().log_dir
+            log_path = log_path_for(log_dir, execution_id, self.proc.proc_id, a.proc_id)
             env = child_env(
                 world_id=msg.world_id,
                 proc_id=a.proc_id,

@@ -28,6 +28,8 @@ from palatine.forkserver import ForkServer, fork_server_supported
 from palatine.future import Future
 from palatine.host import HostAgent
 from palatine.ids import GangId, WorldId
+from palatine.limits import check_open_files
+from palatine.logs import LogSession
 from palatine.mesh import ActorMesh, set_default_client
 from palatine.system.agent_messages import Spawn, Spawned
 from palatine.system.service import System, SystemClient, SystemHandle
@@ -42,10 +44,16 @@ class _Cluster:
     """The process's private embedded system plus its attached client proc."""
 
     def __init__(
-        self, system: SystemHandle, client: SystemClient, fork_server: ForkServer | None
+        self,
+        system: SystemHandle,
+        client: SystemClient,
+        fork_server: ForkServer | None,
+        logs: LogSession,
     ) -> None:
         self.system = system
         self.client = client
+        # The procs' log files; removed at exit unless a proc failed (palatine.logs).
+        self.logs = logs
         # One fork server for every mesh of this process (palatine.forkserver).
         self.fork_server = fork_server
         self.hosts: list[ProcHandle] = []
@@ -71,10 +79,11 @@ async def _get_cluster() -> _Cluster:
                 # Started first: its imports overlap the system's start-up.
                 fork_server = ForkServer()
                 fork_server.start()
+            logs = LogSession.create("procs")
             system = await System.serve(any_addr("unix"))
             client = await System(system.addr).attach()
             set_default_client(client.client)
-            _cluster = _Cluster(system, client, fork_server)
+            _cluster = _Cluster(system, client, fork_server, logs)
             runtime.at_exit(_shutdown)
     return _cluster
 
@@ -95,6 +104,16 @@ async def _shutdown() -> None:
                 agent.children.kill_now()
         if c.fork_server is not None:
             await c.fork_server.close(1.0)
+        failed = [
+            child
+            for h in c.hosts
+            if isinstance(h.agent, HostAgent)
+            for child in h.agent.children.children
+            if child.exit is not None and not child.exit.requested and child.exit.exit_code != 0
+        ]
+        if failed and c.logs.owned:
+            log.warning("the logs of this process's procs are kept in %s", c.logs.path)
+        c.logs.close(clean=not failed)
 
 
 class ProcMesh:
@@ -193,6 +212,9 @@ class HostMesh:
 
 async def _spawn_procs(dim: str, n: int) -> ProcMesh:
     cluster = await _get_cluster()
+    # The embedded system and this client hold connections to every proc of every mesh.
+    total = n + sum(len(m) for m in cluster.meshes)
+    check_open_files(total, f"{total} procs of this_host()")
     k = next(cluster.counter)
     world = WorldId(f"mesh{k}")
     host = await bootstrap_proc(
@@ -200,7 +222,7 @@ async def _spawn_procs(dim: str, n: int) -> ProcMesh:
         cluster.system.addr,
         labels={"proc.palatine.dev/role": "host"},
         agent_cls=HostAgent,
-        agent_args={"fork_server": cluster.fork_server},
+        agent_args={"fork_server": cluster.fork_server, "log_dir": str(cluster.logs.path)},
     )
     cluster.hosts.append(host)
     client = cluster.client

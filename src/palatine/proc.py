@@ -250,7 +250,11 @@ class Proc:
         """Return ``env`` to its sender with ``error`` appended; never loops."""
         env.returned(error)
         if env.type_id == UNDELIVERABLE_TID:
-            log.warning("%s: dropping an undeliverable that could not be returned: %s", self.proc_id, error)
+            # A return to an actor that stopped, or to a proc the system removed (its world
+            # was stopped, as every job's are at its end), has nobody left to tell: routine.
+            routine = self.stopping or "peer gone: removed: " in error or error.endswith(" is stopped")
+            level = logging.DEBUG if routine else logging.WARNING
+            log.log(level, "%s: dropping an undeliverable that could not be returned: %s", self.proc_id, error)
             return
         sender = env.sender
         reply_to = env.reply_to

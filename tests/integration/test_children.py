@@ -27,13 +27,13 @@ from palatine import config
 from palatine.child_env import (
     arm_parent_death_signal,
     child_env,
-    default_log_dir,
     describe_exit,
     log_path_for,
     stack_path_for,
 )
 from palatine.children import Child, ChildProcs
 from palatine.debug import StackDumpError, dump_external, find_pyspy
+from palatine.logs import default_log_dir
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -307,6 +307,7 @@ async def test_output_goes_to_log_tail_and_prefixed_echo(tmp_path: Path, reaper:
         "no newline at end",
     }
     assert set(child.tail) == expected
+    assert procs.flush_echo(5.0)
     echoed = echo.getvalue().splitlines()
     assert set(echoed) == {f"[w[0]] {text}" for text in expected}
 
@@ -317,6 +318,7 @@ async def test_default_echo_goes_to_host_stderr(
     procs = reaper.make()
     child = await procs.spawn("w[1]", py("print('to the host', flush=True)"), {}, None)
     await child.wait(10)
+    assert procs.flush_echo(5.0)
     assert "[w[1]] to the host\n" in capsys.readouterr().err
 
 

@@ -278,3 +278,58 @@ def test_stuck_worker_fails_with_rank_op_and_stack(caplog: pytest.LogCaptureFixt
             fetch(stuck, shard=0).result(timeout=30)
         text = str(ei.value)
         assert "3" in text and "spin" in text
+
+
+def test_only_failures_no_fetch_raised_are_warned_of_as_not_fetched(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="palatine"):
+        with local_mesh(hosts=1, procs_per_host=2) as m:
+            r = m.rank("proc")
+            fetched = remote(fail_on_rank)(r, 1)
+            with pytest.raises(RemoteException):
+                fetch(fetched, shard={"host": 0, "proc": 1}).result()
+            # A value computed from a failed one: fetching it raises the root failure.
+            derived = remote(plus_one)(remote(fail_on_rank)(r, 1))
+            with pytest.raises(RemoteException):
+                fetch(derived, shard={"host": 0, "proc": 1}).result()
+            never = remote(fail_on_rank)(r, 1)  # noqa: F841 - never fetched
+            assert fetch(remote(plus_one)(r), shard={"host": 0, "proc": 0}).result() == 1
+            assert not [rec for rec in caplog.records if "not fetched" in rec.getMessage()]
+    warned = [rec.getMessage() for rec in caplog.records if "not fetched" in rec.getMessage()]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("remote function ") and "fail_on_rank" in warned[0]
+    assert "on rank 1 (not fetched): ZeroDivisionError: division by zero on purpose" in warned[0]
+
+
+def test_a_failed_mesh_keeps_its_logs_and_says_where(caplog: pytest.LogCaptureFixture, tmp_path: object) -> None:
+    from pathlib import Path
+
+    from palatine import config
+
+    base = Path(str(tmp_path))
+    with config.override(log_dir=str(base)), caplog.at_level(logging.WARNING, logger="palatine"):
+        with local_mesh(hosts=1, procs_per_host=2) as m:
+            logs = m._local.logs.path
+            assert logs.parent == base
+            pid = fetch(remote(os.getpid)(), shard={"host": 0, "proc": 1}).result()
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(DeviceException):
+                fetch(remote(os.getpid)(), shard={"host": 0, "proc": 0}).result()
+    kept = [rec.getMessage() for rec in caplog.records if "logs of this mesh are kept" in rec.getMessage()]
+    assert kept == [f"the logs of this mesh are kept in {logs}"]
+    assert {p.name for p in logs.iterdir()} >= {"system.log", "host-0.log", "controller.log"}
+    worker_logs = sorted(p.name for p in logs.glob("*/*/*.log"))
+    assert worker_logs == ["worker_0.log", "worker_1.log"]
+    assert "killed by signal 9" in (logs / "host-0.log").read_text()
+
+
+def test_a_lost_controller_is_reported_with_its_log_file() -> None:
+    with local_mesh(hosts=1, procs_per_host=2) as m:
+        assert fetch(remote(plus_one)(m.rank("proc")), shard={"host": 0, "proc": 1}).result() == 2
+        (ctl,) = [rp for rp in m._local.procs if rp.args[0] == "controller"]
+        os.kill(ctl.pid, signal.SIGKILL)
+        with pytest.raises(DeviceException) as ei:
+            fetch(remote(plus_one)(m.rank("proc")), shard={"host": 0, "proc": 0}).result()
+        log_file = m._local.logs.file("controller.log")
+        text = str(ei.value)
+        assert text.startswith("controller controller[0].root[0] (controller[0]) is gone: ")
+        assert text.endswith(f" (its log: {log_file})")

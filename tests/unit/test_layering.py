@@ -11,7 +11,7 @@ ROOT = Path(palatine.__file__).parent
 
 # Lower number = lower layer. A module may import its own layer and those below.
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
-    (0, ("errors", "ids", "config")),
+    (0, ("errors", "ids", "config", "console", "limits", "logs")),
     (1, ("wire",)),
     (2, ("channel",)),
     (3, ("mailbox", "router")),

@@ -115,7 +115,8 @@ def command_from_args(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from palatine.controller.bootstrap import ControllerTimeouts, validate_command
-    from palatine.errors import ConfigError
+    from palatine.errors import ConfigError, TooManyOpenFiles
+    from palatine.limits import check_open_files
 
     cmd = command_from_args(args)
     try:
@@ -124,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"palatine controller: error: {e}", file=sys.stderr)
         return 2
+    try:  # every worker connects to the controller: refuse a world it cannot hold open
+        check_open_files(cmd.world_size, f"a controller of {cmd.world_size} workers")
+    except TooManyOpenFiles as e:
+        print(f"palatine controller: error: {e}", file=sys.stderr)
+        return 1
     return run_role(lambda stop: serve_controller(cmd, stop))
 
 

@@ -17,7 +17,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from palatine import config, runtime
+from palatine.console import LineFormatter
 from palatine.errors import ConfigError
+from palatine.limits import raise_open_files_limit
 from palatine.supervision_hook import set_unhandled_fault_hook
 
 __all__ = ["run_role", "ready_line", "add_seconds_flag", "setup_logging"]
@@ -26,12 +28,11 @@ log = logging.getLogger("palatine")
 
 
 def setup_logging() -> None:
+    """Log to stderr in `LOG_FORMAT`, the header on every line (what launchers sort by)."""
     level = os.environ.get("PALATINE_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(
-        level=getattr(logging, level, logging.INFO),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LineFormatter())
+    logging.basicConfig(level=getattr(logging, level, logging.INFO), handlers=[handler])
 
 
 def ready_line(role: str, addr: Any) -> None:
@@ -76,6 +77,7 @@ def _watch_lifeline(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> Non
 def run_role(main: Callable[[asyncio.Event], Awaitable[int]]) -> int:
     """Run ``main(stop_event)`` on a fresh loop in this thread; map failures to exit codes."""
     setup_logging()
+    raise_open_files_limit()  # a soft limit below the hard one only fails jobs later
     try:
         config.reload()
     except ConfigError as e:

@@ -23,8 +23,11 @@ from palatine.channel.direct_tx import open_direct
 from palatine.client.mesh import DeviceMesh
 from palatine.client.procs import RoleProcess
 from palatine.client.session import ClientActor, Session
+from palatine.console import ConsoleWriter
 from palatine.controller.messages import Attach, AttachRejected, AttachReply
 from palatine.ids import ActorId
+from palatine.limits import check_open_files
+from palatine.logs import LogSession
 from palatine.worker.messages import Exit, RequestStatus, Slice
 
 __all__ = ["local_mesh", "connect", "LocalCluster", "shutdown_session"]
@@ -63,24 +66,37 @@ def _flags(options: dict[str, Any], names: tuple[str, ...]) -> list[str]:
 
 
 class LocalCluster:
-    """The processes a `local_mesh` started, torn down on shutdown."""
+    """The processes a `local_mesh` started, their log directory and console, torn down on `stop`.
 
-    def __init__(self, env: dict[str, str]) -> None:
+    Every role's output is drained for as long as it runs (`RoleProcess`): into
+    ``<logs>/<role>.log``, and what is meant for a person (a program's output, warnings,
+    errors) onto this process's stderr through one `ConsoleWriter`, which never blocks a
+    role: a console that does not keep up loses lines, counted, never the log files.
+    """
+
+    def __init__(self, env: dict[str, str], logs: LogSession) -> None:
         self.env = env
+        self.logs = logs
+        self.console = ConsoleWriter(
+            limit_bytes=config.get().console_buffer_bytes, complete_in=f"the logs in {logs.path}"
+        )
         self.procs: list[RoleProcess] = []
         self.system_addr = ""
 
-    def start(
-        self, role_args: list[str], timeout_s: float, log_dir: str | None, name: str, wait: bool = True
-    ) -> RoleProcess:
+    def start(self, role_args: list[str], timeout_s: float, name: str, wait: bool = True) -> RoleProcess:
         """Start one role; with ``wait`` (else see `wait_ready`) return once it is ready."""
-        stderr_path = os.path.join(log_dir, f"{name}.log") if log_dir else None
         try:
             rp = RoleProcess(
-                role_args, self.env, timeout_s, die_with_parent=False, stderr_path=stderr_path, wait=wait
+                role_args,
+                self.env,
+                timeout_s,
+                die_with_parent=False,
+                log_path=self.logs.file(f"{name}.log"),
+                console=self.console,
+                wait=wait,
             )
         except RuntimeError as e:
-            self.stop(1.0)
+            self.stop(1.0, clean=False)
             raise RuntimeError(f"local mesh failed to start: {e}") from None
         self.procs.append(rp)
         return rp
@@ -92,10 +108,11 @@ class LocalCluster:
             try:
                 rp.wait_ready(max(0.1, deadline - time.monotonic()))
             except RuntimeError as e:
-                self.stop(1.0)
+                self.stop(1.0, clean=False)
                 raise RuntimeError(f"local mesh failed to start: {e}") from None
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = 5.0, *, clean: bool = True) -> None:
+        """Stop every role; remove the logs after a ``clean`` run, else keep them and say where."""
         for rp in reversed(self.procs):
             if rp.popen.poll() is None:
                 try:
@@ -110,10 +127,22 @@ class LocalCluster:
                 pass
             rp.kill()
         self.procs.clear()
+        self.console.close(1.0)
+        if self.logs.owned and self.logs.path.exists():
+            if not clean:
+                log.warning("the logs of this mesh are kept in %s", self.logs.path)
+            self.logs.close(clean=clean)
 
 
 def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> DeviceMesh:
-    """Start system, hosts, controller and workers as real processes; a `DeviceMesh`."""
+    """Start system, hosts, controller and workers as real processes; a `DeviceMesh`.
+
+    What the workers print, and the roles' warnings and errors, appear on this process's
+    stderr; everything (palatine's own INFO lines too) is in the mesh's log directory:
+    ``log_dir`` when given (kept), else a fresh directory under ``PALATINE_LOG_DIR`` (by
+    default ``palatine-logs`` in the temp dir) that is removed when the mesh ends cleanly
+    and kept, with a warning naming it, when it fails (`palatine.logs`).
+    """
     allowed = set(_SYSTEM_OPTS + _HOST_OPTS + _CONTROLLER_OPTS + _OURS)
     for k in options:
         if k not in allowed:
@@ -122,10 +151,10 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
     cuda = _want_cuda(device)
     transport = options.get("transport", "unix")
     startup = float(options.get("startup_timeout_in_sec", 60.0))
-    log_dir = options.get("log_dir")
-    if log_dir:
-        os.makedirs(log_dir, exist_ok=True)
-    env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(32)}
+    check_open_files(hosts * procs_per_host + hosts + 2, f"a mesh of {hosts * procs_per_host} procs")
+    logs = LogSession.create("mesh", options.get("log_dir"))
+    # Every role and worker writes its logs there (roles: <role>.log; workers: see palatine.logs).
+    env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(32), "PALATINE_LOG_DIR": str(logs.path)}
     if "OMP_NUM_THREADS" not in os.environ:
         # Several workers share this machine's cores: one intra-op thread pool per core.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, hosts * procs_per_host)))
@@ -143,11 +172,9 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
         addr = "tcp:127.0.0.1:0"
     else:
         raise ValueError(f"transport must be 'unix' or 'tcp', not {transport!r}")
-    cluster = LocalCluster(env)
+    cluster = LocalCluster(env, logs)
     try:
-        system = cluster.start(
-            ["system", "--system-addr", addr, *_flags(options, _SYSTEM_OPTS)], startup, log_dir, "system"
-        )
+        system = cluster.start(["system", "--system-addr", addr, *_flags(options, _SYSTEM_OPTS)], startup, "system")
         cluster.system_addr = system.addr
         # Hosts and the controller start together: the world the controller creates waits
         # for its hosts, and their start-up (interpreter, imports, fork server) overlaps.
@@ -155,7 +182,7 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
             cluster.start(
                 ["host", "--system-addr", system.addr, "--host-world", "hostworker", "--host-rank", str(h),
                  *_flags(options, _HOST_OPTS)],
-                startup, log_dir, f"host-{h}", wait=False,
+                startup, f"host-{h}", wait=False,
             )
             for h in range(hosts)
         ]
@@ -167,11 +194,11 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
         ]
         if not cuda:
             ctl.append("--is-cpu-worker")
-        roles.append(cluster.start(ctl, startup, log_dir, "controller", wait=False))
+        roles.append(cluster.start(ctl, startup, "controller", wait=False))
         cluster.wait_ready(roles, startup)
         return connect(system.addr, "worker", timeout=startup, _local=cluster, _token=env["PALATINE_CLUSTER_TOKEN"])
     except BaseException:
-        cluster.stop(1.0)
+        cluster.stop(1.0, clean=False)
         raise
 
 
@@ -215,6 +242,8 @@ def connect(
 
         token_mod.set_token(_token)
     session = runtime.submit(lambda: _connect(system_addr, worker_world, timeout)).get()
+    if _local is not None:
+        session.controller_log = _local.logs.file("controller.log")
     world = session.world_size
     per = session.per_host if session.per_host and world % session.per_host == 0 else world
     mesh = DeviceMesh(session, ["host", "proc"], [world // per, per], local=_local)
@@ -352,6 +381,7 @@ def shutdown_session(session: Session, local: LocalCluster | None, timeout: floa
     finally:
         session.closed = True
         session.shutdown_pending()
+        session.warn_unfetched()
         if local is not None:
-            local.stop(5.0)
+            local.stop(5.0, clean=healthy and error is None)
 

@@ -114,6 +114,7 @@ def _slice_key(sl: Slice) -> tuple[Any, ...]:
     return (sl.offset, tuple(sl.sizes), tuple(sl.strides))
 
 
+_UNFETCHED_KEPT: Final = 1000  # root errors waiting for a fetch before the oldest is warned of
 SWEEP_S: Final = 0.002  # calls not followed by a fetch leave on the direct session within this
 DIRECT_BATCH: Final = 256  # ... or once this many are queued
 _PER_RANK_LIMIT = 4096  # world size × commands up to which a flush is grouped per rank
@@ -221,6 +222,12 @@ class Session:
         self.streams: dict[str, int] = {}
         self.pending: dict[int, _Pending] = {}
         self.root_sites: OrderedDict[int, tuple[IssueSite | None, str]] = OrderedDict()
+        # Root errors no fetch has raised yet, with their warning text: a fetch of this
+        # value (or of one computed from it) usually follows its Result, so the warning
+        # waits for the end of the session (or for the oldest to leave a full table).
+        self.unfetched: OrderedDict[int, str] = OrderedDict()
+        #: Where the controller's own output goes, when this process started it (local_mesh).
+        self.controller_log: str | None = None
         self.failure: DeviceException | None = None
         self.closed = False
         self.detached = False
@@ -446,13 +453,16 @@ class Session:
                     self.root_sites.popitem(last=False)
             exc = self.remote_exception(msg.seq, err, entry)
             if entry.future is not None:
+                self.unfetched.pop(err.caused_by, None)
                 entry.future.set_exception(exc)
             elif err.caused_by == msg.seq:
                 w = err.error
-                log.warning(
-                    "remote function %s failed at s%d on rank %d (not fetched): %s: %s",
-                    w.function, msg.seq, w.rank, w.exc_type.rsplit(".", 1)[-1], w.message,
+                self.unfetched[msg.seq] = (
+                    f"remote function {w.function} failed at s{msg.seq} on rank {w.rank} "
+                    f"(not fetched): {w.exc_type.rsplit('.', 1)[-1]}: {w.message}"
                 )
+                while len(self.unfetched) > _UNFETCHED_KEPT:
+                    log.warning("%s", self.unfetched.popitem(last=False)[1])
             return
         if entry.future is None:
             return
@@ -509,6 +519,8 @@ class Session:
         if self.failure is None:
             self.failure = exc
             log.error("%s", exc)
+            # What the session sends from now on may come back: expected, not news.
+            self.system_client.client.quiet_returns = True
         for entry in list(self.pending.values()):
             if entry.future is not None:
                 entry.future.set_exception(self.failure)
@@ -536,9 +548,10 @@ class Session:
             if f.cancelled() or self.detached or self.closed:
                 return
             notice = f.result()
+            where = f" (its log: {self.controller_log})" if self.controller_log else ""
             self.fail(
                 DeviceException(
-                    f"controller {self.controller} ({controller_proc}) is gone: {notice.reason}",
+                    f"controller {self.controller} ({controller_proc}) is gone: {notice.reason}{where}",
                     "controller_lost",
                     proc_id=str(controller_proc),
                     reason=notice.reason,
@@ -574,6 +587,11 @@ class Session:
             finally:
                 self._drain_waiters -= 1
         return 0
+
+    def warn_unfetched(self) -> None:
+        """One WARNING per root error that no fetch raised during the session."""
+        while self.unfetched:
+            log.warning("%s", self.unfetched.popitem(last=False)[1])
 
     def shutdown_pending(self) -> None:
         exc = DeviceException("mesh was shut down with this operation pending", "shutdown")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from palatine import config
@@ -123,6 +123,9 @@ class ControllerActor(ClientLink, Actor):
         self._dropped: dict[str, list[float]] = {}
         self._timers: list[asyncio.TimerHandle] = []
         self._worlds_stop_requested = False
+        # Called once the worlds are being stopped: messages to them come back from then on,
+        # as expected (the bootstrap quiets its system client's returns with it).
+        self.on_stop_worlds: Callable[[], None] | None = None
         # Probes of the newest seq wait until the client's next message (its Send), §5.
         self._settled = True
         self._node_at = 0.0

@@ -169,6 +169,8 @@ class ClientLink:
         if self._worlds_stop_requested:
             return
         self._worlds_stop_requested = True
+        if self.on_stop_worlds is not None:
+            self.on_stop_worlds()
         self._spawn(self._stop_worlds_task())
 
     async def _stop_worlds_task(self: ControllerActor) -> None:

@@ -404,6 +404,8 @@ async def _serve(
     worlds: list[str],
 ) -> tuple[int, str | None]:
     """Step 9: run until the proc stops, a signal arrives or the actor dies (§2.4)."""
+    if controller is not None:
+        controller.on_stop_worlds = lambda: setattr(client.client, "quiet_returns", True)
     waiter = asyncio.ensure_future(handle.wait())
     stopper = asyncio.ensure_future(stop.wait())
     watched: list[asyncio.Future[Any]] = [waiter, stopper]

@@ -126,7 +126,9 @@ class StoppingMixin(RegistryState):
         # Worlds with nothing to wait for are removed while this runs; the system must
         # not be declared stopped before the managing procs have been told too.
         self._starting_shutdown = True
-        out.append(Log(logging.WARNING, f"system shutting down: {reason}"))
+        # A requested stop is routine (INFO); any other reason (signal, fault) is news.
+        level = logging.INFO if reason == "stop requested" else logging.WARNING
+        out.append(Log(level, f"system shutting down: {reason}"))
         event = SystemStopping(reason=reason)
         for name in list(self._subs):
             self._push(name, event, out)
