@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test lint bench venv clean
 
 venv: $(STAMP)
 
@@ -12,7 +12,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[torch,test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[torch,test,lint]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -20,6 +20,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# ruff (rules and format) and mypy --strict over src/, as configured in pyproject.toml
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) bench/run.py

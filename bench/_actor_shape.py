@@ -42,8 +42,9 @@ def _stop(procs: Any) -> None:
         print(f"stop: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
-def run(description: str, impl: str, version: str, echo: Any, this_host: Any,
-        fault_times: list[float]) -> None:
+def run(
+    description: str, impl: str, version: str, echo: Any, this_host: Any, fault_times: list[float]
+) -> None:
     """Measure every actor metric for one framework (its ``Echo`` actor and ``this_host``).
 
     ``fault_times`` collects the times the framework's unhandled-fault hook fired.
@@ -60,16 +61,19 @@ def run(description: str, impl: str, version: str, echo: Any, this_host: Any,
             one.ping.call_one(i).get()
 
         def sync() -> tuple[list[float], dict[str, Any]]:
-            return [rate_rep(lambda: one.ping.call_one(1).get(), secs)
-                    for _ in range(args.reps)], {}
+            return [
+                rate_rep(lambda: one.ping.call_one(1).get(), secs) for _ in range(args.reps)
+            ], {}
 
         def async_() -> tuple[list[float], dict[str, Any]]:
             def batch() -> None:
                 futs = [one.ping.call_one(i) for i in range(IN_FLIGHT)]
                 for f in futs:
                     f.get()
-            return [rate_rep(batch, secs, ops_per_call=IN_FLIGHT)
-                    for _ in range(args.reps)], {"in_flight": IN_FLIGHT}
+
+            return [rate_rep(batch, secs, ops_per_call=IN_FLIGHT) for _ in range(args.reps)], {
+                "in_flight": IN_FLIGHT
+            }
 
         run_metric(args, "1_1_actor_calls_sync", impl, "calls/s", True, version, sync)
         run_metric(args, "1_1_actor_calls_async", impl, "calls/s", True, version, async_)
@@ -80,8 +84,9 @@ def run(description: str, impl: str, version: str, echo: Any, this_host: Any,
         try:
             for i in range(WARMUP_CALLS):
                 mesh.ping.call(i).get()
-            return [1e3 / rate_rep(lambda: mesh.ping.call(1).get(), secs)
-                    for _ in range(args.reps)], {"procs": 4}
+            return [
+                1e3 / rate_rep(lambda: mesh.ping.call(1).get(), secs) for _ in range(args.reps)
+            ], {"procs": 4}
         finally:
             _stop(procs)
 
@@ -122,9 +127,12 @@ def run(description: str, impl: str, version: str, echo: Any, this_host: Any,
             if fault_times:
                 hook_s.append(round(min(fault_times) - t0, 4))
             _stop(procs)
-        extra: dict[str, Any] = {"errors": sorted(errors), "fault_hook_s": hook_s,
-                                 "cap_s": DETECT_CAP_S, "capped_reps": capped}
+        extra: dict[str, Any] = {
+            "errors": sorted(errors),
+            "fault_hook_s": hook_s,
+            "cap_s": DETECT_CAP_S,
+            "capped_reps": capped,
+        }
         return reps, extra
 
     run_metric(args, "detect_sigkill_s", impl, "s", False, version, detect)
-

@@ -30,12 +30,25 @@ REP_SECONDS = 0.5
 
 def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--only", action="append", default=[], metavar="METRIC",
-                   help="run only this metric (repeatable, or comma separated)")
-    p.add_argument("--reps", type=int, default=DEFAULT_REPS,
-                   help=f"repetitions per metric (default {DEFAULT_REPS}); the median is reported")
-    p.add_argument("--rep-seconds", type=float, default=REP_SECONDS,
-                   help=f"target wall time of one repetition of a loop (default {REP_SECONDS})")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="METRIC",
+        help="run only this metric (repeatable, or comma separated)",
+    )
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=DEFAULT_REPS,
+        help=f"repetitions per metric (default {DEFAULT_REPS}); the median is reported",
+    )
+    p.add_argument(
+        "--rep-seconds",
+        type=float,
+        default=REP_SECONDS,
+        help=f"target wall time of one repetition of a loop (default {REP_SECONDS})",
+    )
     args = p.parse_args(argv)
     args.only = {m.strip() for item in args.only for m in item.split(",") if m.strip()}
     args.reps = max(1, args.reps)
@@ -50,22 +63,44 @@ def median(values: Iterable[float]) -> float:
     return float(statistics.median(list(values)))
 
 
-def emit(metric: str, impl: str, value: float | None, unit: str, higher_is_better: bool,
-         reps: list[float], version: str, **extra: Any) -> None:
+def emit(
+    metric: str,
+    impl: str,
+    value: float | None,
+    unit: str,
+    higher_is_better: bool,
+    reps: list[float],
+    version: str,
+    **extra: Any,
+) -> None:
     rec: dict[str, Any] = {
-        "metric": metric, "impl": impl, "value": value, "unit": unit,
-        "higher_is_better": higher_is_better, "reps": reps, "version": version,
+        "metric": metric,
+        "impl": impl,
+        "value": value,
+        "unit": unit,
+        "higher_is_better": higher_is_better,
+        "reps": reps,
+        "version": version,
     }
     rec.update(extra)
     sys.stdout.write(json.dumps(rec) + "\n")
     sys.stdout.flush()
 
 
-def emit_error(metric: str, impl: str, unit: str, higher_is_better: bool, version: str,
-               exc: BaseException) -> None:
+def emit_error(
+    metric: str, impl: str, unit: str, higher_is_better: bool, version: str, exc: BaseException
+) -> None:
     traceback.print_exception(exc, file=sys.stderr)
-    emit(metric, impl, None, unit, higher_is_better, [], version,
-         error=f"{type(exc).__name__}: {exc}"[:500])
+    emit(
+        metric,
+        impl,
+        None,
+        unit,
+        higher_is_better,
+        [],
+        version,
+        error=f"{type(exc).__name__}: {exc}"[:500],
+    )
 
 
 def rate_rep(op: Callable[[], Any], seconds: float, ops_per_call: int = 1) -> float:
@@ -86,9 +121,15 @@ def latency_rep_ms(op: Callable[[], Any], seconds: float) -> float:
     return 1e3 / rate_rep(op, seconds)
 
 
-def run_metric(args: argparse.Namespace, metric: str, impl: str, unit: str,
-               higher_is_better: bool, version: str,
-               measure: Callable[[], tuple[list[float], dict[str, Any]]]) -> None:
+def run_metric(
+    args: argparse.Namespace,
+    metric: str,
+    impl: str,
+    unit: str,
+    higher_is_better: bool,
+    version: str,
+    measure: Callable[[], tuple[list[float], dict[str, Any]]],
+) -> None:
     """Run ``measure`` (returning the per-rep values and extra keys) and print its line."""
     if not wanted(args, metric):
         return

@@ -7,9 +7,9 @@ Run with the project's interpreter::
 Every mesh is ``local_mesh(hosts=1, procs_per_host=4)``: real ``palatine system``,
 ``palatine host`` and ``palatine controller`` processes and 4 exec'd workers, the client
 in this process (the same code paths as a user script). The no-op function is
-``palatine.worker.functions.identity``, shipped by import path.
+``palatine.tensor.worker.functions.identity``, shipped by import path.
 
-Metrics (targets in 50-goals.md and ``bench/run.py``):
+Metrics (targets in ``bench/run.py``):
 
 * ``controller_invocations_per_s``: N ``remote(identity)(i)`` calls on all 4 ranks (each
   result discarded, so its ``DeleteRefs`` rides along with a later call), then one
@@ -48,9 +48,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import median, parse_args, rate_rep, run_metric, wanted  # noqa: E402
-
 import psutil  # noqa: E402
+from _common import median, parse_args, rate_rep, run_metric, wanted  # noqa: E402
 
 from palatine import DeviceException, fetch, inspect, local_mesh, remote  # noqa: E402
 
@@ -58,7 +57,7 @@ IMPL = "palatine"
 VERSION = metadata.version("palatine")
 
 PROCS = 4
-IDENTITY = "palatine.worker.functions.identity"
+IDENTITY = "palatine.tensor.worker.functions.identity"
 WARMUP_CALLS = 200
 CALIBRATE_CALLS = 500
 MIN_CALLS, MAX_CALLS = 200, 500_000
@@ -180,11 +179,17 @@ def _measure_throughput(mesh: Any, args: Any, results: dict[str, Any]) -> None:
                     drain.append(round(t_s - i_s, 4))
                     cpu.append({k: (c1[k] - c0[k]) * 1e6 / n for k in c0})
                 cpu_med = {k: round(median(c[k] for c in cpu), 1) for k in cpu[0]}
-                results["controller_invocations_per_s"] = (reps, {
-                    "procs": PROCS, "calls_per_rep": n, "issue_s": issue, "drain_s": drain,
-                    "issue_calls_per_s": round(n / median(issue), 1),
-                    "cpu_ms_per_1k_calls": cpu_med,
-                })
+                results["controller_invocations_per_s"] = (
+                    reps,
+                    {
+                        "procs": PROCS,
+                        "calls_per_rep": n,
+                        "issue_s": issue,
+                        "drain_s": drain,
+                        "issue_calls_per_s": round(n / median(issue), 1),
+                        "cpu_ms_per_1k_calls": cpu_med,
+                    },
+                )
             except Exception as exc:  # noqa: BLE001 - one metric must not end the other
                 results["controller_invocations_per_s"] = exc
 
@@ -211,9 +216,13 @@ def _measure_throughput(mesh: Any, args: Any, results: dict[str, Any]) -> None:
                     reps.append(1e3 / rate)
                     cpu.append({k: (c1[k] - c0[k]) * 1e3 / max(1, calls) for k in c0})
                 cpu_med = {k: round(median(c[k] for c in cpu), 3) for k in cpu[0]}
-                results["fetch_roundtrip_ms"] = (reps, {
-                    "procs": PROCS, "cpu_ms_per_roundtrip": cpu_med,
-                })
+                results["fetch_roundtrip_ms"] = (
+                    reps,
+                    {
+                        "procs": PROCS,
+                        "cpu_ms_per_roundtrip": cpu_med,
+                    },
+                )
             except Exception as exc:  # noqa: BLE001
                 results["fetch_roundtrip_ms"] = exc
 
@@ -263,10 +272,14 @@ def bench_lifecycle(args: Any) -> None:
                     except DeviceException as exc:
                         detect.append(time.perf_counter() - k0)
                         kinds.add(str(getattr(exc, "kind", "?")))
-                        if getattr(exc, "rank", None) != DETECT_VICTIM \
-                                or getattr(exc, "exit_signal", None) != 9:
-                            wrong.append(f"rank={getattr(exc, 'rank', None)} "
-                                         f"signal={getattr(exc, 'exit_signal', None)}")
+                        if (
+                            getattr(exc, "rank", None) != DETECT_VICTIM
+                            or getattr(exc, "exit_signal", None) != 9
+                        ):
+                            wrong.append(
+                                f"rank={getattr(exc, 'rank', None)} "
+                                f"signal={getattr(exc, 'exit_signal', None)}"
+                            )
                     except TimeoutError:
                         capped += 1
                         detect.append(DETECT_CAP_S)
@@ -278,13 +291,30 @@ def bench_lifecycle(args: Any) -> None:
         if len(spawn) < args.reps:
             results["local_mesh_4_to_first_fetch_s"] = exc
         results["detect_sigkill_client_s"] = exc
-    results.setdefault("local_mesh_4_to_first_fetch_s", (spawn, {
-        "procs": PROCS, "local_mesh_s": in_local_mesh,
-    }))
-    results.setdefault("detect_sigkill_client_s", (detect, {
-        "procs": PROCS, "victim_rank": DETECT_VICTIM, "kinds": sorted(kinds),
-        "wrong_details": wrong, "cap_s": DETECT_CAP_S, "capped_reps": capped,
-    }))
+    results.setdefault(
+        "local_mesh_4_to_first_fetch_s",
+        (
+            spawn,
+            {
+                "procs": PROCS,
+                "local_mesh_s": in_local_mesh,
+            },
+        ),
+    )
+    results.setdefault(
+        "detect_sigkill_client_s",
+        (
+            detect,
+            {
+                "procs": PROCS,
+                "victim_rank": DETECT_VICTIM,
+                "kinds": sorted(kinds),
+                "wrong_details": wrong,
+                "cap_s": DETECT_CAP_S,
+                "capped_reps": capped,
+            },
+        ),
+    )
     _report(args, "local_mesh_4_to_first_fetch_s", "s", False, results)
     _report(args, "detect_sigkill_client_s", "s", False, results)
 

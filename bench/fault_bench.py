@@ -9,7 +9,7 @@ Every mesh is ``local_mesh(hosts=1, procs_per_host=4)`` (real ``palatine system`
 A detection ends the mesh's session, so each repetition of the two detection metrics
 starts a fresh mesh (not timed) and shuts it down afterwards.
 
-Metrics (targets in 50-goals.md and ``bench/run.py``):
+Metrics (targets in ``bench/run.py``):
 
 * ``detect_sigstop_s``: the mesh runs with ``supervision_update_timeout_in_sec =
   STOP_TIMEOUT_S`` and ``supervision_update_interval_in_sec = STOP_INTERVAL_S``. After a
@@ -146,9 +146,13 @@ def measure_sigstop(args: Any) -> tuple[list[float], dict[str, Any]]:
     never_told = 0
     stuck_instead = 0
     for r in range(args.reps):
-        mesh = local_mesh(hosts=1, procs_per_host=PROCS, startup_timeout_in_sec=STARTUP_TIMEOUT_S,
-                          supervision_update_timeout_in_sec=STOP_TIMEOUT_S,
-                          supervision_update_interval_in_sec=STOP_INTERVAL_S)
+        mesh = local_mesh(
+            hosts=1,
+            procs_per_host=PROCS,
+            startup_timeout_in_sec=STARTUP_TIMEOUT_S,
+            supervision_update_timeout_in_sec=STOP_TIMEOUT_S,
+            supervision_update_interval_in_sec=STOP_INTERVAL_S,
+        )
         victim_pid = None
         stopped = False
         try:
@@ -195,12 +199,16 @@ def measure_sigstop(args: Any) -> tuple[list[float], dict[str, Any]]:
             + (f"; {stuck_instead} raised StuckWorkersException instead" if stuck_instead else "")
         )
     return detect, {
-        "procs": PROCS, "victim_rank": STOP_VICTIM,
+        "procs": PROCS,
+        "victim_rank": STOP_VICTIM,
         "supervision_update_timeout_in_sec": STOP_TIMEOUT_S,
         "supervision_update_interval_in_sec": STOP_INTERVAL_S,
         "target_value": round(STOP_TIMEOUT_S + STOP_INTERVAL_S, 6),
-        "exceptions": sorted(classes), "kinds": sorted(kinds), "reasons": sorted(reasons),
-        "wrong_details": wrong, "cap_s": DETECT_CAP_S,
+        "exceptions": sorted(classes),
+        "kinds": sorted(kinds),
+        "reasons": sorted(reasons),
+        "wrong_details": wrong,
+        "cap_s": DETECT_CAP_S,
     }
 
 
@@ -213,8 +221,9 @@ def _hang_checks(exc: BaseException) -> dict[str, bool]:
     ops = details.get("ops") or {}
     op = str(ops.get(HANG_VICTIM, ops.get(str(HANG_VICTIM), "")))
     rank_lines = [ln for ln in text.splitlines() if ln.startswith(f"rank {HANG_VICTIM} ")]
-    stack = text.split(f"rank {HANG_VICTIM} stack", 1)[1] if f"rank {HANG_VICTIM} stack" in text \
-        else ""
+    stack = (
+        text.split(f"rank {HANG_VICTIM} stack", 1)[1] if f"rank {HANG_VICTIM} stack" in text else ""
+    )
     return {
         "names_rank": list(details.get("ranks") or []) == [HANG_VICTIM] and bool(rank_lines),
         "names_op": stuck_on_rank.__name__ in op
@@ -237,10 +246,14 @@ def measure_hang(args: Any) -> tuple[list[float], dict[str, Any]]:
     checks: dict[str, bool] = {}
     first_text = ""
     for r in range(args.reps):
-        mesh = local_mesh(hosts=1, procs_per_host=PROCS, startup_timeout_in_sec=STARTUP_TIMEOUT_S,
-                          operation_timeout_in_sec=HANG_TIMEOUT_S,
-                          worker_progress_check_interval_in_sec=HANG_CHECK_S,
-                          fail_on_worker_timeout=True)
+        mesh = local_mesh(
+            hosts=1,
+            procs_per_host=PROCS,
+            startup_timeout_in_sec=STARTUP_TIMEOUT_S,
+            operation_timeout_in_sec=HANG_TIMEOUT_S,
+            worker_progress_check_interval_in_sec=HANG_CHECK_S,
+            fail_on_worker_timeout=True,
+        )
         try:
             with mesh.activate():
                 ranks = mesh.rank("proc")
@@ -276,7 +289,8 @@ def measure_hang(args: Any) -> tuple[list[float], dict[str, Any]]:
     if first_text:
         log("exception text (first repetition):\n" + first_text)
     return detect, {
-        "procs": PROCS, "victim_rank": HANG_VICTIM,
+        "procs": PROCS,
+        "victim_rank": HANG_VICTIM,
         "operation_timeout_in_sec": HANG_TIMEOUT_S,
         "worker_progress_check_interval_in_sec": HANG_CHECK_S,
         "target_value": round(HANG_TIMEOUT_S + HANG_CHECK_S, 6),
@@ -325,11 +339,17 @@ def measure_transfer(args: Any) -> tuple[list[float], dict[str, Any]]:
             t = remote(make_tensor)(mesh.rank("proc"), numel)
             x = fetch(t, shard=TENSOR_SHARD).result(timeout=FETCH_TIMEOUT_S)  # made + checked
             want = float(TENSOR_SHARD + 1)
-            if type(x).__name__ != "Tensor" or tuple(x.shape) != (numel,) \
-                    or str(x.dtype) != "torch.float32" or float(x[0]) != want \
-                    or float(x[-1]) != want:
-                raise AssertionError(f"fetched {type(x).__name__} {getattr(x, 'shape', None)} "
-                                     f"{getattr(x, 'dtype', None)}, expected float32[{numel}]")
+            if (
+                type(x).__name__ != "Tensor"
+                or tuple(x.shape) != (numel,)
+                or str(x.dtype) != "torch.float32"
+                or float(x[0]) != want
+                or float(x[-1]) != want
+            ):
+                raise AssertionError(
+                    f"fetched {type(x).__name__} {getattr(x, 'shape', None)} "
+                    f"{getattr(x, 'dtype', None)}, expected float32[{numel}]"
+                )
             del x
             gbps: list[float] = []
             secs: list[float] = []
@@ -350,8 +370,12 @@ def measure_transfer(args: Any) -> tuple[list[float], dict[str, Any]]:
         _shutdown(mesh)
     cpu_med = {k: round(median(c[k] for c in cpu), 1) for k in cpu[0]}
     return gbps, {
-        "procs": PROCS, "bytes": TENSOR_BYTES, "gb": "1e9 bytes", "shard": TENSOR_SHARD,
-        "fetch_s": secs, "cpu_ms_per_fetch": cpu_med,
+        "procs": PROCS,
+        "bytes": TENSOR_BYTES,
+        "gb": "1e9 bytes",
+        "shard": TENSOR_SHARD,
+        "fetch_s": secs,
+        "cpu_ms_per_fetch": cpu_med,
     }
 
 
@@ -362,8 +386,9 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     run_metric(args, "detect_sigstop_s", IMPL, "s", False, VERSION, lambda: measure_sigstop(args))
     run_metric(args, "detect_hang_s", IMPL, "s", False, VERSION, lambda: measure_hang(args))
-    run_metric(args, "tensor_transfer_GBps", IMPL, "GB/s", True, VERSION,
-               lambda: measure_transfer(args))
+    run_metric(
+        args, "tensor_transfer_GBps", IMPL, "GB/s", True, VERSION, lambda: measure_transfer(args)
+    )
 
 
 if __name__ == "__main__":

@@ -42,14 +42,19 @@ TORCH_PIN = "torch==2.13.0"
 
 OURS = "palatine"
 PEERS = ("torchmonarch", "ray", "distributed")  # column order; a peer shows once measured
-PEER_METRICS = {"1_1_actor_calls_sync", "1_1_actor_calls_async", "cast_gather_4",
-                "spawn_4_to_first_call_s", "detect_sigkill_s"}
+PEER_METRICS = {
+    "1_1_actor_calls_sync",
+    "1_1_actor_calls_async",
+    "cast_gather_4",
+    "spawn_4_to_first_call_s",
+    "detect_sigkill_s",
+}
 
 
 @dataclass(frozen=True)
 class Program:
-    path: str            # relative to the repository root
-    peer: str | None     # None: palatine's own program, run with this interpreter
+    path: str  # relative to the repository root
+    peer: str | None  # None: palatine's own program, run with this interpreter
     metrics: frozenset[str] | None = None  # known metrics, to skip it under --only
 
 
@@ -57,10 +62,16 @@ PROGRAMS = (
     Program("bench/actor_calls.py", None),
     Program("bench/system_bench.py", None),
     Program("bench/controller_bench.py", None),
-    Program("bench/fault_bench.py", None,
-            frozenset({"detect_sigstop_s", "detect_hang_s", "tensor_transfer_GBps"})),
-    Program("bench/scaling_bench.py", None,
-            frozenset({"scaling_cast_procs_exponent", "scaling_msg_size_exponent"})),
+    Program(
+        "bench/fault_bench.py",
+        None,
+        frozenset({"detect_sigstop_s", "detect_hang_s", "tensor_transfer_GBps"}),
+    ),
+    Program(
+        "bench/scaling_bench.py",
+        None,
+        frozenset({"scaling_cast_procs_exponent", "scaling_msg_size_exponent"}),
+    ),
     Program("bench/peers/monarch_actors.py", "torchmonarch", frozenset(PEER_METRICS)),
     Program("bench/peers/ray_actors.py", "ray", frozenset(PEER_METRICS)),
     Program("bench/peers/dask_actors.py", "distributed", frozenset(PEER_METRICS)),
@@ -69,18 +80,24 @@ PROGRAMS = (
 
 @dataclass(frozen=True)
 class Target:
-    text: str                       # as written in the goals
-    limit: float | None = None      # absolute bound in the metric's unit
+    text: str  # as written in the goals
+    limit: float | None = None  # absolute bound in the metric's unit
     peer_factor: float | None = None  # ours must also be this many times better than the best peer
 
 
 # Metric -> (unit, higher is better, target). The targets are those of the project's goals
 # (performance table); a metric a program prints that is not listed here is still recorded.
 METRICS: dict[str, tuple[str, bool, Target]] = {
-    "1_1_actor_calls_sync": ("calls/s", True,
-                             Target("≥ 10× the better peer (≥ 10,000/s)", 10_000, 10)),
-    "1_1_actor_calls_async": ("calls/s", True,
-                              Target("≥ 10× the better peer (≥ 30,000/s)", 30_000, 10)),
+    "1_1_actor_calls_sync": (
+        "calls/s",
+        True,
+        Target("≥ 10× the better peer (≥ 10,000/s)", 10_000, 10),
+    ),
+    "1_1_actor_calls_async": (
+        "calls/s",
+        True,
+        Target("≥ 10× the better peer (≥ 30,000/s)", 30_000, 10),
+    ),
     "cast_gather_4": ("ms", False, Target("≤ 0.3 ms", 0.3)),
     "spawn_4_to_first_call_s": ("s", False, Target("≤ 0.5 s", 0.5)),
     "controller_invocations_per_s": ("calls/s", True, Target("≥ 20,000/s", 20_000)),
@@ -101,11 +118,16 @@ METRICS: dict[str, tuple[str, bool, Target]] = {
     "tensor_transfer_GBps": ("GB/s", True, Target("≥ 1 GB/s", 1.0)),
     # The goals' scaling row ("linear or better"), as the worst local exponent of a series
     # (bench/scaling_bench.py): 1 is linear; 10 % is left for this machine's noise.
-    "scaling_cast_procs_exponent": ("exponent", False,
-                                    Target("≤ 1.1: linear or better in procs, 4 → 64", 1.1)),
-    "scaling_msg_size_exponent": ("exponent", False,
-                                  Target("≤ 1.1: linear or better in size, 64 B → 64 MiB, "
-                                         "relative to a memory copy", 1.1)),
+    "scaling_cast_procs_exponent": (
+        "exponent",
+        False,
+        Target("≤ 1.1: linear or better in procs, 4 → 64", 1.1),
+    ),
+    "scaling_msg_size_exponent": (
+        "exponent",
+        False,
+        Target("≤ 1.1: linear or better in size, 64 B → 64 MiB, relative to a memory copy", 1.1),
+    ),
 }
 
 
@@ -128,11 +150,19 @@ class RunOutcome:
     stderr_tail: str
 
 
-def _run_once(cmd: list[str], timeout_s: float) -> tuple[int | None, list[dict[str, Any]], str,
-                                                        bool]:
+def _run_once(
+    cmd: list[str], timeout_s: float
+) -> tuple[int | None, list[dict[str, Any]], str, bool]:
     """Run ``cmd``; return (rc, JSON records, stderr tail, timed out)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
     records: list[dict[str, Any]] = []
     err_lines: list[str] = []
 
@@ -149,8 +179,11 @@ def _run_once(cmd: list[str], timeout_s: float) -> tuple[int | None, list[dict[s
             if isinstance(rec, dict) and "metric" in rec and "impl" in rec:
                 records.append(rec)
                 v = rec.get("value")
-                shown = f"{v:.6g} {rec.get('unit', '')}" if isinstance(v, (int, float)) \
+                shown = (
+                    f"{v:.6g} {rec.get('unit', '')}"
+                    if isinstance(v, (int, float))
                     else f"error: {rec.get('error', '?')}"
+                )
                 log(f"  {rec['impl']:>12}  {rec['metric']:<28} {shown}")
 
     def read_err() -> None:
@@ -160,8 +193,10 @@ def _run_once(cmd: list[str], timeout_s: float) -> tuple[int | None, list[dict[s
             if len(err_lines) > 400:
                 del err_lines[:200]
 
-    readers = [threading.Thread(target=read_out, daemon=True),
-               threading.Thread(target=read_err, daemon=True)]
+    readers = [
+        threading.Thread(target=read_out, daemon=True),
+        threading.Thread(target=read_err, daemon=True),
+    ]
     for t in readers:
         t.start()
     timed_out = False
@@ -184,8 +219,7 @@ def _run_once(cmd: list[str], timeout_s: float) -> tuple[int | None, list[dict[s
     _kill_group(proc, signal.SIGTERM)
     for t in readers:
         t.join(timeout=5)
-    return (None if timed_out else proc.returncode), records, "\n".join(err_lines[-40:]), \
-        timed_out
+    return (None if timed_out else proc.returncode), records, "\n".join(err_lines[-40:]), timed_out
 
 
 def _kill_group(proc: subprocess.Popen[str], sig: int) -> None:
@@ -206,8 +240,15 @@ def run_program(prog: Program, args: argparse.Namespace) -> RunOutcome | None:
         python = sys.executable
     else:
         if not PEERS_PY.exists():
-            return RunOutcome(prog.path, impl, [], None, 0.0,
-                              "peer not installed (no bench/.peers-venv; see --setup-peers)", "")
+            return RunOutcome(
+                prog.path,
+                impl,
+                [],
+                None,
+                0.0,
+                "peer not installed (no bench/.peers-venv; see --setup-peers)",
+                "",
+            )
         python = str(PEERS_PY)
     extra: list[str] = []
     for m in args.only:
@@ -267,6 +308,7 @@ def _mem_gib() -> float | None:
 
 def _version(dist: str) -> str | None:
     from importlib import metadata
+
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -276,15 +318,18 @@ def _version(dist: str) -> str | None:
 def _peer_versions() -> dict[str, Any]:
     if not PEERS_PY.exists():
         return {}
-    code = ("import importlib.metadata as m, json, platform\n"
-            "def v(d):\n"
-            "    try: return m.version(d)\n"
-            "    except m.PackageNotFoundError: return None\n"
-            f"print(json.dumps({{'python': platform.python_version(), **{{d: v(d) for d in "
-            f"{list(PEERS) + ['torch']!r}}}}}))")
+    code = (
+        "import importlib.metadata as m, json, platform\n"
+        "def v(d):\n"
+        "    try: return m.version(d)\n"
+        "    except m.PackageNotFoundError: return None\n"
+        f"print(json.dumps({{'python': platform.python_version(), **{{d: v(d) for d in "
+        f"{list(PEERS) + ['torch']!r}}}}}))"
+    )
     try:
-        out = subprocess.run([str(PEERS_PY), "-c", code], capture_output=True, text=True,
-                             timeout=60, check=True).stdout
+        out = subprocess.run(
+            [str(PEERS_PY), "-c", code], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
         return json.loads(out.strip().splitlines()[-1])
     except (subprocess.SubprocessError, OSError, ValueError, IndexError):
         return {}
@@ -371,8 +416,8 @@ def summarize(metric: str, records: dict[str, dict[str, Any]]) -> dict[str, Any]
     """One metric's entry: ours, each peer, the ratios (>1: palatine better), the target."""
     any_rec = next(iter(records.values()), {})
     unit, hib, target = METRICS.get(
-        metric, (any_rec.get("unit", ""), bool(any_rec.get("higher_is_better", True)),
-                 Target("—")))
+        metric, (any_rec.get("unit", ""), bool(any_rec.get("higher_is_better", True)), Target("—"))
+    )
     ours = records.get(OURS)
     peers = {k: v for k, v in records.items() if k != OURS}
     ours_v = _value(ours)
@@ -402,8 +447,9 @@ def summarize(metric: str, records: dict[str, dict[str, Any]]) -> dict[str, Any]
         if isinstance(own_target, (int, float)):
             ok = ours_v >= own_target if hib else ours_v <= own_target
             oks.append(ok)
-            checks.append(f"{'≥' if hib else '≤'} {own_target:g} (from the run): "
-                          f"{'yes' if ok else 'no'}")
+            checks.append(
+                f"{'≥' if hib else '≤'} {own_target:g} (from the run): {'yes' if ok else 'no'}"
+            )
         # Conditions that are not numbers ("with the stack"): booleans the program checked.
         requires = ours.get("requires") if ours else None
         if isinstance(requires, dict):
@@ -426,9 +472,13 @@ def summarize(metric: str, records: dict[str, dict[str, Any]]) -> dict[str, Any]
     }
 
 
-def build_results(previous: dict[str, Any], fallback_peers: dict[str, Any] | None,
-                  outcomes: list[RunOutcome], machine: dict[str, Any],
-                  argv: list[str]) -> dict[str, Any]:
+def build_results(
+    previous: dict[str, Any],
+    fallback_peers: dict[str, Any] | None,
+    outcomes: list[RunOutcome],
+    machine: dict[str, Any],
+    argv: list[str],
+) -> dict[str, Any]:
     # (metric -> impl -> record), starting from what the day's file already holds.
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for metric, entry in previous.get("metrics", {}).items():
@@ -450,8 +500,17 @@ def build_results(previous: dict[str, Any], fallback_peers: dict[str, Any] | Non
     # Every metric of the goals gets a row, measured or not, then any others printed.
     order = list(METRICS) + sorted(m for m in table if m not in METRICS)
     metrics = {m: summarize(m, table.get(m, {})) for m in order}
-    runs = [{"program": o.program, "impl": o.impl, "rc": o.rc, "seconds": o.seconds,
-             "note": o.note, "metrics": [r["metric"] for r in o.records]} for o in outcomes]
+    runs = [
+        {
+            "program": o.program,
+            "impl": o.impl,
+            "rc": o.rc,
+            "seconds": o.seconds,
+            "note": o.note,
+            "metrics": [r["metric"] for r in o.records],
+        }
+        for o in outcomes
+    ]
     return {
         "date": _today(),
         "generated_at": dt.datetime.now().isoformat(timespec="seconds"),
@@ -512,9 +571,7 @@ def _machine_line(m: dict[str, Any]) -> str:
     if m.get("loadavg_at_start") is not None:
         parts.append(f"load average at start {m['loadavg_at_start'][0]}")
     if m.get("steal_pct") is not None:
-        parts.append(
-            f"CPU time taken by the hypervisor during the run (steal) {m['steal_pct']} %"
-        )
+        parts.append(f"CPU time taken by the hypervisor during the run (steal) {m['steal_pct']} %")
     return "; ".join(parts)
 
 
@@ -541,7 +598,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         "",
         "Every number is the median of ≥ 5 repetitions, measured side by side in one run on the "
         "same machine. The ratio is oriented so that **> 1 means palatine is better** (ours/peer "
-        "for rates, peer/ours for times). A target written as \"N× the better peer (≥ X)\" is "
+        'for rates, peer/ours for times). A target written as "N× the better peer (≥ X)" is '
         "met only when both hold.",
         "",
         "| " + " | ".join(head) + " |",
@@ -553,9 +610,14 @@ def render_markdown(res: dict[str, Any]) -> str:
         ratio = e["ratio_vs_best_peer"]
         ratio_s = f"{ratio:.2f}× vs {e['best_peer']}" if ratio is not None else "—"
         met = {True: "yes", False: "no", None: "—"}[e["met"]]
-        row = [f"`{metric}`", _cell(e["palatine"], unit),
-               *(_cell(e["peers"].get(p), unit) for p in shown_peers), ratio_s, _target_cell(e),
-               met]
+        row = [
+            f"`{metric}`",
+            _cell(e["palatine"], unit),
+            *(_cell(e["peers"].get(p), unit) for p in shown_peers),
+            ratio_s,
+            _target_cell(e),
+            met,
+        ]
         lines.append("| " + " | ".join(row) + " |")
         for impl, rec in [(OURS, e["palatine"]), *e["peers"].items()]:
             if not rec:
@@ -564,12 +626,17 @@ def render_markdown(res: dict[str, Any]) -> str:
                 notes.append(f"`{metric}` / {impl}: error: {rec['error'].splitlines()[0]}")
             extra = {k: v for k, v in rec.items() if k not in _STD_KEYS}
             if extra:
-                notes.append(f"`{metric}` / {impl}: " + ", ".join(
-                    f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in extra.items()))
+                notes.append(
+                    f"`{metric}` / {impl}: "
+                    + ", ".join(
+                        f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in extra.items()
+                    )
+                )
     if any(rec.get("carried_from") for e in metrics.values() for rec in e["peers"].values()):
         notes.append("† carried over from an earlier results file (run with `--skip-peers`).")
-    run_notes = [f"`{r['program']}` ({r['impl']}): {r['note']}"
-                 for r in res.get("runs", []) if r.get("note")]
+    run_notes = [
+        f"`{r['program']}` ({r['impl']}): {r['note']}" for r in res.get("runs", []) if r.get("note")
+    ]
     lines += [""]
     if notes or run_notes:
         lines += ["Notes:", ""] + [f"* {n}" for n in notes + run_notes] + [""]
@@ -622,7 +689,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         "palatine's client-API metrics (`bench/controller_bench.py`; `local_mesh(hosts=1, "
         "procs_per_host=4)`: real system, host and controller processes and 4 exec'd workers, "
         "the client in the benchmark process; the no-op is "
-        "`remote(\"palatine.worker.functions.identity\")`):",
+        '`remote("palatine.tensor.worker.functions.identity")`):',
         "",
         "* `controller_invocations_per_s`: N no-op remote calls on all 4 ranks (each result "
         "discarded), then one `fetch` of the last value, which completes only after every "
@@ -641,7 +708,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         "palatine's fault-detection and transfer metrics (`bench/fault_bench.py`; the same "
         "`local_mesh(hosts=1, procs_per_host=4)`; a detection ends the session, so each "
         "repetition starts a fresh mesh, not timed). Where a target depends on settings, the "
-        "program records them and the bound they give (`target_value`, shown as \"here ≤ …\"):",
+        'program records them and the bound they give (`target_value`, shown as "here ≤ …"):',
         "",
         "* `detect_sigstop_s`: `supervision_update_timeout_in_sec=1.0`, "
         "`supervision_update_interval_in_sec=0.2`; a long `time.sleep` on rank 2 fetched; rank "
@@ -695,7 +762,7 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
     "1_1_actor_calls_sync": [
         "Measured 2026-12-03: a plain thread's blocking call now writes the request and reads "
         "the reply on its own unix connection to the actor's proc (a lane, "
-        "`palatine/lane.py`), so the palatine loop thread is no longer in the path. The "
+        "`palatine/fastpath/lane.py`), so the palatine loop thread is no longer in the path. The "
         "caller's system time fell from ≈ 100-200 to ≈ 13-30 µs per call (context switches "
         "from ≈ 4.3 to ≈ 1 per call), and the actor's proc runs a plain `def` endpoint "
         "inline from the read callback (epoll, read, write: 3 syscalls per call). Per call "
@@ -719,7 +786,7 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
     "cast_gather_4": [
         "Measured 2026-12-03: `mesh.call(...).get()` from a plain thread sends one request "
         "per rank over the thread's lanes and polls the four sockets for the replies "
-        "(`palatine/lane.py`); before, each gather cost two loop-thread hops on the caller "
+        "(`palatine/fastpath/lane.py`); before, each gather cost two loop-thread hops on the caller "
         "(≈ 280 µs of system time per call in a slow hour).",
         "The idle spin (see `1_1_actor_calls_sync`) also serves the four lanes of a gather "
         "(the caller polls them for up to 100 µs before blocking): reps 0.29-0.36 ms, "
@@ -739,7 +806,7 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "costs ≈ 2 µs), and a mesh call's payload is no longer pickled a second time on the "
         "loop path. The idle spin does not help here: the caller is busy, not waiting.",
         "Measured 2026-12-03, later still: `call_one` futures that a thread makes for one "
-        "actor before it waits now form a batch on its lane (`palatine/lane.py`): waiting "
+        "actor before it waits now form a batch on its lane (`palatine/fastpath/lane.py`): waiting "
         "on any of them writes all the requests at once and reads until each has its "
         "outcome, so the loop thread is out of the path (its CPU per call fell from ≈ 24 "
         "to ≈ 2 µs). The first try gained little (22,000-26,000/s): the garbage collector "
@@ -753,7 +820,7 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "requests leave only when the caller waits), and frame header decoding (≈ 1.3 µs "
         "per message on each side).",
         "Measured 2026-12-03, night: a batch's requests now leave in chunks of 16, 32, … "
-        "up to 256 as they are encoded (`palatine/lane_calls.py`), so the actor's proc starts "
+        "up to 256 as they are encoded (`palatine/fastpath/lane_calls.py`), so the actor's proc starts "
         "on the first ones while the caller encodes the rest, and the proc writes a lane's "
         "replies every 32 instead of once per read, so the caller decodes the first replies "
         "while later requests are still being handled. Interleaved runs of this program: "
@@ -778,7 +845,7 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
     ],
     "scaling_cast_procs_exponent": [
         "Measured 2026-12-03: the series is sublinear except for one step, at 8 → 16 procs, "
-        "where the cast changes form (spec 20-system.md §3): up to `cast_fanout` (8) ranks "
+        "where the cast changes form: up to `cast_fanout` (8) ranks "
         "the calling thread writes one request per rank on its own lanes and polls their "
         "replies; above it the request goes through the loop thread and down the cast tree, "
         "with one more hop (the heads' comm actors) on the way. With `PALATINE_CAST_FANOUT=16`, "
@@ -845,7 +912,7 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "process) put ≈ 200 µs of each worker's path in its two thread hand-offs and "
         "≈ 200 µs of the client's in its loop hops. Worker streams now send their results, "
         "and client threads their calls, on a direct session to the controller's proc "
-        "(`palatine/channel/direct_tx.py`): no loop wake-up for either; a worker's loop "
+        "(`palatine/fastpath/direct_tx.py`): no loop wake-up for either; a worker's loop "
         "thread blocks once per round trip instead of 2.3-3.2 times, and a round trip "
         "takes ≈ 1.1 ms of CPU instead of ≈ 1.35 ms. Tensor workers also run SCHED_BATCH: "
         "the controller had been preempted by the first worker it woke before writing to "
@@ -858,7 +925,7 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "Measured 2026-12-03: CPU workers no longer import torch before they report ready "
         "(each path that needs torch imports it on first use), and a host starts its "
         "workers by forking them from a fork server that has the worker modules imported "
-        "(`palatine/forkserver.py`; `PALATINE_FORK_SERVER=0` turns it off). What is left is "
+        "(`palatine/hosting/forkserver.py`; `PALATINE_FORK_SERVER=0` turns it off). What is left is "
         "mostly starting the system, host and controller interpreters on 2 cores.",
         "Not in the metric: `mesh.shutdown()` takes ≈ 3 s.",
     ],
@@ -893,12 +960,12 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "value worker → client directly and give the controller only the completion (one "
         "hop), or shared memory between procs on one host.",
         "2026-12-03, evening: a worker now sends its results on a direct session "
-        "(`palatine/channel/direct_tx.py`); a message with buffers asks for its ack at "
+        "(`palatine/fastpath/direct_tx.py`); a message with buffers asks for its ack at "
         "once there too, else the worker's 64 MiB snapshot stayed held until the lazy ack "
         "and every fetch needed fresh memory (a run at 0.30 GB/s before that fix, "
         "1.2-1.9 GB/s after, the same as through the loop).",
         "2026-12-03, night: unix connections ask for a 4 MiB send buffer "
-        "(`palatine/channel/net.py`, `tune_socket`; the kernel's default is ≈ 200 KiB, and "
+        "(`palatine/channel/net/sockets.py`, `tune_socket`; the kernel's default is ≈ 200 KiB, and "
         "it grants at most `net.core.wmem_max`, 4 MiB on this machine but ≈ 208 KiB on a "
         "stock kernel): "
         "64 MiB moved in ≈ 300 steps, each waking the reader and then the writer, on "
@@ -922,8 +989,22 @@ def _where_time_goes(metrics: dict[str, Any]) -> list[str]:
     return out
 
 
-_STD_KEYS = {"metric", "impl", "value", "unit", "higher_is_better", "reps", "version", "error",
-             "program", "measured_at", "carried_from", "procs", "in_flight", "cap_s"}
+_STD_KEYS = {
+    "metric",
+    "impl",
+    "value",
+    "unit",
+    "higher_is_better",
+    "reps",
+    "version",
+    "error",
+    "program",
+    "measured_at",
+    "carried_from",
+    "procs",
+    "in_flight",
+    "cap_s",
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -949,17 +1030,32 @@ def setup_peers() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", action="append", default=[], metavar="METRIC",
-                   help="run only this metric (repeatable, or comma separated)")
-    p.add_argument("--skip-peers", action="store_true",
-                   help="run palatine's programs only; peer numbers come from the latest results")
-    p.add_argument("--setup-peers", action="store_true",
-                   help="create bench/.peers-venv and install the peers before running")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="METRIC",
+        help="run only this metric (repeatable, or comma separated)",
+    )
+    p.add_argument(
+        "--skip-peers",
+        action="store_true",
+        help="run palatine's programs only; peer numbers come from the latest results",
+    )
+    p.add_argument(
+        "--setup-peers",
+        action="store_true",
+        help="create bench/.peers-venv and install the peers before running",
+    )
     p.add_argument("--reps", type=int, default=None, help="repetitions, passed to each program")
-    p.add_argument("--timeout", type=float, default=420.0,
-                   help="seconds allowed to each program (default 420)")
-    p.add_argument("--no-write", action="store_true",
-                   help="print the results instead of writing the results file and BENCHMARKS.md")
+    p.add_argument(
+        "--timeout", type=float, default=420.0, help="seconds allowed to each program (default 420)"
+    )
+    p.add_argument(
+        "--no-write",
+        action="store_true",
+        help="print the results instead of writing the results file and BENCHMARKS.md",
+    )
     args = p.parse_args(argv)
     args.only = sorted({m.strip() for item in args.only for m in item.split(",") if m.strip()})
 

@@ -86,7 +86,9 @@ def _per_op_ms(op: Any, seconds: float) -> float:
     return 1e3 / rate_rep(op, seconds - first)
 
 
-def _series(points: tuple[int, ...], reps: int, measure_point: Any) -> tuple[list[float], list[list[float]]]:
+def _series(
+    points: tuple[int, ...], reps: int, measure_point: Any
+) -> tuple[list[float], list[list[float]]]:
     """``measure_point(x, reps)`` → that point's ``reps`` times (ms); the medians per point
     and the times as ``[rep][point]``."""
     by_point = [measure_point(x, reps) for x in points]
@@ -95,10 +97,14 @@ def _series(points: tuple[int, ...], reps: int, measure_point: Any) -> tuple[lis
     return medians, by_rep
 
 
-def _result(points: tuple[int, ...], medians: list[float], by_rep: list[list[float]]) -> tuple[list[float], list[float]]:
+def _result(
+    points: tuple[int, ...], medians: list[float], by_rep: list[list[float]]
+) -> tuple[list[float], list[float]]:
     """Each repetition's worst exponent (the metric is their median) and the local
     exponents of the series of medians (shown beside it)."""
-    return [worst_exponent(points, times)[0] for times in by_rep], worst_exponent(points, medians)[1]
+    return [worst_exponent(points, times)[0] for times in by_rep], worst_exponent(points, medians)[
+        1
+    ]
 
 
 def bench_cast_procs(args: Any) -> tuple[list[float], dict[str, Any]]:
@@ -112,7 +118,9 @@ def bench_cast_procs(args: Any) -> tuple[list[float], dict[str, Any]]:
             for i in range(WARMUP_OPS):
                 mesh.ping.call(i).get()
             log(f"{n} procs up in {time.perf_counter() - t0:.1f} s")
-            return [_per_op_ms(lambda: mesh.ping.call(1).get(), args.rep_seconds) for _ in range(reps)]
+            return [
+                _per_op_ms(lambda: mesh.ping.call(1).get(), args.rep_seconds) for _ in range(reps)
+            ]
         finally:
             procs.stop().get(timeout=STOP_TIMEOUT_S)
 
@@ -154,7 +162,10 @@ def bench_msg_size(args: Any) -> tuple[list[float], dict[str, Any]]:
         def point(size: int, reps: int) -> list[float]:
             payload = b"x" * size
             one.ping.call_one(payload).get()  # warm this size's buffers
-            return [_per_op_ms(lambda: one.ping.call_one(payload).get(), args.rep_seconds) for _ in range(reps)]
+            return [
+                _per_op_ms(lambda: one.ping.call_one(payload).get(), args.rep_seconds)
+                for _ in range(reps)
+            ]
 
         medians, by_rep = _series(SIZES, args.reps, point)
     finally:
@@ -162,7 +173,11 @@ def bench_msg_size(args: Any) -> tuple[list[float], dict[str, Any]]:
     copies = [_copy_ms(s) for s in SIZES]
     # In copies of the payload on this machine: the exponent of that, plus 1, is how the
     # call's time grows compared with the machine's own cost of moving the bytes.
-    rep_values, _ = _result(SIZES, [1.0] * len(SIZES), [[t / c for t, c in zip(times, copies, strict=True)] for times in by_rep])
+    rep_values, _ = _result(
+        SIZES,
+        [1.0] * len(SIZES),
+        [[t / c for t, c in zip(times, copies, strict=True)] for times in by_rep],
+    )
     rep_values = [v + 1 for v in rep_values]
     _, raw_local = worst_exponent(SIZES, medians)
     _, copy_local = worst_exponent(SIZES, copies)
@@ -182,10 +197,24 @@ def bench_msg_size(args: Any) -> tuple[list[float], dict[str, Any]]:
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
-    run_metric(args, "scaling_cast_procs_exponent", IMPL, "exponent", False, VERSION,
-               lambda: bench_cast_procs(args))
-    run_metric(args, "scaling_msg_size_exponent", IMPL, "exponent", False, VERSION,
-               lambda: bench_msg_size(args))
+    run_metric(
+        args,
+        "scaling_cast_procs_exponent",
+        IMPL,
+        "exponent",
+        False,
+        VERSION,
+        lambda: bench_cast_procs(args),
+    )
+    run_metric(
+        args,
+        "scaling_msg_size_exponent",
+        IMPL,
+        "exponent",
+        False,
+        VERSION,
+        lambda: bench_msg_size(args),
+    )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Run with the project's interpreter::
 
     .venv/bin/python bench/system_bench.py [--only METRIC] [--reps N]
 
-Metrics (targets in 50-goals.md and ``bench/run.py``):
+Metrics (targets in ``bench/run.py``):
 
 * ``system_1k_procs_cpu`` (% of one core): ``palatine system`` serves ``unix:@...`` in a
   child process. This process attaches a client proc (``System(addr).attach()``), joins
@@ -55,24 +55,24 @@ os.environ.setdefault("PALATINE_LOG_LEVEL", "WARNING")
 
 import psutil  # noqa: E402
 
-from palatine import runtime  # noqa: E402
+from palatine.core import runtime  # noqa: E402
 from palatine.ids import SYSTEM_ACTOR, WorldId  # noqa: E402
-from palatine.supervision import ProcSupervisionState  # noqa: E402
-from palatine.system.messages import Join, SupervisionUpdate  # noqa: E402
-from palatine.client.procs import RoleProcess  # noqa: E402
+from palatine.protocol.supervision import ProcSupervisionState  # noqa: E402
+from palatine.protocol.system import Join, SupervisionUpdate  # noqa: E402
 from palatine.system.service import System, SystemClient  # noqa: E402
+from palatine.tensor.client.procs import RoleProcess  # noqa: E402
 
 IMPL = "palatine"
 VERSION = metadata.version("palatine")
 
 SIM_WORLD = "bench"
 SIM_PROCS = 1000
-SIM_TIMEOUT_S = 5.0        # the system's supervision_update_timeout in the 1k-procs run
-HEARTBEAT_PERIOD_S = 1.0   # each simulated proc beats at 1 Hz
-SLICE_S = 0.02             # heartbeats go out in slices: SIM_PROCS * SLICE_S per slice
-WARMUP_S = 2.0             # heartbeating before the first CPU window
-WINDOW_S = 2.0             # one repetition of system_1k_procs_cpu
-JOIN_BATCH = 100           # joins in flight at once
+SIM_TIMEOUT_S = 5.0  # the system's supervision_update_timeout in the 1k-procs run
+HEARTBEAT_PERIOD_S = 1.0  # each simulated proc beats at 1 Hz
+SLICE_S = 0.02  # heartbeats go out in slices: SIM_PROCS * SLICE_S per slice
+WARMUP_S = 2.0  # heartbeating before the first CPU window
+WINDOW_S = 2.0  # one repetition of system_1k_procs_cpu
+JOIN_BATCH = 100  # joins in flight at once
 SIM_LABEL = ("bench.palatine.dev/sim", "1")
 MIN_SNAPSHOTS = 20
 
@@ -179,9 +179,9 @@ class Heartbeats:
         k = 0
         while True:
             lo = (k % slices) * per
-            for msg in self.beats[lo:lo + per]:
+            for msg in self.beats[lo : lo + per]:
                 tell(SYSTEM_ACTOR, msg)
-            self.sent += len(self.beats[lo:lo + per])
+            self.sent += len(self.beats[lo : lo + per])
             k += 1
             delay = t0 + k * SLICE_S - loop.time()
             if delay < 0:
@@ -209,14 +209,30 @@ async def _join_sim_procs(client: SystemClient) -> list[SupervisionUpdate]:
     for r in range(SIM_PROCS):
         proc_id = world.proc(r)
         incarnation = secrets.randbits(63) | 1
-        labels = {SIM_LABEL[0]: SIM_LABEL[1],
-                  "bench.palatine.dev/parity": "even" if r % 2 == 0 else "odd"}
-        joins.append(Join(proc_id=proc_id, addr=addr, labels=labels, mode="ManagedBySystem",
-                          pid=pid, host=host, incarnation=incarnation))
-        beats.append(SupervisionUpdate(state=ProcSupervisionState(
-            proc_id=proc_id, addr=addr, health="Alive", incarnation=incarnation)))
+        labels = {
+            SIM_LABEL[0]: SIM_LABEL[1],
+            "bench.palatine.dev/parity": "even" if r % 2 == 0 else "odd",
+        }
+        joins.append(
+            Join(
+                proc_id=proc_id,
+                addr=addr,
+                labels=labels,
+                mode="ManagedBySystem",
+                pid=pid,
+                host=host,
+                incarnation=incarnation,
+            )
+        )
+        beats.append(
+            SupervisionUpdate(
+                state=ProcSupervisionState(
+                    proc_id=proc_id, addr=addr, health="Alive", incarnation=incarnation
+                )
+            )
+        )
     for i in range(0, len(joins), JOIN_BATCH):
-        await asyncio.gather(*(client.ask(j, 30.0) for j in joins[i:i + JOIN_BATCH]))
+        await asyncio.gather(*(client.ask(j, 30.0) for j in joins[i : i + JOIN_BATCH]))
     return beats
 
 
@@ -244,8 +260,15 @@ def bench_1k_procs(args: Any) -> None:
         return
     results: dict[str, tuple[list[float], dict[str, Any]] | BaseException] = {}
     try:
-        system = Role(["system", "--system-addr", _system_addr(),
-                       "--supervision-update-timeout-in-sec", str(SIM_TIMEOUT_S)])
+        system = Role(
+            [
+                "system",
+                "--system-addr",
+                _system_addr(),
+                "--supervision-update-timeout-in-sec",
+                str(SIM_TIMEOUT_S),
+            ]
+        )
     except Exception as exc:  # noqa: BLE001 - reported per metric below
         results["system_1k_procs_cpu"] = results["snapshot_1k_procs_ms"] = exc
         system = None
@@ -266,16 +289,26 @@ def bench_1k_procs(args: Any) -> None:
             if isinstance(r, BaseException):
                 raise r
             return r
+
         return get
 
-    run_metric(args, "system_1k_procs_cpu", IMPL, "% of one core", False, VERSION,
-               reported("system_1k_procs_cpu"))
-    run_metric(args, "snapshot_1k_procs_ms", IMPL, "ms", False, VERSION,
-               reported("snapshot_1k_procs_ms"))
+    run_metric(
+        args,
+        "system_1k_procs_cpu",
+        IMPL,
+        "% of one core",
+        False,
+        VERSION,
+        reported("system_1k_procs_cpu"),
+    )
+    run_metric(
+        args, "snapshot_1k_procs_ms", IMPL, "ms", False, VERSION, reported("snapshot_1k_procs_ms")
+    )
 
 
-async def _measure_1k(system: Role, args: Any, want_cpu: bool, want_snap: bool,
-                      results: dict[str, Any]) -> None:
+async def _measure_1k(
+    system: Role, args: Any, want_cpu: bool, want_snap: bool, results: dict[str, Any]
+) -> None:
     sysproc = psutil.Process(system.pid)
     client: SystemClient | None = None
     hb: Heartbeats | None = None
@@ -309,15 +342,18 @@ async def _measure_1k(system: Role, args: Any, want_cpu: bool, want_snap: bool,
                 rate = (hb.sent - sent0) / (time.perf_counter() - w0)
                 snap = await client.snapshot(worlds=[SIM_WORLD])
                 oldest = _check_all_alive(snap)
-                results["system_1k_procs_cpu"] = (reps, {
-                    "procs": SIM_PROCS,
-                    "heartbeats_per_s": round(rate, 1),
-                    "window_s": WINDOW_S,
-                    "late_slices": hb.late_slices,
-                    "sender_cpu_pct": client_cpu,
-                    "join_1k_s": round(join_s, 3),
-                    "oldest_heartbeat_age_s": round(oldest, 3),
-                })
+                results["system_1k_procs_cpu"] = (
+                    reps,
+                    {
+                        "procs": SIM_PROCS,
+                        "heartbeats_per_s": round(rate, 1),
+                        "window_s": WINDOW_S,
+                        "late_slices": hb.late_slices,
+                        "sender_cpu_pct": client_cpu,
+                        "join_1k_s": round(join_s, 3),
+                        "oldest_heartbeat_age_s": round(oldest, 3),
+                    },
+                )
             except Exception as exc:  # noqa: BLE001 - one metric must not end the other
                 results["system_1k_procs_cpu"] = exc
 
@@ -335,10 +371,14 @@ async def _measure_1k(system: Role, args: Any, want_cpu: bool, want_snap: bool,
                     if listed != SIM_PROCS:
                         raise AssertionError(f"snapshot listed {listed} procs, not {SIM_PROCS}")
                     await asyncio.sleep(0.02)
-                results["snapshot_1k_procs_ms"] = (times, {
-                    "procs": SIM_PROCS, "requests": len(times),
-                    "filter": f"proc_labels {SIM_LABEL[0]}={SIM_LABEL[1]}",
-                })
+                results["snapshot_1k_procs_ms"] = (
+                    times,
+                    {
+                        "procs": SIM_PROCS,
+                        "requests": len(times),
+                        "filter": f"proc_labels {SIM_LABEL[0]}={SIM_LABEL[1]}",
+                    },
+                )
             except Exception as exc:  # noqa: BLE001
                 results["snapshot_1k_procs_ms"] = exc
     except Exception as exc:  # noqa: BLE001 - attach or joins failed: both metrics fail
@@ -353,8 +393,13 @@ async def _measure_1k(system: Role, args: Any, want_cpu: bool, want_snap: bool,
 # ------------------------------------------------------------------------------ SIGKILL detection
 
 
-async def _wait_snapshot(client: SystemClient, pred: Callable[[Any], bool], timeout_s: float,
-                         what: str, poll_s: float = 0.05) -> Any:
+async def _wait_snapshot(
+    client: SystemClient,
+    pred: Callable[[Any], bool],
+    timeout_s: float,
+    what: str,
+    poll_s: float = 0.05,
+) -> Any:
     deadline = time.monotonic() + timeout_s
     snap = None
     while time.monotonic() < deadline:
@@ -363,7 +408,9 @@ async def _wait_snapshot(client: SystemClient, pred: Callable[[Any], bool], time
             return snap
         await asyncio.sleep(poll_s)
     shown = "" if snap is None else _snap_text(snap)[:2000]
-    raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}; last snapshot: {shown}")
+    raise TimeoutError(
+        f"timed out after {timeout_s:g} s waiting for {what}; last snapshot: {shown}"
+    )
 
 
 def _snap_text(snap: Any) -> str:
@@ -378,8 +425,12 @@ def _world(snap: Any) -> Any:
 
 def _is_live(snap: Any) -> bool:
     w = _world(snap)
-    return w is not None and w.status == "Live" and len(w.procs) == DETECT_PROCS and all(
-        e.health == "Alive" for e in w.procs.values())
+    return (
+        w is not None
+        and w.status == "Live"
+        and len(w.procs) == DETECT_PROCS
+        and all(e.health == "Alive" for e in w.procs.values())
+    )
 
 
 def _is_evicted(snap: Any) -> bool:
@@ -394,10 +445,26 @@ def bench_detect(args: Any) -> None:
     def measure() -> tuple[list[float], dict[str, Any]]:
         system = host = None
         try:
-            system = Role(["system", "--system-addr", _system_addr(),
-                           "--world-eviction-timeout-in-sec", str(DETECT_EVICTION_S)])
-            host = Role(["host", "--system-addr", system.addr,
-                         "--host-world", f"host{DETECT_WORLD}", "--host-rank", "0"])
+            system = Role(
+                [
+                    "system",
+                    "--system-addr",
+                    _system_addr(),
+                    "--world-eviction-timeout-in-sec",
+                    str(DETECT_EVICTION_S),
+                ]
+            )
+            host = Role(
+                [
+                    "host",
+                    "--system-addr",
+                    system.addr,
+                    "--host-world",
+                    f"host{DETECT_WORLD}",
+                    "--host-rank",
+                    "0",
+                ]
+            )
             return _run(lambda: _measure_detect(system, host, args))
         except Exception:
             for r in (host, system):
@@ -412,7 +479,9 @@ def bench_detect(args: Any) -> None:
     run_metric(args, "detect_sigkill_system_s", IMPL, "s", False, VERSION, measure)
 
 
-async def _measure_detect(system: Role, host: Role, args: Any) -> tuple[list[float], dict[str, Any]]:
+async def _measure_detect(
+    system: Role, host: Role, args: Any
+) -> tuple[list[float], dict[str, Any]]:
     client = await System(system.addr).attach(timeout_s=20)
     program = f"{sys.executable} -m palatine worker"
     reps: list[float] = []
@@ -451,8 +520,13 @@ async def _measure_detect(system: Role, host: Role, args: Any) -> tuple[list[flo
             await _wait_snapshot(client, _is_evicted, DETECT_EVICTION_S + 20, "eviction")
     finally:
         await _close_client(client)
-    return reps, {"procs": DETECT_PROCS, "poll_s": DETECT_POLL_S, "polls": polls,
-                  "cap_s": DETECT_CAP_S, "capped_reps": capped}
+    return reps, {
+        "procs": DETECT_PROCS,
+        "poll_s": DETECT_POLL_S,
+        "polls": polls,
+        "cap_s": DETECT_CAP_S,
+        "capped_reps": capped,
+    }
 
 
 def main() -> None:

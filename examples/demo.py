@@ -12,11 +12,19 @@ from palatine import fetch, local_mesh, remote, worker_info
 
 def init_state(pg, seed: int = 0, hidden: int = 128, batch: int = 64):
     torch.manual_seed(seed)  # the same seed on every rank: identical replicas
-    model = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)
+    )
     teacher = torch.nn.Linear(16, 1).requires_grad_(False)  # defines the regression target
     gen = torch.Generator().manual_seed(seed * 1000 + worker_info()["rank"])  # own data per rank
-    return {"model": model, "teacher": teacher, "gen": gen, "pg": pg, "batch": batch,
-            "opt": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)}
+    return {
+        "model": model,
+        "teacher": teacher,
+        "gen": gen,
+        "pg": pg,
+        "batch": batch,
+        "opt": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+    }
 
 
 def train_step(state) -> float:
@@ -30,7 +38,7 @@ def train_step(state) -> float:
     flat /= dist.get_world_size(state["pg"])
     offset = 0
     for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
     state["opt"].step()
     return float(flat[-1])

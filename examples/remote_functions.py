@@ -24,8 +24,10 @@ def main() -> None:
         sq = remote(square)(r)  # worker-side values as arguments: no data moves
         half, odd = split(sq)  # several results
         for p in range(4):
-            print(f"rank {p}: pid {inspect(pids, shard=p)}, r^2={inspect(sq, shard=p)}, "
-                  f"half={inspect(half, shard=p)}, odd={inspect(odd, shard=p)}")
+            print(
+                f"rank {p}: pid {inspect(pids, shard=p)}, r^2={inspect(sq, shard=p)}, "
+                f"half={inspect(half, shard=p)}, odd={inspect(odd, shard=p)}"
+            )
         # A sub-mesh: run only on the first two workers.
         with mesh.slice(proc=slice(0, 2)).activate():
             print("on a slice:", inspect(remote(square)(10)))

@@ -17,7 +17,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     fn = pyfuncitem.obj
     if not inspect.iscoroutinefunction(fn):
         return None
-    from palatine.runtime import new_event_loop
+    from palatine.core.runtime import new_event_loop
 
     kwargs: dict[str, Any] = {
         name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames
@@ -73,7 +73,7 @@ def unix_send_buffer() -> int:
     request at ``net.core.wmem_max``, then doubles it for its bookkeeping."""
     from pathlib import Path
 
-    from palatine.channel.net import UNIX_SEND_BUFFER_BYTES
+    from palatine.channel.net.sockets import UNIX_SEND_BUFFER_BYTES
 
     cap = Path("/proc/sys/net/core/wmem_max")
     limit = int(cap.read_text()) if cap.exists() else UNIX_SEND_BUFFER_BYTES

@@ -30,7 +30,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import parse_args, rate_rep, run_metric  # noqa: E402
-
 from distributed import Client, LocalCluster  # noqa: E402
 
 IMPL = "distributed"
@@ -58,8 +57,9 @@ def main() -> None:
     # The detect benchmark makes the scheduler and nanny log a killed worker; that is expected.
     logging.getLogger("distributed").setLevel(logging.CRITICAL)
 
-    cluster = LocalCluster(n_workers=0, threads_per_worker=1, processes=True,
-                           dashboard_address=None, host="127.0.0.1")
+    cluster = LocalCluster(
+        n_workers=0, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
+    )
     client = Client(cluster)
 
     def up(n: int) -> list[Any]:
@@ -86,16 +86,17 @@ def main() -> None:
                 a.ping(i).result()
 
             def sync() -> tuple[list[float], dict[str, Any]]:
-                return [rate_rep(lambda: a.ping(1).result(), secs)
-                        for _ in range(args.reps)], {}
+                return [rate_rep(lambda: a.ping(1).result(), secs) for _ in range(args.reps)], {}
 
             def async_() -> tuple[list[float], dict[str, Any]]:
                 def batch() -> None:
                     futs = [a.ping(i) for i in range(IN_FLIGHT)]
                     for f in futs:
                         f.result()
-                return [rate_rep(batch, secs, ops_per_call=IN_FLIGHT)
-                        for _ in range(args.reps)], {"in_flight": IN_FLIGHT}
+
+                return [rate_rep(batch, secs, ops_per_call=IN_FLIGHT) for _ in range(args.reps)], {
+                    "in_flight": IN_FLIGHT
+                }
 
             run_metric(args, "1_1_actor_calls_sync", IMPL, "calls/s", True, VERSION, sync)
             run_metric(args, "1_1_actor_calls_async", IMPL, "calls/s", True, VERSION, async_)
@@ -107,10 +108,11 @@ def main() -> None:
             try:
                 for i in range(WARMUP_CALLS):
                     gather(actors, i)
-                return [1e3 / rate_rep(lambda: gather(actors, 1), secs)
-                        for _ in range(args.reps)], {"procs": 4}
+                return [
+                    1e3 / rate_rep(lambda: gather(actors, 1), secs) for _ in range(args.reps)
+                ], {"procs": 4}
             finally:
-                del actors
+                actors = None  # the actors go with their last reference
                 down()
 
         run_metric(args, "cast_gather_4", IMPL, "ms", False, VERSION, cast_gather)
@@ -149,8 +151,7 @@ def main() -> None:
                     raise AssertionError(f"a call to a SIGKILLed actor returned {value!r}")
                 del actors, pending
                 down()
-            return reps, {"errors": sorted(errors), "cap_s": DETECT_CAP_S,
-                          "capped_reps": capped}
+            return reps, {"errors": sorted(errors), "cap_s": DETECT_CAP_S, "capped_reps": capped}
 
         run_metric(args, "detect_sigkill_s", IMPL, "s", False, VERSION, detect)
     finally:

@@ -28,9 +28,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _actor_shape import run  # noqa: E402
-
 import monarch.actor  # noqa: E402
+from _actor_shape import run  # noqa: E402
 from monarch.actor import Actor, endpoint, this_host  # noqa: E402
 
 IMPL = "torchmonarch"

@@ -37,9 +37,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_DISABLE_DOCKER_CPU_WARNING", "1")
 
-from _common import parse_args, rate_rep, run_metric  # noqa: E402
-
 import ray  # noqa: E402
+from _common import parse_args, rate_rep, run_metric  # noqa: E402
 
 IMPL = "ray"
 VERSION = metadata.version("ray")
@@ -89,14 +88,17 @@ def main() -> None:
                 ray.get(a.ping.remote(i))
 
             def sync() -> tuple[list[float], dict[str, Any]]:
-                return [rate_rep(lambda: ray.get(a.ping.remote(1)), secs)
-                        for _ in range(args.reps)], {}
+                return [
+                    rate_rep(lambda: ray.get(a.ping.remote(1)), secs) for _ in range(args.reps)
+                ], {}
 
             def async_() -> tuple[list[float], dict[str, Any]]:
                 def batch() -> None:
                     ray.get([a.ping.remote(i) for i in range(IN_FLIGHT)])
-                return [rate_rep(batch, secs, ops_per_call=IN_FLIGHT)
-                        for _ in range(args.reps)], {"in_flight": IN_FLIGHT}
+
+                return [rate_rep(batch, secs, ops_per_call=IN_FLIGHT) for _ in range(args.reps)], {
+                    "in_flight": IN_FLIGHT
+                }
 
             run_metric(args, "1_1_actor_calls_sync", IMPL, "calls/s", True, VERSION, sync)
             run_metric(args, "1_1_actor_calls_async", IMPL, "calls/s", True, VERSION, async_)
@@ -107,8 +109,10 @@ def main() -> None:
             try:
                 for i in range(WARMUP_CALLS):
                     ray.get([b.ping.remote(i) for b in actors])
-                return [1e3 / rate_rep(lambda: ray.get([b.ping.remote(1) for b in actors]), secs)
-                        for _ in range(args.reps)], {"procs": 4}
+                return [
+                    1e3 / rate_rep(lambda: ray.get([b.ping.remote(1) for b in actors]), secs)
+                    for _ in range(args.reps)
+                ], {"procs": 4}
             finally:
                 _stop(actors)
 
@@ -147,8 +151,7 @@ def main() -> None:
                 else:
                     raise AssertionError(f"a call to a SIGKILLed actor returned {value!r}")
                 _stop(actors)
-            return reps, {"errors": sorted(errors), "cap_s": DETECT_CAP_S,
-                          "capped_reps": capped}
+            return reps, {"errors": sorted(errors), "cap_s": DETECT_CAP_S, "capped_reps": capped}
 
         run_metric(args, "detect_sigkill_s", IMPL, "s", False, VERSION, detect)
     finally:

@@ -1,18 +1,19 @@
 """palatine: a single-controller distributed runtime for Python and PyTorch.
 
-Layers, each importing only those below it (60-style.md):
+Layers (folders), each importing only those below it:
 
-    errors, ids, config -> wire -> channel -> mailbox, router -> actor, instance, proc
-    -> comm, mesh -> supervision -> system, agent, host -> hostmesh -> controller,
-    worker -> client, serve -> cli
+    errors, ids, config, output -> wire -> channel -> core -> fastpath -> mesh
+    -> protocol -> hosting -> system -> job -> tensor -> cli
 
-Public names are loaded lazily, so ``import palatine`` stays cheap for worker procs.
+Public names are loaded lazily, so ``import palatine`` stays cheap for worker procs; the
+``TYPE_CHECKING`` block below gives editors and type checkers the real types. Everything
+not named in ``__all__`` is internal and may change.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -42,34 +43,64 @@ __all__ = [
     "DeviceException",
     "StuckWorkersException",
     "TooManyOpenFiles",
+    "CallTimeout",
+    "HostMesh",
+    "ProcMesh",
+    "Stream",
 ]
 
+if TYPE_CHECKING:
+    from palatine.core.actor import Actor, context, current_rank, endpoint, handler
+    from palatine.core.future import Future
+    from palatine.core.supervision_hook import set_unhandled_fault_hook
+    from palatine.errors import (
+        CallTimeout,
+        DeviceException,
+        PalatineError,
+        RemoteException,
+        StuckWorkersException,
+        TooManyOpenFiles,
+    )
+    from palatine.job.hostmesh import HostMesh, ProcMesh, this_host
+    from palatine.mesh.actor_mesh import ActorMesh, ActorRef, ValueMesh
+    from palatine.system.service import System
+    from palatine.tensor.client.context import Stream
+    from palatine.tensor.client.local import connect, local_mesh
+    from palatine.tensor.client.mesh import DeviceMesh
+    from palatine.tensor.client.remote import fetch, inspect, remote
+    from palatine.tensor.client.values import RemoteValue
+    from palatine.tensor.worker import worker_info
+
 _WHERE = {
-    "Actor": "palatine.actor",
-    "endpoint": "palatine.actor",
-    "handler": "palatine.actor",
-    "context": "palatine.actor",
-    "current_rank": "palatine.actor",
-    "this_host": "palatine.hostmesh",
-    "Future": "palatine.future",
-    "ActorRef": "palatine.mesh",
-    "ActorMesh": "palatine.mesh",
-    "ValueMesh": "palatine.mesh",
+    "Actor": "palatine.core.actor",
+    "endpoint": "palatine.core.actor",
+    "handler": "palatine.core.actor",
+    "context": "palatine.core.actor",
+    "current_rank": "palatine.core.actor",
+    "this_host": "palatine.job.hostmesh",
+    "Future": "palatine.core.future",
+    "ActorRef": "palatine.mesh.actor_mesh",
+    "ActorMesh": "palatine.mesh.actor_mesh",
+    "ValueMesh": "palatine.mesh.actor_mesh",
     "System": "palatine.system.service",
-    "local_mesh": "palatine.client",
-    "connect": "palatine.client",
-    "remote": "palatine.client",
-    "fetch": "palatine.client",
-    "inspect": "palatine.client",
-    "DeviceMesh": "palatine.client",
-    "RemoteValue": "palatine.client",
-    "worker_info": "palatine.worker",
-    "set_unhandled_fault_hook": "palatine.supervision_hook",
+    "local_mesh": "palatine.tensor.client",
+    "connect": "palatine.tensor.client",
+    "remote": "palatine.tensor.client",
+    "fetch": "palatine.tensor.client",
+    "inspect": "palatine.tensor.client",
+    "DeviceMesh": "palatine.tensor.client",
+    "RemoteValue": "palatine.tensor.client",
+    "worker_info": "palatine.tensor.worker",
+    "set_unhandled_fault_hook": "palatine.core.supervision_hook",
     "PalatineError": "palatine.errors",
     "RemoteException": "palatine.errors",
     "DeviceException": "palatine.errors",
     "StuckWorkersException": "palatine.errors",
     "TooManyOpenFiles": "palatine.errors",
+    "CallTimeout": "palatine.errors",
+    "HostMesh": "palatine.job.hostmesh",
+    "ProcMesh": "palatine.job.hostmesh",
+    "Stream": "palatine.tensor.client",
 }
 
 

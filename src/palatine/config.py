@@ -19,11 +19,20 @@ import msgspec
 
 from palatine.errors import ConfigError
 
-__all__ = ["Config", "get", "override", "reload", "env_var", "parse_seconds", "parse_size"]
+__all__ = [
+    "Config",
+    "get",
+    "override",
+    "reload",
+    "env_var",
+    "format_seconds",
+    "parse_seconds",
+    "parse_size",
+]
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
-    """Every runtime and system tunable (10-runtime.md §2.11, 20-system.md §5)."""
+    """Every runtime and system tunable."""
 
     # channels
     message_delivery_timeout_s: float = 30.0
@@ -50,41 +59,46 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     join_timeout_s: float = 30.0
     liveness_probe_timeout_s: float = 1.0
     exit_report_grace_s: float = 0.5
-    # None: 5 x supervision_update_interval_s (20-system.md §2.3)
+    # None: 5 x supervision_update_interval_s
     system_loss_timeout_s: float | None = None
     # None: min(10, supervision_update_interval_s)
     heartbeat_ack_timeout_s: float | None = None
     proc_stop_timeout_s: float = 5.0
-    # None: min(1, supervision_update_timeout_s / 4) (20-system.md §1.7)
+    # None: min(1, supervision_update_timeout_s / 4)
     health_tick_interval_s: float | None = None
     stop_fallback_margin_s: float = 3.0
     child_term_grace_s: float = 5.0
     stack_dump_timeout_s: float = 10.0
     spawn_procs_timeout_s: float = 60.0
-    # hosts fork `python -m palatine worker` procs from a pre-imported server (palatine.forkserver)
+    # hosts fork `python -m palatine worker` procs from a pre-imported server (palatine.hosting.forkserver)
     fork_server: bool = True
     cast_fanout: int = 8
     # tensor worker procs run SCHED_BATCH: woken by the controller, they do not preempt it
-    # before it has written to every worker (palatine.worker.actor)
+    # before it has written to every worker (palatine.tensor.worker.actor)
     worker_sched_batch: bool = True
     # a worker proc's GIL switch interval: its loop thread (stall reports, heartbeats, the
     # next command) gets the GIL within this while a stream runs Python; 0: Python's 5 ms
     worker_switch_interval_us: int = 1000
-    # a plain thread's blocking call_one may use its own connection (palatine.lane), and
-    # workers and clients talk to a local controller on direct sessions (channel.direct_tx)
+    # a plain thread's blocking call_one may use its own connection (palatine.fastpath.lane), and
+    # workers and clients talk to a local controller on direct sessions (palatine.fastpath.direct_tx)
     lanes: bool = True
     # a loop that just read a lane request, and a thread awaiting a lane reply, poll this
     # long before sleeping (palatine.channel.spin); 0: off
     idle_spin_us: int = 100
     log_dir: str | None = None
-    # log directories of jobs started here (palatine.logs) kept after they end, newest first
+    # log directories of jobs started here (palatine.output.logs) kept after they end, newest first
     keep_logs: int = 10
-    # text a console writer queues before it drops output with a count (palatine.console)
+    # text a console writer queues before it drops output with a count (palatine.output.console)
     console_buffer_bytes: int = 4 * 1024 * 1024
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*(KiB|MiB|GiB|B)?\s*$")
 _SIZE_UNITS = {None: 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+
+
+def format_seconds(value: float) -> str:
+    """A duration as people write it, in every message and variable: ``20``, ``0.5``, ``1.25``."""
+    return f"{value:g}"
 
 
 def parse_seconds(text: str, *, name: str = "value") -> float:
@@ -228,12 +242,6 @@ def reload() -> Config:
     global _current
     _current = from_env()
     return _current
-
-
-def set_current(cfg: Config) -> None:
-    """Install ``cfg`` as the process-wide configuration (role processes, after flags)."""
-    global _current
-    _current = cfg
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ __all__ = [
     "StackDumpError",
     "InfrastructureError",
     "TooManyOpenFiles",
+    "error_text",
 ]
 
 
@@ -136,6 +137,17 @@ class RemoteException(PalatineError):
         self.actor_id = actor_id
         self.client_traceback = client_traceback
         self.headline = headline
+        # Set by the client for a remote function's failure (None elsewhere): which
+        # invocation failed, the root failure it comes from, and where it ran.
+        self.seq: int | None = None
+        self.caused_by: int | None = None
+        self.function: str | None = None
+        self.rank: int | None = None
+        self.world: str | None = None
+        self.proc_id: str | None = None
+        self.host: str | None = None
+        self.pid: int | None = None
+        self.original: BaseException | None = None
         super().__init__(self._render())
 
     def _render(self) -> str:
@@ -225,7 +237,7 @@ class JoinError(PalatineError):
 
 
 class StackDumpError(PalatineError):
-    """`palatine.debug.dump_external` could not get a stack dump; says why per method tried.
+    """`palatine.hosting.stacks.dump_external` could not get a stack dump; says why per method tried.
 
     Raised to the host's ``StackDump`` handler, which puts the text in ``StackTrace.error``.
     """
@@ -243,7 +255,25 @@ class InfrastructureError(PalatineError):
 class TooManyOpenFiles(PalatineError, OSError):
     """The open-files limit (``ulimit -n``) is below what a job needs.
 
-    Raised by `palatine.limits.check_open_files` before anything is started (by
+    Raised by `palatine.hosting.limits.check_open_files` before anything is started (by
     ``local_mesh``, ``this_host().spawn_procs`` and ``palatine controller``), instead of
     the job failing later, in another process, with ``EMFILE`` seen nowhere.
     """
+
+
+def error_text(exc: BaseException) -> str:
+    """A short text for an error, for messages that name what failed around it.
+
+    A palatine error's ``message``; the OS's words for an `OSError` (``Connection
+    refused``: the caller names the address); ``timed out`` for a bare timeout; else the
+    error's text, or its type's name when it has none.
+    """
+    message = getattr(exc, "message", None)
+    if isinstance(message, str) and message:
+        return message
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = str(exc)
+    if not text and isinstance(exc, TimeoutError):
+        return "timed out"
+    return text or type(exc).__name__

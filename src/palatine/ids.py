@@ -1,4 +1,4 @@
-"""Identities: world, proc, actor, port and gang ids — parse, format, order (10-runtime.md §1).
+"""Identities: world, proc, actor, port and gang ids — parse, format, order.
 
 Every addressable thing in palatine is named by one of five immutable ids:
 
@@ -564,7 +564,7 @@ def is_reserved_world(name: WorldId | str) -> bool:
 
 
 def host_world_of(world: WorldId | str) -> WorldId:
-    """The world ``host<W>`` whose procs are the hosts serving world ``W`` (20-system §1.2)."""
+    """The world ``host<W>`` whose procs are the hosts serving world ``W``."""
     return WorldId(HOST_WORLD_PREFIX + validate_name(_world_name(world)))
 
 

@@ -1,6 +1,6 @@
 """Test doubles for controller tests: a fake worker actor and a test client.
 
-`FakeWorker` speaks the controller side of the worker protocol (40-worker-client.md):
+`FakeWorker` speaks the controller side of the worker protocol:
 it answers ``RequestStatus`` with ``Status{seq + 1}`` (or holds the answers while told to
 hang), answers ``ProgressQuery``, records the commands it receives, and can fail on
 demand. Worker procs import this module by name (``controller_fakes.FakeWorker``): the
@@ -19,10 +19,9 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from palatine.actor import Actor, handler
+from palatine.core.actor import Actor, handler
 from palatine.ids import ActorId, ProcId
-from palatine.wire.codec import Message
-from palatine.worker.messages import (
+from palatine.protocol.worker import (
     CallFunction,
     CommandGroup,
     ExecutingOp,
@@ -33,6 +32,7 @@ from palatine.worker.messages import (
     WorkerParams,
     WorkerProgress,
 )
+from palatine.wire.codec import Message
 
 __all__ = [
     "FakeConfig",
@@ -164,7 +164,7 @@ class LoopThread:
     """A private event loop on a daemon thread, for a test's system client."""
 
     def __init__(self) -> None:
-        from palatine.runtime import new_event_loop
+        from palatine.core.runtime import new_event_loop
 
         self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -190,7 +190,7 @@ class TestClient:
     __test__ = False
 
     def __init__(self, system_addr: str, controller: str = "controller[0].root") -> None:
-        from palatine.controller.messages import Failure, Log, Result, Results
+        from palatine.protocol.controller import Failure, Log, Result, Results
         from palatine.system.service import System
 
         self.lt = LoopThread()
@@ -236,7 +236,7 @@ class TestClient:
         self.lt.call(lambda: self.sys.mailbox.tell(dest or self.controller, msg))
 
     def attach(self) -> Any:
-        from palatine.controller.messages import Attach
+        from palatine.protocol.controller import Attach
 
         return self.ask(self.controller, Attach(client=self.id))
 

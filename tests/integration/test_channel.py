@@ -1,4 +1,4 @@
-"""Channels end to end over real sockets (10-runtime.md §2; acceptance items 16–39).
+"""Channels end to end over real sockets.
 
 Raw clients and fake servers speak the wire protocol by hand (through the sans-IO
 `palatine.wire` halves) to reach states a well-behaved peer never produces. Every wait
@@ -30,8 +30,8 @@ from palatine.channel import token as token_mod
 from palatine.channel.addr import ChannelAddr
 from palatine.channel.base import Rx
 from palatine.channel.net import dial_net
-from palatine.channel.net_rx import NetRx
-from palatine.channel.net_tx import NetTx
+from palatine.channel.net.rx import NetRx
+from palatine.channel.net.tx import NetTx
 from palatine.errors import AddrParseError, ChannelClosed, ConfigError, SendError
 from palatine.ids import ActorId, PortId, ProcId
 from palatine.testing.proxy import LossyProxy
@@ -225,12 +225,12 @@ async def server_handshake(raw: Raw, token: str = TOKEN) -> None:
     assert hs.done
 
 
-# -- 16, 17: many dials, many messages ------------------------------------------------
+# -- many dials, many messages ------------------------------------------------
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("transport", ["tcp", "unix", "local"])
-async def test_16_hundred_dials_each_deliver(transport: str) -> None:
+async def test_hundred_dials_each_deliver(transport: str) -> None:
     addr, rx = await serve(any_addr(transport))
     txs = [dial(addr) for _ in range(100)]
     for i, tx in enumerate(txs):
@@ -243,7 +243,7 @@ async def test_16_hundred_dials_each_deliver(transport: str) -> None:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("transport", NET)
-async def test_17_ten_thousand_in_order_exactly_once(transport: str) -> None:
+async def test_ten_thousand_in_order_exactly_once(transport: str) -> None:
     addr, rx = await net_rx(transport)
     tx = dial(addr)
     returns = Returns()
@@ -258,7 +258,7 @@ async def test_17_ten_thousand_in_order_exactly_once(transport: str) -> None:
         await rx.recv()
 
 
-# -- 18: dial before serve ----------------------------------------------------------------
+# -- dial before serve ----------------------------------------------------------------
 
 
 def free_tcp_port() -> int:
@@ -269,14 +269,14 @@ def free_tcp_port() -> int:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("transport", NET)
-async def test_18_dial_and_post_before_the_server_exists(transport: str) -> None:
+async def test_dial_and_post_before_the_server_exists(transport: str) -> None:
     if transport == "tcp":
         addr = ChannelAddr.tcp("127.0.0.1", free_tcp_port())
     else:
         addr = any_addr("unix")
     tx = dial(addr)
     tx.post(mk(0))
-    await asyncio.sleep(1.0)  # the spec'd scenario: the server appears 1 s later
+    await asyncio.sleep(1.0)  # the scenario: the server appears 1 s later
     bound, rx = await serve(addr)
     assert bound == addr
     for i in range(1, 200):
@@ -289,11 +289,11 @@ async def test_18_dial_and_post_before_the_server_exists(transport: str) -> None
     await rx.stop()
 
 
-# -- 19: a lossy link -------------------------------------------------------------------
+# -- a lossy link -------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
-async def test_19_lossy_proxy_delivers_exactly_once_in_order() -> None:
+async def test_lossy_proxy_delivers_exactly_once_in_order() -> None:
     with config.override(reconnect_backoff_initial_s=0.005, reconnect_backoff_max_s=0.05):
         addr, rx = await serve(ChannelAddr.tcp("127.0.0.1", 0))
         assert isinstance(rx, NetRx)
@@ -321,11 +321,11 @@ async def test_19_lossy_proxy_delivers_exactly_once_in_order() -> None:
         await rx.stop()
 
 
-# -- 20, 21, 22, 32, 36: raw clients ---------------------------------------------------
+# -- raw clients ---------------------------------------------------
 
 
 @pytest.mark.timeout(30)
-async def test_20_resent_seqs_are_delivered_once_and_acks_never_decrease() -> None:
+async def test_resent_seqs_are_delivered_once_and_acks_never_decrease() -> None:
     addr, rx = await net_rx("tcp")
     acks: list[int] = []
     a = await Raw.client(addr, session_id=77)
@@ -351,7 +351,7 @@ async def test_20_resent_seqs_are_delivered_once_and_acks_never_decrease() -> No
 
 
 @pytest.mark.timeout(30)
-async def test_21_ack_every_message_when_n_is_one() -> None:
+async def test_ack_every_message_when_n_is_one() -> None:
     with config.override(message_ack_every_n=1):
         addr, rx = await net_rx("unix")
     raw = await Raw.client(addr)
@@ -364,7 +364,7 @@ async def test_21_ack_every_message_when_n_is_one() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_21_sparse_acks_still_deliver_twenty_thousand_in_order() -> None:
+async def test_sparse_acks_still_deliver_twenty_thousand_in_order() -> None:
     with config.override(message_ack_every_n=1000, message_ack_interval_s=0.5):
         addr, rx = await net_rx("unix")
         tx = dial(addr)
@@ -379,7 +379,7 @@ async def test_21_sparse_acks_still_deliver_twenty_thousand_in_order() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_22_sequence_gap_is_rejected_and_others_keep_going() -> None:
+async def test_sequence_gap_is_rejected_and_others_keep_going() -> None:
     addr, rx = await net_rx("tcp")
     other = dial(addr)
     raw = await Raw.client(addr)
@@ -395,7 +395,7 @@ async def test_22_sequence_gap_is_rejected_and_others_keep_going() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_32_message_before_init_and_second_init_are_rejected() -> None:
+async def test_message_before_init_and_second_init_are_rejected() -> None:
     addr, rx = await net_rx("tcp")
     raw = await Raw.client(addr, session_id=None)  # type: ignore[arg-type]
     raw.send_msg(0, mk(0))
@@ -409,7 +409,7 @@ async def test_32_message_before_init_and_second_init_are_rejected() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_36_unknown_session_starts_at_next_seq() -> None:
+async def test_unknown_session_starts_at_next_seq() -> None:
     addr, rx = await net_rx("unix")
     raw = await Raw.client(addr, session_id=2**64 - 1, next_seq=5)
     assert await raw.frame() == Ack(4)
@@ -420,12 +420,12 @@ async def test_36_unknown_session_starts_at_next_seq() -> None:
     await rx.stop()
 
 
-# -- 23, 24, 33: delivery timeout and send() --------------------------------------------
+# -- delivery timeout and send() --------------------------------------------
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("transport", NET)
-async def test_23_never_listening_returns_all_oldest_first(transport: str) -> None:
+async def test_never_listening_returns_all_oldest_first(transport: str) -> None:
     addr = ChannelAddr.tcp("127.0.0.1", free_tcp_port()) if transport == "tcp" else any_addr("unix")
     with config.override(message_delivery_timeout_s=1.0):
         tx = dial(addr)
@@ -439,9 +439,7 @@ async def test_23_never_listening_returns_all_oldest_first(transport: str) -> No
     assert time.monotonic() - start < 3.0
     assert [int(e.data) for e, _ in items] == list(range(50))
     reason = items[0][1]
-    assert reason.startswith(
-        "delivery timeout: not delivered within 1.0 s of posting (link broken: "
-    )
+    assert reason.startswith("delivery timeout: not delivered within 1 s of posting (link broken: ")
     assert all(r == reason for _, r in items)
     assert tx.status.closed and tx.status.reason == reason and closed == [reason]
     with pytest.raises(ChannelClosed) as info:
@@ -450,7 +448,7 @@ async def test_23_never_listening_returns_all_oldest_first(transport: str) -> No
 
 
 @pytest.mark.timeout(30)
-async def test_24_peer_that_never_acks_returns_with_link_connected() -> None:
+async def test_peer_that_never_acks_returns_with_link_connected() -> None:
     async def silent(raw: Raw) -> None:
         await server_handshake(raw)
         while await raw.frame_or_eof(timeout=30) is not None:
@@ -470,7 +468,7 @@ async def test_24_peer_that_never_acks_returns_with_link_connected() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_33_send_completes_only_after_the_ack() -> None:
+async def test_send_completes_only_after_the_ack() -> None:
     got_message = asyncio.Event()
     release = asyncio.Event()
 
@@ -498,7 +496,7 @@ async def test_33_send_completes_only_after_the_ack() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_33_send_to_a_gone_receiver_raises_send_error() -> None:
+async def test_send_to_a_gone_receiver_raises_send_error() -> None:
     with config.override(message_delivery_timeout_s=0.5):
         addr, rx = await net_rx("tcp")
         tx = dial(addr)
@@ -512,11 +510,11 @@ async def test_33_send_to_a_gone_receiver_raises_send_error() -> None:
     assert info.value.reason.startswith("delivery timeout")
 
 
-# -- 25, 26: frame size limits ----------------------------------------------------------
+# -- frame size limits ----------------------------------------------------------
 
 
 @pytest.mark.timeout(30)
-async def test_25_26_oversize_returned_at_post_and_the_tx_stays_open() -> None:
+async def test_oversize_returned_at_post_and_the_tx_stays_open() -> None:
     limit = 1 << 20
     with config.override(max_frame_bytes=limit):
         addr, rx = await net_rx("unix")
@@ -544,19 +542,19 @@ async def test_25_26_oversize_returned_at_post_and_the_tx_stays_open() -> None:
     await rx.stop()
 
 
-# -- 27, 28, 29, 30, 31: bad peers ------------------------------------------------------
+# -- bad peers ------------------------------------------------------
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.levelno == logging.WARNING and r.name == "palatine.channel.net"
+        if r.levelno == logging.WARNING and r.name == "palatine.channel.net.sockets"
     ]
 
 
 @pytest.mark.timeout(30)
-async def test_27_garbage_after_handshake_closes_only_that_connection(
+async def test_garbage_after_handshake_closes_only_that_connection(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     addr, rx = await net_rx("tcp")
@@ -577,7 +575,7 @@ async def test_27_garbage_after_handshake_closes_only_that_connection(
 
 
 @pytest.mark.timeout(30)
-async def test_28_huge_length_prefix_closes_without_allocating() -> None:
+async def test_huge_length_prefix_closes_without_allocating() -> None:
     addr, rx = await net_rx("tcp")
     good = dial(addr)
     raw = await Raw.client(addr)
@@ -597,7 +595,7 @@ async def test_28_huge_length_prefix_closes_without_allocating() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_28b_a_big_frame_that_stops_arriving_is_rejected_and_its_buffer_freed() -> None:
+async def test_a_big_frame_that_stops_arriving_is_rejected_and_its_buffer_freed() -> None:
     # A session announces a 4 MiB frame, sends 1 KiB of it and stalls: after the delivery
     # timeout (its sender has given the message up by then) the connection is rejected
     # and the frame's buffer goes back to the pool; a frame that keeps coming is not cut.
@@ -617,7 +615,7 @@ async def test_28b_a_big_frame_that_stops_arriving_is_rejected_and_its_buffer_fr
     assert frames == [Reject("a frame stopped arriving: no byte of it for 0.5 s")]
     assert POOL.free_bytes >= free_before + (4 << 20)  # returned, not held by the dead connection
     # A big message whose bytes keep coming, slower than the timeout in total, arrives.
-    head, bufs, size = encode_message(0, False, mk(0, buffers=[b"y" * (2 << 20)]))
+    head, bufs, _size = encode_message(0, False, mk(0, buffers=[b"y" * (2 << 20)]))
     data = head + b"".join(bytes(b) for b in bufs)
     for i in range(0, len(data), len(data) // 8 + 1):
         slow.write(data[i : i + len(data) // 8 + 1])
@@ -627,7 +625,7 @@ async def test_28b_a_big_frame_that_stops_arriving_is_rejected_and_its_buffer_fr
 
 
 @pytest.mark.timeout(30)
-async def test_29_preauth_limit_and_auth_timeout() -> None:
+async def test_preauth_limit_and_auth_timeout() -> None:
     with config.override(auth_timeout_s=0.3):
         addr, rx = await net_rx("tcp")
     raw = await Raw.open(addr)
@@ -652,7 +650,7 @@ async def test_29_preauth_limit_and_auth_timeout() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_30_wrong_token_returns_messages_and_warns_once(
+async def test_wrong_token_returns_messages_and_warns_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     addr, rx = await net_rx("tcp")
@@ -674,7 +672,7 @@ async def test_30_wrong_token_returns_messages_and_warns_once(
 
 
 @pytest.mark.timeout(30)
-async def test_31_forged_auth_ok_closes_the_client() -> None:
+async def test_forged_auth_ok_closes_the_client() -> None:
     async def forger(raw: Raw) -> None:
         hs = ServerHandshake(b"some-other-token-entirely-xxxxxx")
         raw.send(hs.hello())
@@ -691,10 +689,10 @@ async def test_31_forged_auth_ok_closes_the_client() -> None:
     assert items[0][1] == reason and tx.status.reason == reason
 
 
-# -- 34: local transport ----------------------------------------------------------------
+# -- local transport ----------------------------------------------------------------
 
 
-async def test_34_local_after_stop_post_and_dial_raise() -> None:
+async def test_local_after_stop_post_and_dial_raise() -> None:
     addr, rx = await serve("local:0")
     tx = dial(addr)
     closed: list[str] = []
@@ -741,11 +739,11 @@ async def test_local_handler_sees_objects_in_order_without_recursion() -> None:
     await rx.stop()
 
 
-# -- 35: TLS ----------------------------------------------------------------------------
+# -- TLS ----------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
-async def test_35_tls_mutual_auth(
+async def test_tls_mutual_auth(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     pytest.importorskip("cryptography")
@@ -792,10 +790,10 @@ async def test_35_tls_mutual_auth(
         dial(addr)
 
 
-# -- 37: token configuration -------------------------------------------------------------
+# -- token configuration -------------------------------------------------------------
 
 
-async def test_37_token_file_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_token_file_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PALATINE_CLUSTER_TOKEN")
     loose = tmp_path / "loose-token"
     loose.write_text("a" * 40)
@@ -816,11 +814,11 @@ async def test_37_token_file_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     await rx.stop()
 
 
-# -- 38: resume after reconnect ---------------------------------------------------------
+# -- resume after reconnect ---------------------------------------------------------
 
 
 @pytest.mark.timeout(30)
-async def test_38_reconnect_resends_only_unacked_and_acks_prune_the_outbox() -> None:
+async def test_reconnect_resends_only_unacked_and_acks_prune_the_outbox() -> None:
     inits: list[Init] = []
     received: list[list[int]] = []
 
@@ -859,7 +857,7 @@ async def test_38_reconnect_resends_only_unacked_and_acks_prune_the_outbox() -> 
 
 
 @pytest.mark.timeout(30)
-async def test_38_ack_covering_the_outbox_removes_without_sending() -> None:
+async def test_ack_covering_the_outbox_removes_without_sending() -> None:
     received: list[list[int]] = []
 
     async def server(raw: Raw) -> None:
@@ -894,11 +892,11 @@ async def test_38_ack_covering_the_outbox_removes_without_sending() -> None:
         await tx.close()
 
 
-# -- 39: final ack, EOF inside a frame, zero-length buffers ---------------------------
+# -- final ack, EOF inside a frame, zero-length buffers ---------------------------
 
 
 @pytest.mark.timeout(30)
-async def test_39_stop_flushes_a_final_ack() -> None:
+async def test_stop_flushes_a_final_ack() -> None:
     with config.override(message_ack_every_n=10_000, message_ack_interval_s=30.0):
         addr, rx = await net_rx("unix")
         tx = dial(addr)
@@ -913,7 +911,7 @@ async def test_39_stop_flushes_a_final_ack() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_39_eof_inside_a_frame_is_a_connection_error() -> None:
+async def test_eof_inside_a_frame_is_a_connection_error() -> None:
     addr, rx = await net_rx("tcp")
     raw = await Raw.client(addr, session_id=9)
     assert await raw.frame() == Ack(-1)
@@ -934,7 +932,7 @@ async def test_39_eof_inside_a_frame_is_a_connection_error() -> None:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("transport", NET)
-async def test_39_buffers_round_trip_including_zero_length(transport: str) -> None:
+async def test_buffers_round_trip_including_zero_length(transport: str) -> None:
     addr, rx = await net_rx(transport)
     tx = dial(addr)
     big = bytearray(os.urandom(3 * 2**20))
@@ -950,9 +948,9 @@ async def _pickled_values_round_trip(transport: str) -> None:
     """Fetched values (pickle buffers out of band) through a real channel, twice."""
     import numpy as np
 
+    from palatine.protocol.worker import FetchResult, Ok
+    from palatine.tensor.worker.values import dumps_fetched, loads_value
     from palatine.wire.codec import decode_payload, encode_message_oob
-    from palatine.worker.messages import FetchResult, Ok
-    from palatine.worker.values import dumps_fetched, loads_value
 
     addr, rx = await net_rx(transport)
     tx = dial(addr)
@@ -1052,7 +1050,9 @@ async def test_a_lane_must_name_a_lane_actor() -> None:
     assert isinstance(rx, NetRx)
     raw = await Raw.client(addr, session_id=78, lane=ActorId.parse("src[0].system[0]"))
     frames = await raw.until_eof()
-    assert any(isinstance(f, Reject) and "a lane's actor is named 'lane'" in f.reason for f in frames)
+    assert any(
+        isinstance(f, Reject) and "a lane's actor is named 'lane'" in f.reason for f in frames
+    )
     assert rx.lanes == {}
     await rx.stop()
 
@@ -1094,7 +1094,7 @@ async def test_stopped_unix_rx_removes_its_socket_file() -> None:
     assert addr.path is not None
     assert stat.S_IMODE(os.stat(addr.path).st_mode) == 0o600
     await rx.stop()
-    assert not os.path.exists(addr.path)
+    assert not os.path.exists(addr.path)  # noqa: ASYNC240 - one stat in a test
 
 
 async def test_abstract_unix_any_gets_a_name() -> None:
@@ -1234,7 +1234,7 @@ async def _bench_main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PALATINE_CLUSTER_TOKEN", TOKEN)
-    from palatine.runtime import new_event_loop
+    from palatine.core.runtime import new_event_loop
 
     bench_loop = new_event_loop()
     if sys.argv[1:2] == ["--echo"]:
@@ -1245,8 +1245,13 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("spin_us", "lane", "spins"), [(1_000_000, True, True), (0, True, False), (1_000_000, False, False)])
-async def test_a_loop_stays_awake_for_the_idle_spin_after_a_lane_request(spin_us: int, lane: bool, spins: bool) -> None:
+@pytest.mark.parametrize(
+    ("spin_us", "lane", "spins"),
+    [(1_000_000, True, True), (0, True, False), (1_000_000, False, False)],
+)
+async def test_a_loop_stays_awake_for_the_idle_spin_after_a_lane_request(
+    spin_us: int, lane: bool, spins: bool
+) -> None:
     """A request on a lane keeps the receiving loop polling (`palatine.channel.spin`), so
     the caller's next request is read without a wake-up; other connections do not, and
     ``PALATINE_IDLE_SPIN_US=0`` turns it off."""
@@ -1258,7 +1263,9 @@ async def test_a_loop_stays_awake_for_the_idle_spin_after_a_lane_request(spin_us
         addr, rx = await net_rx("unix")
         seen: list[Envelope] = []
         rx.set_handler(seen.append, lambda procs: None)
-        raw = await Raw.client(addr, session_id=78, lane=ActorId.parse("src[0].lane[4]") if lane else None)
+        raw = await Raw.client(
+            addr, session_id=78, lane=ActorId.parse("src[0].lane[4]") if lane else None
+        )
         assert await raw.frame() == Ack(-1)
         raw.send_msg(0, mk(0))
         await wait_for(lambda: bool(seen))

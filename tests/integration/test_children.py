@@ -1,4 +1,4 @@
-"""A host's child processes with real OS processes (20-system.md §2.5, §2.6; acceptance 40–46).
+"""A host's child processes with real OS processes.
 
 Every child is a ``python -c`` program. The ``reaper`` fixture SIGKILLs the process group
 of every child a test started (and any extra pid it tracked) and reaps them, whatever
@@ -24,16 +24,16 @@ import psutil
 import pytest
 
 from palatine import config
-from palatine.child_env import (
+from palatine.hosting.child_env import (
     arm_parent_death_signal,
     child_env,
     describe_exit,
     log_path_for,
     stack_path_for,
 )
-from palatine.children import Child, ChildProcs
-from palatine.debug import StackDumpError, dump_external, find_pyspy
-from palatine.logs import default_log_dir
+from palatine.hosting.children import Child, ChildProcs
+from palatine.hosting.stacks import StackDumpError, dump_external, find_pyspy
+from palatine.output.logs import default_log_dir
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -581,7 +581,7 @@ async def test_no_spawn_after_close(reaper: Reaper) -> None:
 
 GRANDCHILD_ARMS = """
 import time
-from palatine.child_env import arm_parent_death_signal
+from palatine.hosting.child_env import arm_parent_death_signal
 print("armed", arm_parent_death_signal(), flush=True)
 time.sleep(60)
 """
@@ -616,7 +616,7 @@ async def test_parent_death_signal_takes_the_grandchild(reaper: Reaper) -> None:
 async def test_arm_exits_at_once_when_parent_already_changed(reaper: Reaper) -> None:
     procs = reaper.make(echo=False)
     code = """
-        from palatine.child_env import arm_parent_death_signal
+        from palatine.hosting.child_env import arm_parent_death_signal
         arm_parent_death_signal()
         print("still running", flush=True)
     """
@@ -627,7 +627,7 @@ async def test_arm_exits_at_once_when_parent_already_changed(reaper: Reaper) -> 
 
     unset = await procs.spawn(
         "w[1]",
-        py("from palatine.child_env import arm_parent_death_signal as a; print(a())"),
+        py("from palatine.hosting.child_env import arm_parent_death_signal as a; print(a())"),
         {"PALATINE_PARENT_PID": ""},
         None,
     )
@@ -643,7 +643,7 @@ def test_arm_without_variable_does_nothing(monkeypatch: pytest.MonkeyPatch) -> N
 # --------------------------------------------------------------------------- stack dumps
 
 SPINNER = """
-    from palatine.debug import register_faulthandler
+    from palatine.hosting.stacks import register_faulthandler
     register_faulthandler()
 
     def spin_forever_here():
@@ -656,7 +656,7 @@ SPINNER = """
 
 NAPPER = """
     import time
-    from palatine.debug import register_faulthandler
+    from palatine.hosting.stacks import register_faulthandler
     register_faulthandler()
 
     def nap_in_sleep():

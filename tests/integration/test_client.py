@@ -1,19 +1,27 @@
-"""The client on a real local mesh of 4 workers (40-worker-client.md §5, client items)."""
+"""The client on a real local mesh of 4 workers."""
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import signal
+import sys
 import time
 from collections.abc import Iterator
 
 import cloudpickle
 import pytest
 
-from palatine import DeviceException, RemoteException, StuckWorkersException, fetch, inspect, local_mesh, remote
-from palatine.client.mesh import DeviceMesh
+from palatine import (
+    DeviceException,
+    RemoteException,
+    StuckWorkersException,
+    fetch,
+    inspect,
+    local_mesh,
+    remote,
+)
+from palatine.tensor.client.mesh import DeviceMesh
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -110,7 +118,9 @@ def _switch_interval_in_a_forked_child() -> float:
         return float(f.read())
 
 
-def test_calls_nobody_fetches_still_run_and_fetches_go_out_at_once(mesh: DeviceMesh, tmp_path: object) -> None:
+def test_calls_nobody_fetches_still_run_and_fetches_go_out_at_once(
+    mesh: DeviceMesh, tmp_path: object
+) -> None:
     session = mesh.session
     assert session.direct is not None  # a local mesh: calls leave on the direct session
     with mesh.activate():
@@ -121,7 +131,9 @@ def test_calls_nobody_fetches_still_run_and_fetches_go_out_at_once(mesh: DeviceM
         # ... and switch the GIL every 1 ms: the loop thread answers while a stream spins.
         switch = remote(sys.getswitchinterval)()
         assert [inspect(switch, shard=i) for i in range(4)] == [0.001] * 4
-        forked = remote(_switch_interval_in_a_forked_child)()  # ... which their children do not inherit
+        forked = remote(
+            _switch_interval_in_a_forked_child
+        )()  # ... which their children do not inherit
         assert inspect(forked, shard=0) == 0.005
         remote(lambda rank, d: touch(f"{d}/{rank}"))(r, str(tmp_path))
         # No fetch, no wait: the sweep sends the call within milliseconds.
@@ -134,7 +146,9 @@ def test_calls_nobody_fetches_still_run_and_fetches_go_out_at_once(mesh: DeviceM
         assert time.monotonic() - t0 < 5
 
 
-def test_without_lanes_batch_scheduling_or_gil_switching_the_loop_sends_for_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_lanes_batch_scheduling_or_gil_switching_the_loop_sends_for_the_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from palatine import config
 
     monkeypatch.setenv("PALATINE_LANES", "0")
@@ -159,7 +173,7 @@ def test_without_lanes_batch_scheduling_or_gil_switching_the_loop_sends_for_the_
 
 def test_each_worker_proc_sees_one_device_of_its_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """PALATINE_DEVICES_PER_HOST narrows CUDA_VISIBLE_DEVICES per proc before torch loads
-    (40-worker-client.md §1.1); here on CPU workers, which only carry the setting."""
+    ; here on CPU workers, which only carry the setting."""
     monkeypatch.setenv("PALATINE_DEVICES_PER_HOST", "2")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7,9")
     with local_mesh(hosts=1, procs_per_host=3, device="cpu", startup_timeout_in_sec=60) as m:
@@ -168,7 +182,9 @@ def test_each_worker_proc_sees_one_device_of_its_host(monkeypatch: pytest.Monkey
             assert [inspect(seen, shard=i) for i in range(3)] == ["5", "7", "5"]
 
 
-def test_user_error_on_one_rank_has_both_tracebacks_and_independents_survive(mesh: DeviceMesh) -> None:
+def test_user_error_on_one_rank_has_both_tracebacks_and_independents_survive(
+    mesh: DeviceMesh,
+) -> None:
     with mesh.activate():
         r = mesh.rank("proc")
         bad = remote(fail_on_rank)(r, 1)  # issued here
@@ -246,7 +262,7 @@ def test_large_values_fetch_exactly_as_private_snapshots(mesh: DeviceMesh) -> No
 
 
 def test_sigkilled_worker_raises_device_exception_fast() -> None:
-    with local_mesh(hosts=1, procs_per_host=4, startup_timeout_in_sec=60) as m:
+    with local_mesh(hosts=1, procs_per_host=4, startup_timeout_in_sec=60):
         pids = [inspect(remote(os.getpid)(), shard=p) for p in range(4)]
         pending = fetch(remote(spin)(30.0), shard=0)
         t0 = time.monotonic()
@@ -274,13 +290,18 @@ def test_stuck_worker_fails_with_rank_op_and_stack(caplog: pytest.LogCaptureFixt
     ) as m:
         ranks = m.rank("proc")
         stuck = remote(lambda r: spin(60.0) if r == 3 else "ok")(ranks)
-        with caplog.at_level(logging.WARNING, logger="palatine"), pytest.raises(StuckWorkersException) as ei:
+        with (
+            caplog.at_level(logging.WARNING, logger="palatine"),
+            pytest.raises(StuckWorkersException) as ei,
+        ):
             fetch(stuck, shard=0).result(timeout=30)
         text = str(ei.value)
         assert "3" in text and "spin" in text
 
 
-def test_only_failures_no_fetch_raised_are_warned_of_as_not_fetched(caplog: pytest.LogCaptureFixture) -> None:
+def test_only_failures_no_fetch_raised_are_warned_of_as_not_fetched(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     with caplog.at_level(logging.WARNING, logger="palatine"):
         with local_mesh(hosts=1, procs_per_host=2) as m:
             r = m.rank("proc")
@@ -300,7 +321,9 @@ def test_only_failures_no_fetch_raised_are_warned_of_as_not_fetched(caplog: pyte
     assert "on rank 1 (not fetched): ZeroDivisionError: division by zero on purpose" in warned[0]
 
 
-def test_a_failed_mesh_keeps_its_logs_and_says_where(caplog: pytest.LogCaptureFixture, tmp_path: object) -> None:
+def test_a_failed_mesh_keeps_its_logs_and_says_where(
+    caplog: pytest.LogCaptureFixture, tmp_path: object
+) -> None:
     from pathlib import Path
 
     from palatine import config
@@ -314,7 +337,11 @@ def test_a_failed_mesh_keeps_its_logs_and_says_where(caplog: pytest.LogCaptureFi
             os.kill(pid, signal.SIGKILL)
             with pytest.raises(DeviceException):
                 fetch(remote(os.getpid)(), shard={"host": 0, "proc": 0}).result()
-    kept = [rec.getMessage() for rec in caplog.records if "logs of this mesh are kept" in rec.getMessage()]
+    kept = [
+        rec.getMessage()
+        for rec in caplog.records
+        if "logs of this mesh are kept" in rec.getMessage()
+    ]
     assert kept == [f"the logs of this mesh are kept in {logs}"]
     assert {p.name for p in logs.iterdir()} >= {"system.log", "host-0.log", "controller.log"}
     worker_logs = sorted(p.name for p in logs.glob("*/*/*.log"))

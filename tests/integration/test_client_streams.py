@@ -1,4 +1,4 @@
-"""Streams, borrows, value lifetime on a real local mesh (40-worker-client.md §1.7, §2.5-§2.9).
+"""Streams, borrows, value lifetime on a real local mesh.
 
 Covers: streams of one mesh run in parallel and keep order within a stream; a value on
 another stream is a `TypeError` until borrowed with ``to_stream``; a borrow gives the
@@ -18,11 +18,12 @@ from typing import Any
 import cloudpickle
 import pytest
 
-from palatine import RemoteException, fetch, inspect, local_mesh, remote, runtime
-from palatine.client.mesh import DeviceMesh
-from palatine.client.values import RemoteValue
+from palatine import RemoteException, fetch, inspect, local_mesh, remote
+from palatine.core import runtime
 from palatine.ids import ActorId, ProcId, WorldId
-from palatine.worker.messages import GetRefUnitTestsOnly, RefValue
+from palatine.protocol.worker import GetRefUnitTestsOnly, RefValue
+from palatine.tensor.client.mesh import DeviceMesh
+from palatine.tensor.client.values import RemoteValue
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,11 +102,13 @@ def test_a_slow_side_stream_does_not_block_main(mesh: DeviceMesh) -> None:
         quick = remote(stamped_sleep)(0.0)
         assert quick.stream.name == "main"
         assert time.monotonic() - t0 < 2.0  # issuing never waits (for the 3 s side call)
-        # a fetch completes once every stream passed its seq (30-controller.md §6.3), so
+        # a fetch completes once every stream passed its seq, so
         # compare the workers' own clocks: main ran while side was still sleeping
         for shard in range(len(mesh)):
             (s0, s1), (q0, _) = inspect(slow, shard=shard), inspect(quick, shard=shard)
             assert s0 <= q0 + 1.5 and q0 < s1 - 1.5, (s0, s1, q0)
+
+
 @pytest.mark.timeout(30)
 def test_order_holds_within_a_stream(mesh: DeviceMesh) -> None:
     side = mesh.stream("order")

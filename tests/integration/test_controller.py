@@ -1,4 +1,4 @@
-"""The controller started only through the CLI (30-controller.md §10, items 1–22, 40–64).
+"""The controller started only through the CLI.
 
 Every test runs real processes: ``palatine system``, two ``palatine host`` of
 ``hostworker`` and ``palatine controller --program "<python> -m palatine worker"``, so the
@@ -26,8 +26,7 @@ import psutil
 import pytest
 from controller_fakes import FAKE_WORKER_TYPE, FakeConfig, FakeQuery, TestClient
 
-from palatine.client.procs import RoleProcess, palatine_cmd
-from palatine.controller.messages import (
+from palatine.protocol.controller import (
     AttachRejected,
     AttachReply,
     Detach,
@@ -36,7 +35,8 @@ from palatine.controller.messages import (
     Send,
     Serialized,
 )
-from palatine.worker.messages import CallFunction, FunctionPath, Pickled, RequestStatus, Slice
+from palatine.protocol.worker import CallFunction, FunctionPath, Pickled, RequestStatus, Slice
+from palatine.tensor.client.procs import RoleProcess, palatine_cmd
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -91,7 +91,9 @@ class Cluster:
             ]
         )
 
-    def controller_args(self, *extra: str, program: bool = True, cpu_worker: bool = True) -> list[str]:
+    def controller_args(
+        self, *extra: str, program: bool = True, cpu_worker: bool = True
+    ) -> list[str]:
         args = [
             "controller",
             "--worker-world",
@@ -247,9 +249,14 @@ def proc_failures(client: TestClient) -> list[Any]:
         (["--world-size", "4", "--controller-actor-id", "controller[0].comm"], "reserved"),
         (["--world-size", "0"], "--world-size must be in [1, 1,048,576], got 0"),
         (["--world-size", str(10**30)], "--world-size must be in [1, 1,048,576]"),
-        (["--world-size", "4", "--num-procs-per-host", "5000"], "--num-procs-per-host must be in [1, 4,096]"),
-        (["--world-size", "4", "--operations-per-worker-progress-request", str(2**63)],
-         "--operations-per-worker-progress-request must be in [1, 2**63)"),
+        (
+            ["--world-size", "4", "--num-procs-per-host", "5000"],
+            "--num-procs-per-host must be in [1, 4,096]",
+        ),
+        (
+            ["--world-size", "4", "--operations-per-worker-progress-request", str(2**63)],
+            "--operations-per-worker-progress-request must be in [1, 2**63)",
+        ),
         (["--world-size", "4", "--extra-proc-labels", "proc.palatine.dev/role=x"], "reserved"),
         ([], "--world-size"),
     ],
@@ -491,7 +498,16 @@ def test_unreachable_system_fails_the_bootstrap_at_once(env: dict[str, str]) -> 
     addr = f"unix:@palatine-test-nobody-{secrets.token_hex(4)}"
     t0 = time.monotonic()
     p = subprocess.Popen(
-        [*palatine_cmd(), "controller", "--worker-world", "w", "--system-addr", addr, "--world-size", "2"],
+        [
+            *palatine_cmd(),
+            "controller",
+            "--worker-world",
+            "w",
+            "--system-addr",
+            addr,
+            "--world-size",
+            "2",
+        ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -561,8 +577,8 @@ def test_attach_nodes_sends_and_results(cluster: Cluster) -> None:
 def test_batch_is_handled_as_its_messages_in_order(cluster: Cluster) -> None:
     """A client flush (`Batch`): Nodes, then Sends (a CommandGroup and per-rank Sends),
     then drops; completions of one Status come back as one `Results`, one per seq."""
-    from palatine.controller.messages import Batch, Introspect
-    from palatine.worker.messages import CommandGroup
+    from palatine.protocol.controller import Batch, Introspect
+    from palatine.protocol.worker import CommandGroup
 
     cluster.start_controller()
     client = cluster.client()
@@ -570,7 +586,11 @@ def test_batch_is_handled_as_its_messages_in_order(cluster: Cluster) -> None:
 
     def call(seq: int, results: list[int]) -> CallFunction:
         return CallFunction(
-            seq=seq, results=results, function=FunctionPath("os.getpid"), args=Pickled(b""), stream=0
+            seq=seq,
+            results=results,
+            function=FunctionPath("os.getpid"),
+            args=Pickled(b""),
+            stream=0,
         )
 
     group = CommandGroup(commands=[call(0, [1]), call(1, [2]), call(2, [3])])
@@ -588,7 +608,9 @@ def test_batch_is_handled_as_its_messages_in_order(cluster: Cluster) -> None:
     client.wait_for(lambda: len(client.results) >= 3, 10, "three Results")
     assert [(r.seq, r.result) for r in client.results] == [(0, None), (1, None), (2, None)]
     for rank in range(4):
-        got = [(k, s) for k, s, ctl in client.ask(client.worker(rank), FakeQuery()).received if not ctl]
+        got = [
+            (k, s) for k, s, ctl in client.ask(client.worker(rank), FakeQuery()).received if not ctl
+        ]
         calls = [("CallFunction", 0), ("CallFunction", 1), ("CallFunction", 2)]
         extra = [("CallFunction", 3)] if rank == 0 else []
         assert got == [*calls, *extra, ("RequestStatus", 2)], (rank, got)
@@ -769,8 +791,9 @@ def test_real_worker_actor(env: dict[str, str]) -> None:
 
 
 def test_real_workers_stall_report_names_the_function_and_its_stack(env: dict[str, str]) -> None:
-    from palatine.worker.messages import CreateStream
-    from palatine.worker.values import dumps_args
+    from palatine.protocol.worker import CreateStream
+    from palatine.tensor.worker.values import dumps_args
+
     # torch is imported while the worker actor is built: allow for GIL-starved heartbeats
     c = Cluster(
         {**env, "PALATINE_CONTROLLER_WORKER_ACTOR_TYPE": ""}, update_timeout="20", interval="2"
@@ -876,8 +899,8 @@ def test_sends_to_alternating_subsets_arrive_in_order(cluster: Cluster) -> None:
 
 def test_history_through_the_actor(cluster: Cluster) -> None:
     """Item 23: the test client also plays the workers' replies (Status, failures, fetches)."""
-    from palatine.controller.messages import Introspect
-    from palatine.worker.messages import (
+    from palatine.protocol.controller import Introspect
+    from palatine.protocol.worker import (
         FetchResult,
         Ok,
         RemoteFunctionFailed,

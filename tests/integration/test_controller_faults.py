@@ -1,16 +1,15 @@
-"""Faults seen by a controller started through the CLI (30-controller.md §10).
+"""Faults seen by a controller started through the CLI.
 
 Items 20 (late attach), 50 (a stack dump that never answers), 56 (a whole host lost),
 58 (a SIGSTOPped worker), 61 (two workers killed together) and 63 (the worker world
-evicted), plus the plain "was stopped" text of §8.3. Item 38 (randomized History) is a
+evicted), plus the plain "was stopped" text Item 38 (randomized History) is a
 unit test (tests/unit/test_history.py), not repeated here.
 
 Everything runs real processes with the `Cluster` of test_controller.py: ``palatine
 system`` (update timeout 3 s, eviction after 2 s), two ``palatine host`` of
 ``hostworker`` (heartbeat 0.5 s) and ``palatine controller --program ...`` with
-four fake workers (two per host), supervision query interval 0.5 s. Timings are the
-spec's small test settings, shortened where the spec's waits (a 15 s late attach) would
-not fit CI. Process groups are killed by the fixture; stopped procs get SIGCONT first.
+four fake workers (two per host), supervision query interval 0.5 s. Timings are small
+test settings, shortened where longer waits (a 15 s late attach) would not fit CI. Process groups are killed by the fixture; stopped procs get SIGCONT first.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ from test_controller import (  # the shared CLI cluster and its fixtures
     slow_silence_cluster,
 )
 
-from palatine.client.procs import palatine_cmd
-from palatine.controller.messages import (
+from palatine.protocol.controller import (
     AttachReply,
     Detach,
     Introspect,
@@ -46,7 +44,8 @@ from palatine.controller.messages import (
     Send,
     Serialized,
 )
-from palatine.worker.messages import RequestStatus
+from palatine.protocol.worker import RequestStatus
+from palatine.tensor.client.procs import palatine_cmd
 
 __all__ = ["cluster", "env", "slow_silence_cluster"]  # fixtures imported for pytest
 
@@ -95,7 +94,7 @@ def stopped() -> Iterator[list[int]]:
             pass
 
 
-# --------------------------------------------------------------------------- item 20
+# ---------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
@@ -151,7 +150,7 @@ def test_failures_queued_before_a_late_attach_arrive_right_after_it(cluster: Clu
     assert not client.logs  # no "older failures were dropped" warning
 
 
-# --------------------------------------------------------------------------- item 56
+# ---------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
@@ -189,7 +188,7 @@ def test_sigkill_of_a_whole_host_reports_each_of_its_workers_once(
         assert f.kind == "proc_failed" and f.world == "worker"
         assert f.proc_id == f"worker[{f.rank}]" and f.pid == pids[f.rank] and f.host
         assert f"worker rank {f.rank} (worker[{f.rank}], pid {pids[f.rank]} on host" in f.message
-        # 20-system.md §1.8: the reason names the lost host.
+        # The reason names the lost host.
         assert (
             f"connection lost (its host hostworker[0] on {f.host} was lost at the same time)"
             in f.message
@@ -202,7 +201,7 @@ def test_sigkill_of_a_whole_host_reports_each_of_its_workers_once(
     assert sorted(str(p) for p in state.reported_procs) == [f"worker[{r}]" for r in on_host0]
 
 
-# --------------------------------------------------------------------------- item 58
+# ---------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
@@ -238,7 +237,7 @@ def test_sigstopped_worker_is_reported_as_heartbeat_timeout(
     assert len(proc_failures(client)) == 1, [x.failure.message for x in client.failures]
 
 
-# --------------------------------------------------------------------------- item 61
+# ---------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
@@ -247,7 +246,7 @@ def test_two_workers_killed_together_are_each_reported_once(
 ) -> None:
     """Item 61: one Failure per proc, none twice (also not by the polls, nor after the
     eviction). Order: each death is pushed on its own, so rank order is only guaranteed
-    within one batch (§8.1); the test checks the set."""
+    within one batch; the test checks the set."""
     cluster = slow_silence_cluster
     cluster.start_controller()
     client = cluster.client()
@@ -270,13 +269,13 @@ def test_two_workers_killed_together_are_each_reported_once(
     assert state.dead_ranks == [1, 2]
 
 
-# --------------------------------------------------------------------------- item 63, §8.3
+# --------------------------------------------------------------------------- worlds gone
 
 
 @pytest.mark.timeout(60)
 def test_evicted_worker_world_gives_one_world_gone(cluster: Cluster) -> None:
     """Item 63: a failed worker makes the system evict the world after 2 s; the client
-    gets exactly one `world_gone` with the §8.3 text, after the proc's Failure, and the
+    gets exactly one `world_gone` with the stopped-world text, after the proc's Failure, and the
     controller stays up."""
     ctl = cluster.start_controller()
     client = cluster.client()
@@ -295,7 +294,7 @@ def test_evicted_worker_world_gives_one_world_gone(cluster: Cluster) -> None:
 
 @pytest.mark.timeout(60)
 def test_worker_world_stopped_by_someone_else_is_world_gone_stopped(cluster: Cluster) -> None:
-    """§8.3: no failure preceded it → `worker world W was stopped`; the workers' expected
+    """No failure preceded it → `worker world W was stopped`; the workers' expected
     exits are not failures."""
     cluster.start_controller()
     client = cluster.client()
@@ -315,7 +314,7 @@ def test_worker_world_stopped_by_someone_else_is_world_gone_stopped(cluster: Clu
     assert world_gone(client)[0].message == STOPPED
 
 
-# --------------------------------------------------------------------------- item 50
+# ---------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)

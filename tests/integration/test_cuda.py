@@ -1,4 +1,4 @@
-"""CUDA workers on a real local mesh (40-worker-client.md §1; skipped without a GPU).
+"""CUDA workers on a real local mesh.
 
 One GPU is enough: one worker proc gets it alone (its collectives go through NCCL), and
 two procs sharing it fall back to gloo, staging CUDA tensors through the CPU. With more
@@ -13,7 +13,7 @@ import cloudpickle
 import pytest
 
 from palatine import fetch, inspect, local_mesh, remote, worker_info
-from palatine.client.mesh import DeviceMesh
+from palatine.tensor.client.mesh import DeviceMesh
 
 torch = pytest.importorskip("torch")
 
@@ -66,7 +66,7 @@ def all_reduce_sum(t: object, pg: object) -> object:
 
 
 def backend() -> str:
-    from palatine.worker.collectives import backend_name
+    from palatine.tensor.worker.collectives import backend_name
 
     return backend_name()
 

@@ -9,16 +9,16 @@ import threading
 import time
 
 import pytest
+from test_channel import Raw, server_handshake
 
 from palatine import config
 from palatine.channel import any_addr, serve
-from palatine.channel.blocking import LinkLost
-from palatine.channel.direct_tx import DirectTx
+from palatine.channel.addr import ChannelAddr
+from palatine.fastpath.blocking import LinkLost
+from palatine.fastpath.direct_tx import DirectTx
 from palatine.ids import ActorId
 from palatine.wire.envelope import Envelope
-from palatine.channel.addr import ChannelAddr
 from palatine.wire.frames import Init, encode_message
-from test_channel import Raw, server_handshake
 
 TOKEN = "direct-tx-test-token-0123456789abcdef"
 SENDER = ActorId.parse("src[0].actor[0]")
@@ -219,7 +219,9 @@ class SilentPeer:
 
         self.server = await asyncio.start_unix_server(handle, path)
         loop = asyncio.get_running_loop()
-        tx = await asyncio.to_thread(DirectTx.open, ChannelAddr.parse(f"unix:{path}"), loop, returns)
+        tx = await asyncio.to_thread(
+            DirectTx.open, ChannelAddr.parse(f"unix:{path}"), loop, returns
+        )
         async with asyncio.timeout(WAIT_S):
             await opened.wait()
         return tx
@@ -231,7 +233,9 @@ class SilentPeer:
         self.server.close()
 
 
-async def test_a_peer_that_stops_reading_ends_the_session_after_the_delivery_timeout(tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_a_peer_that_stops_reading_ends_the_session_after_the_delivery_timeout(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
     peer, returns = SilentPeer(), Returns()
     with config.override(message_delivery_timeout_s=0.3):
         tx = await peer.open(str(tmp_path / "s"), returns)
@@ -262,7 +266,9 @@ async def test_a_message_with_buffers_is_acked_at_once_so_its_memory_is_let_go()
     await rx.stop()
 
 
-async def test_close_returns_what_a_peer_that_never_finishes_reading_did_not_confirm(tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_close_returns_what_a_peer_that_never_finishes_reading_did_not_confirm(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
     peer, returns = SilentPeer(), Returns()
     tx = await peer.open(str(tmp_path / "s"), returns)
     sent = mk(b"unconfirmed")

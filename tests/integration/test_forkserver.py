@@ -1,4 +1,4 @@
-"""Worker procs forked by a host's fork server (palatine.forkserver) with real processes.
+"""Worker procs forked by a host's fork server (palatine.hosting.forkserver) with real processes.
 
 The worker program is the real ``<python> -m palatine worker``; what it does is steered by
 a *probe* module in the test's working directory, imported through ``PALATINE_PRELOAD``
@@ -24,8 +24,8 @@ from typing import Any
 import psutil
 import pytest
 
-from palatine.children import Child, ChildProcs
-from palatine.forkserver import ForkedProcess, ForkServer, fork_server_supported
+from palatine.hosting.children import Child, ChildProcs
+from palatine.hosting.forkserver import ForkedProcess, ForkServer, fork_server_supported
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -43,7 +43,7 @@ PROBE = textwrap.dedent(
         "value": os.environ.get("PROBE_VALUE"), "parent_var": os.environ.get("PALATINE_PARENT_PID"),
         "threads": len(os.listdir("/proc/self/task")),
         "stdin": os.path.realpath("/proc/self/fd/0"),
-        "torch": "torch" in sys.modules, "client": "palatine.client" in sys.modules,
+        "torch": "torch" in sys.modules, "client": "palatine.tensor.client" in sys.modules,
     }
     if os.environ.get("PROBE_GRANDCHILD"):
         g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

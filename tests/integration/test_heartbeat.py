@@ -1,4 +1,4 @@
-"""The heartbeat thread (20-system.md §2.3) against the real channel server.
+"""The heartbeat thread against the real channel server.
 
 The system side is ``palatine.channel.serve`` running in a separate process (this file,
 run as a script: ``python test_heartbeat.py serve ADDR``), which decodes every envelope
@@ -33,10 +33,10 @@ from typing import Any
 import pytest
 
 from palatine import config
-from palatine.heartbeat import THREAD_NAME, HeartbeatSettings, HeartbeatThread
+from palatine.hosting.heartbeat import THREAD_NAME, HeartbeatSettings, HeartbeatThread
 from palatine.ids import SYSTEM_ACTOR, ActorId, ProcId
-from palatine.supervision import ActorFailure, ProcSupervisionState
-from palatine.system.messages import SupervisionUpdate
+from palatine.protocol.supervision import ActorFailure, ProcSupervisionState
+from palatine.protocol.system import SupervisionUpdate
 
 HERE = Path(__file__).resolve()
 WAIT_S = 10.0  # upper bound of every wait for something that should happen quickly
@@ -639,7 +639,7 @@ def _client(addr: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-        from palatine.runtime import new_event_loop
+        from palatine.core.runtime import new_event_loop
 
         server_loop = new_event_loop()
         server_loop.run_until_complete(_serve(sys.argv[2]))

@@ -1,4 +1,4 @@
-"""Lanes (`palatine.lane`): a plain thread's blocking calls over its own connection.
+"""Lanes (`palatine.fastpath.lane`): a plain thread's blocking calls over its own connection.
 
 Each test runs a script in a fresh interpreter (one default client per process) against
 real worker procs started by ``this_host().spawn_procs``. The scripts check that calls
@@ -21,7 +21,7 @@ PRELUDE = textwrap.dedent(
     """
     import asyncio, os, signal, sys, threading, time
     from palatine import Actor, endpoint, this_host, RemoteException, config
-    from palatine import lane
+    from palatine.fastpath import lane
     from palatine.errors import CallTimeout, DeliveryError, PeerGoneError
 
     class Acc(Actor):
@@ -137,7 +137,7 @@ def test_blocking_calls_take_a_lane_with_the_same_results_and_errors() -> None:
         fs = [one.pattern.call_one(3_000_000), one.add.call_one(0), one.pattern.call_one(700_001)]
         got = [f.get() for f in fs]  # big replies read straight into their frame's buffer
         print("BIG_EXACT", got[0] == want(3_000_000), got[1], got[2] == want(700_001))
-        from palatine.mesh import ActorRef
+        from palatine.mesh.actor_mesh import ActorRef
         ref = ActorRef(mesh.gang.actor(1), Acc)  # a direct reference, not a mesh slice
         print("REF", ref.add.call_one(5).get(), ref.add.call_one(5).get(), lanes_of_this_thread())
         """
@@ -390,7 +390,10 @@ def test_calls_made_before_waiting_go_out_as_one_batch_in_order() -> None:
     )
     assert out["BATCH"] == "True 1"
     assert out["ORDER"] == "[1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008, 1009, 1010] 1110"
-    assert out["DONE_FIRST"] in ("1113 [1111, 1112, 1113, 1114, 1115]", "False [1111, 1112, 1113, 1114, 1115]")
+    assert out["DONE_FIRST"] in (
+        "1113 [1111, 1112, 1113, 1114, 1115]",
+        "False [1111, 1112, 1113, 1114, 1115]",
+    )
     assert out["OTHER_THREAD"] == "[1119] [1116, 1117, 1118, 1119, 1120]"
     assert out["TWO_PROCS"] == "[1121, 1122, 1123] 7"
     assert out["SWEPT"] == "[1126] [1124, 1125, 1126]"
@@ -423,7 +426,9 @@ def test_a_batch_reports_each_members_own_outcome() -> None:
         """
     )
     last, took = out["LAST"].split()
-    assert last == "2" and 2.0 <= float(took) < 4.0  # the actor answers in order: after the slow call ran
+    assert (
+        last == "2" and 2.0 <= float(took) < 4.0
+    )  # the actor answers in order: after the slow call ran
     assert out["MEMBER_first"] == "1"
     assert out["MEMBER_slow"] == "timeout True"
     assert out["MEMBER_boom"] == "ValueError boom on purpose"
@@ -455,7 +460,7 @@ def test_a_batch_larger_than_the_socket_buffer_waits_for_the_peer_to_read() -> N
 
 
 def test_a_batch_member_over_the_frame_limit_fails_alone_and_the_rest_keep_their_order() -> None:
-    # A batch goes out in chunks (`palatine.lane_calls`): the first chunk has left when
+    # A batch goes out in chunks (`palatine.fastpath.lane_calls`): the first chunk has left when
     # member 20 (in the second) turns out to be over the frame limit. That member gets
     # the ordinary path's size error; every other member its own reply, in call order.
     out = run(
@@ -477,7 +482,9 @@ def test_a_batch_member_over_the_frame_limit_fails_alone_and_the_rest_keep_their
         env={"PALATINE_MAX_FRAME_BYTES": "200000"},
     )
     assert out["VALUES"] == "True"
-    assert out["OVER"].startswith("DeliveryError: ") and "exceeds max frame size 200000" in out["OVER"]
+    assert (
+        out["OVER"].startswith("DeliveryError: ") and "exceeds max frame size 200000" in out["OVER"]
+    )
     assert out["NEXT"] == "41 1"
 
 
@@ -485,7 +492,7 @@ def test_a_request_that_bounces_fails_at_once_on_its_lane() -> None:
     out = run(
         """
         from palatine.ids import ActorId
-        from palatine.mesh import ActorRef
+        from palatine.mesh.actor_mesh import ActorRef
         from palatine.errors import DeliveryError
         one.add.call_one(0).get()
         ghost = ActorRef(ActorId(mesh.gang.actor(0).proc, "nosuch", 0), Acc)
@@ -570,7 +577,9 @@ def test_a_lane_call_to_a_proc_that_stopped_reading_times_out() -> None:
         """
     )
     took, named = out["TIMED_OUT"].split()
-    assert 0.5 <= float(took) < 3.0 and named == "True"  # the timeout, though the write never finished
+    assert (
+        0.5 <= float(took) < 3.0 and named == "True"
+    )  # the timeout, though the write never finished
     assert out["AFTER"] == "3"
 
 
@@ -590,7 +599,9 @@ def test_an_error_caught_from_get_is_not_also_logged_as_never_retrieved() -> Non
         print("DONE")
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=100
+    )
     assert proc.stdout.count("CAUGHT ValueError") == 3 and "DONE" in proc.stdout, proc.stderr
     assert "never retrieved" not in proc.stderr
 
@@ -601,8 +612,8 @@ def test_a_lane_whose_caller_stops_reading_is_not_served_further_until_it_reads(
     # (instead of buffering 300 MiB). Once the caller reads, every reply arrives in order.
     out = run(
         """
-        from palatine import mesh as M
-        from palatine.lane_conn import LaneConn
+        from palatine.mesh import actor_mesh as M
+        from palatine.fastpath.lane_conn import LaneConn
         from palatine.wire.codec import dumps
 
         class Big(Acc):

@@ -56,7 +56,7 @@ def test_the_soft_limit_is_raised_to_the_hard_one_when_that_suffices() -> None:
     done, _ = run_limited(
         """
         import resource
-        from palatine.limits import check_open_files
+        from palatine.hosting.limits import check_open_files
         check_open_files(16, "a mesh of 16 procs")
         print("SOFT", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         """,
@@ -70,7 +70,7 @@ def test_the_soft_limit_is_raised_to_the_hard_one_when_that_suffices() -> None:
             (
                 "import resource\n"
                 "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 4096))\n"
-                "from palatine.limits import check_open_files\n"
+                "from palatine.hosting.limits import check_open_files\n"
                 "check_open_files(16, 'a mesh of 16 procs')\n"
                 "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
             ),
@@ -95,7 +95,10 @@ def test_this_host_refuses_procs_it_cannot_hold_open() -> None:
         """,
         64,
     )
-    assert "REFUSED too many open files: the limit is 64 (ulimit -n) and 16 procs of this_host() needs about" in done.stdout, done.stderr[-3000:]
+    assert (
+        "REFUSED too many open files: the limit is 64 (ulimit -n) and 16 procs of this_host() needs about"
+        in done.stdout
+    ), done.stderr[-3000:]
     assert took < 15
 
 
@@ -103,9 +106,20 @@ def test_a_controller_for_more_workers_than_the_limit_allows_exits_1_at_once() -
     start = time.monotonic()
     done = subprocess.run(
         [
-            sys.executable, "-m", "palatine", "controller", "--worker-world", "w",
-            "--system-addr", "unix:@nobody-listens-here", "--world-size", "64",
-            "--num-procs-per-host", "8", "--program", "true",
+            sys.executable,
+            "-m",
+            "palatine",
+            "controller",
+            "--worker-world",
+            "w",
+            "--system-addr",
+            "unix:@nobody-listens-here",
+            "--world-size",
+            "64",
+            "--num-procs-per-host",
+            "8",
+            "--program",
+            "true",
         ],
         capture_output=True,
         text=True,

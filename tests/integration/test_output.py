@@ -23,7 +23,9 @@ pytestmark = pytest.mark.timeout(180)
 LINE = "L" * 90
 
 
-def run_script(tmp_path: Path, body: str, timeout_s: float, env: dict[str, str] | None = None) -> tuple[int, str, str, float]:
+def run_script(
+    tmp_path: Path, body: str, timeout_s: float, env: dict[str, str] | None = None
+) -> tuple[int, str, str, float]:
     """Run ``body`` as a user's script; (exit code, stdout, stderr, seconds)."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(body))
@@ -32,7 +34,11 @@ def run_script(tmp_path: Path, body: str, timeout_s: float, env: dict[str, str] 
     start = time.monotonic()
     with open(out, "wb") as fo, open(err, "wb") as fe:
         proc = subprocess.Popen(
-            [sys.executable, str(script)], stdout=fo, stderr=fe, env=full_env, start_new_session=True
+            [sys.executable, str(script)],
+            stdout=fo,
+            stderr=fe,
+            env=full_env,
+            start_new_session=True,
         )
         try:
             code = proc.wait(timeout_s)
@@ -49,11 +55,17 @@ def assert_shown_or_said(err: str, text: str, expected: int) -> None:
     """All ``expected`` lines holding ``text`` reached the user, or the user was told that
     some did not (a console that cannot keep up loses lines, never the log files)."""
     shown = sum(1 for line in err.splitlines() if text in line)
-    notes = re.findall(r"^(?:\[\S*\] )*\[palatine\] (\d+) lines of output not shown: .*all of it is in .+$", err, re.MULTILINE)
+    notes = re.findall(
+        r"^(?:\[\S*\] )*\[palatine\] (\d+) lines of output not shown: .*all of it is in .+$",
+        err,
+        re.MULTILINE,
+    )
     assert shown == expected or (notes and shown < expected), (shown, expected, notes)
 
 
-def test_four_ranks_printing_5000_lines_each_finish_and_every_line_reaches_the_user(tmp_path: Path) -> None:
+def test_four_ranks_printing_5000_lines_each_finish_and_every_line_reaches_the_user(
+    tmp_path: Path,
+) -> None:
     code, out, err, took = run_script(
         tmp_path,
         f"""
@@ -125,7 +137,9 @@ def test_one_rank_printing_50_mb_finishes_and_its_log_has_all_of_it(tmp_path: Pa
     assert took < 120
 
 
-def test_a_role_writing_10_mb_to_stderr_never_stalls_and_its_warnings_reach_the_user(tmp_path: Path) -> None:
+def test_a_role_writing_10_mb_to_stderr_never_stalls_and_its_warnings_reach_the_user(
+    tmp_path: Path,
+) -> None:
     # The host role echoes its workers' output to its own stderr: 10 MB through it.
     code, out, err, took = run_script(
         tmp_path,
@@ -166,7 +180,9 @@ def test_a_role_writing_10_mb_to_stderr_never_stalls_and_its_warnings_reach_the_
     assert "DONE 1" in out and "AFTER 5" in out and "LOST RANK 1" in out
     exited = r"^\S+ \S+ WARNING palatine.system: worker\[1\] \(pid \d+ on \S+\) exited with code 3$"
     assert re.search(exited, err, re.MULTILINE)
-    assert re.search(r"^\[worker\[1\]\] .* WARNING user\.train: LOUD-WARNING from rank 1$", err, re.MULTILINE)
+    assert re.search(
+        r"^\[worker\[1\]\] .* WARNING user\.train: LOUD-WARNING from rank 1$", err, re.MULTILINE
+    )
     # INFO lines stay in the logs (the dead worker's stderr tail, in the errors, may quote them).
     assert re.search(r"^\[worker\[\d\]\] .*QUIET-INFO", err, re.MULTILINE) is None
     assert took < 90

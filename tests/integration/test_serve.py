@@ -1,4 +1,4 @@
-"""``palatine serve READ_FD WRITE_FD`` through real pipes (30-controller.md §9, §10 items 65–73).
+"""``palatine serve READ_FD WRITE_FD`` through real pipes.
 
 Each test starts the server with two pipes (``pass_fds``), writes request lines and reads
 ``Finished`` lines with a deadline; the server's stdout carries the roles' ready lines.
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from palatine.client.procs import RoleProcess, palatine_cmd
+from palatine.tensor.client.procs import RoleProcess, palatine_cmd
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -263,7 +263,9 @@ def test_request_during_a_run_is_refused_and_exit_stops_the_run(
     assert time.monotonic() - t0 < 10
 
 
-def test_a_launcher_slow_to_read_responses_does_not_stall_the_role(server: Server, env: dict[str, str]) -> None:
+def test_a_launcher_slow_to_read_responses_does_not_stall_the_role(
+    server: Server, env: dict[str, str]
+) -> None:
     # 4,000 bad lines: their answers (≈ 300 KB) are more than the response pipe holds,
     # and nobody reads them for now. The system the server runs keeps serving meanwhile,
     # and every answer arrives, in order, once the launcher reads.
@@ -272,7 +274,11 @@ def test_a_launcher_slow_to_read_responses_does_not_stall_the_role(server: Serve
     os.write(server.req_w, b"bad\n" * 4000)
     snap = subprocess.run(
         [*palatine_cmd(), "snapshot", "--system-addr", addr, "--json", "--timeout-in-sec", "10"],
-        check=False, capture_output=True, text=True, timeout=30, env={**os.environ, **env},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **env},
     )
     assert snap.returncode == 0, snap.stderr
     errors = [server.finished() for _ in range(4000)]
@@ -283,7 +289,7 @@ def test_a_launcher_slow_to_read_responses_does_not_stall_the_role(server: Serve
 
 
 def test_lines_over_the_limit_are_refused_whole_or_cut(server: Server) -> None:
-    from palatine.serve import MAX_LINE_BYTES
+    from palatine.cli.serving import MAX_LINE_BYTES
 
     # One line just over the limit that arrives whole, one that arrives in pieces, and a
     # line that only spells the refusal's own placeholder: each gets its own answer.
@@ -292,16 +298,23 @@ def test_lines_over_the_limit_are_refused_whole_or_cut(server: Server) -> None:
     assert server.finished() == f"invalid request: line longer than {MAX_LINE_BYTES} bytes"
     server.send("\x00too long")
     error = server.finished()
-    assert error is not None and error.startswith("invalid request: ") and "longer than" not in error
+    assert (
+        error is not None and error.startswith("invalid request: ") and "longer than" not in error
+    )
     server.send({"Exit": []})
     assert server.wait(10) == 0
 
 
 @pytest.mark.parametrize("fds", [["99", "1"], ["99999999999999999999", "1"], ["0", "-5"]])
 def test_fds_that_are_not_open_exit_2_with_one_line(fds: list[str]) -> None:
-    proc = subprocess.run([*palatine_cmd(), "serve", *fds], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [*palatine_cmd(), "serve", *fds], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 2
-    assert proc.stderr.startswith("palatine serve: error: ") and "is not an open file descriptor" in proc.stderr
+    assert (
+        proc.stderr.startswith("palatine serve: error: ")
+        and "is not an open file descriptor" in proc.stderr
+    )
     assert proc.stderr.count("\n") == 1, proc.stderr
 
 
@@ -312,15 +325,33 @@ def test_responses_on_stdout_keep_the_ready_line_whole_and_in_order(env: dict[st
     addr = f"unix:@palatine-test-{secrets.token_hex(6)}"
     req_r, req_w = os.pipe()
     out_r, out_w = os.pipe()
-    popen = subprocess.Popen([*palatine_cmd(), "serve", "0", "1"], stdin=req_r, stdout=out_w,
-                             stderr=subprocess.DEVNULL, env={**os.environ, **env}, start_new_session=True)
+    popen = subprocess.Popen(
+        [*palatine_cmd(), "serve", "0", "1"],
+        stdin=req_r,
+        stdout=out_w,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **env},
+        start_new_session=True,
+    )
     os.close(req_r)
     os.close(out_w)
     try:
-        os.write(req_w, b"bad\n" * 2000 + json.dumps({"Run": {"System": {"system_addr": addr}}}).encode() + b"\n")
+        os.write(
+            req_w,
+            b"bad\n" * 2000
+            + json.dumps({"Run": {"System": {"system_addr": addr}}}).encode()
+            + b"\n",
+        )
         deadline = time.monotonic() + 30
-        while subprocess.run([*palatine_cmd(), "snapshot", "--system-addr", addr, "--timeout-in-sec", "2"],
-                             capture_output=True, env={**os.environ, **env}, timeout=30).returncode != 0:
+        while (
+            subprocess.run(
+                [*palatine_cmd(), "snapshot", "--system-addr", addr, "--timeout-in-sec", "2"],
+                capture_output=True,
+                env={**os.environ, **env},
+                timeout=30,
+            ).returncode
+            != 0
+        ):
             assert time.monotonic() < deadline, "the system never answered"
         os.write(req_w, b'{"Exit": []}\n')
         data = b""
@@ -335,7 +366,10 @@ def test_responses_on_stdout_keep_the_ready_line_whole_and_in_order(env: dict[st
         os.close(out_r)
     lines = [json.loads(line) for line in data.splitlines()]  # every line whole
     assert len(lines) == 2002
-    assert all(list(x) == ["Finished"] and x["Finished"]["error"].startswith("invalid request") for x in lines[:2000])
+    assert all(
+        list(x) == ["Finished"] and x["Finished"]["error"].startswith("invalid request")
+        for x in lines[:2000]
+    )
     assert lines[2000]["event"] == "ready" and lines[2000]["addr"] == addr
     assert lines[2001] == {"Finished": {"error": None}}
 
@@ -483,11 +517,17 @@ def test_requests_from_a_regular_file_or_dev_null(tmp_path: Path) -> None:
     req = tmp_path / "requests.jsonl"
     req.write_text('{"Run": 1}\n{"Exit": []}\n')
     with req.open("rb") as fin:
-        done = subprocess.run([*palatine_cmd(), "serve", "0", "1"], stdin=fin, capture_output=True, timeout=30)
+        done = subprocess.run(
+            [*palatine_cmd(), "serve", "0", "1"], stdin=fin, capture_output=True, timeout=30
+        )
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.splitlines()[0])["Finished"]["error"].startswith("invalid request: Run expects")
+    assert json.loads(done.stdout.splitlines()[0])["Finished"]["error"].startswith(
+        "invalid request: Run expects"
+    )
     with open(os.devnull, "rb") as fin:
-        done = subprocess.run([*palatine_cmd(), "serve", "0", "1"], stdin=fin, capture_output=True, timeout=30)
+        done = subprocess.run(
+            [*palatine_cmd(), "serve", "0", "1"], stdin=fin, capture_output=True, timeout=30
+        )
     assert done.returncode == 0 and done.stdout == b"", done.stderr
 
 
@@ -497,10 +537,10 @@ def test_a_root_actor_failure_ends_the_run_with_its_error_and_the_server_serves_
     that run with the failure as its ``Finished`` error; the next request is served."""
     import asyncio
 
-    from palatine import runtime
-    from palatine.actor import SupervisionEvent
-    from palatine.serve import serve
-    from palatine.supervision_hook import unhandled_fault
+    from palatine.cli.serving import serve
+    from palatine.core import runtime
+    from palatine.core.actor import SupervisionEvent
+    from palatine.core.supervision_hook import unhandled_fault
 
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
@@ -509,12 +549,20 @@ def test_a_root_actor_failure_ends_the_run_with_its_error_and_the_server_serves_
     async def main() -> tuple[int, list[dict[str, object]]]:
         runtime.adopt_current_loop()
         try:
-            task = asyncio.ensure_future(serve(req_r, resp_w, asyncio.Event(), lambda role, addr: ready.append(role)))
-            os.write(req_w, json.dumps({"Run": {"System": {"system_addr": "unix:"}}}).encode() + b"\n")
+            task = asyncio.ensure_future(
+                serve(req_r, resp_w, asyncio.Event(), lambda role, addr: ready.append(role))
+            )
+            os.write(
+                req_w, json.dumps({"Run": {"System": {"system_addr": "unix:"}}}).encode() + b"\n"
+            )
             async with asyncio.timeout(20):
                 while not ready:
                     await asyncio.sleep(0.01)
-            unhandled_fault(SupervisionEvent(actor_id="system[0].root[0]", status="failed", message="panic: boom"))
+            unhandled_fault(
+                SupervisionEvent(
+                    actor_id="system[0].root[0]", status="failed", message="panic: boom"
+                )
+            )
             os.write(req_w, b"bad\n")  # answered meanwhile: the run keeps its fault
             os.set_blocking(resp_r, False)
             answers: list[dict[str, object]] = []

@@ -1,4 +1,4 @@
-"""System, hosts and workers started only through the CLI (20-system.md acceptance).
+"""System, hosts and workers started only through the CLI.
 
 1 system + 2 hosts + a world of 4 procs spread 2 per host via ``--program``.
 """
@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from palatine.system.service import System, SystemClient
-from palatine.client.procs import RoleProcess, palatine_cmd
+from palatine.tensor.client.procs import RoleProcess, palatine_cmd
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -30,7 +30,7 @@ class LoopThread:
     """A private event loop on a thread, for a test's system client."""
 
     def __init__(self) -> None:
-        from palatine.runtime import new_event_loop
+        from palatine.core.runtime import new_event_loop
 
         self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -62,7 +62,9 @@ class Cluster:
         program = f"{sys.executable} -m palatine worker"
         self.lt.run(lambda: self.client.upsert_world(world, [n], per_host, program))
 
-    def wait_for(self, pred: Callable[[dict[str, Any]], bool], timeout_s: float, what: str) -> dict[str, Any]:
+    def wait_for(
+        self, pred: Callable[[dict[str, Any]], bool], timeout_s: float, what: str
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         snap: dict[str, Any] = {}
         while time.monotonic() < deadline:
@@ -70,7 +72,9 @@ class Cluster:
             if pred(snap):
                 return snap
             time.sleep(0.02)
-        raise AssertionError(f"timed out waiting for {what}; last snapshot: {json.dumps(snap)[:3000]}")
+        raise AssertionError(
+            f"timed out waiting for {what}; last snapshot: {json.dumps(snap)[:3000]}"
+        )
 
     def close(self) -> None:
         try:
@@ -97,8 +101,15 @@ def cluster() -> Iterator[Cluster]:
     started: list[RoleProcess] = []
     try:
         system = RoleProcess(
-            ["system", "--system-addr", addr, "--supervision-update-timeout-in-sec", "1",
-             "--world-eviction-timeout-in-sec", "2"],
+            [
+                "system",
+                "--system-addr",
+                addr,
+                "--supervision-update-timeout-in-sec",
+                "1",
+                "--world-eviction-timeout-in-sec",
+                "2",
+            ],
             env,
         )
         started.append(system)
@@ -106,8 +117,17 @@ def cluster() -> Iterator[Cluster]:
         for r in range(2):
             hosts.append(
                 RoleProcess(
-                    ["host", "--system-addr", system.addr, "--host-world", "hostw",
-                     "--host-rank", str(r), "--supervision-update-interval-in-sec", "0.2"],
+                    [
+                        "host",
+                        "--system-addr",
+                        system.addr,
+                        "--host-world",
+                        "hostw",
+                        "--host-rank",
+                        str(r),
+                        "--supervision-update-interval-in-sec",
+                        "0.2",
+                    ],
                     env,
                 )
             )
@@ -136,7 +156,9 @@ def test_world_of_four_on_two_hosts_then_sigkill_and_eviction(cluster: Cluster) 
     w = snap["worlds"]["w"]
     assert w["host_procs"] == ["hostw[0]", "hostw[1]"]
     assert sorted(w["procs"]) == ["w[0]", "w[1]", "w[2]", "w[3]"]
-    assert [w["procs"][f"w[{r}]"]["host_proc"] for r in range(4)] == ["hostw[0]"] * 2 + ["hostw[1]"] * 2
+    assert [w["procs"][f"w[{r}]"]["host_proc"] for r in range(4)] == ["hostw[0]"] * 2 + [
+        "hostw[1]"
+    ] * 2
     pids = {r: w["procs"][f"w[{r}]"]["pid"] for r in range(4)}
     assert all(psutil.pid_exists(p) for p in pids.values())
 
@@ -154,17 +176,26 @@ def test_world_of_four_on_two_hosts_then_sigkill_and_eviction(cluster: Cluster) 
     assert snap["worlds"]["w"]["status"] == "Unhealthy"
 
     # Unhealthy past the eviction timeout: evicted, survivors stopped, hosts keep running.
-    # Hosts stay joined, so the evicted world is listed again as AwaitingCreation (§1.10).
+    # Hosts stay joined, so the evicted world is listed again as AwaitingCreation.
     cluster.wait_for(
-        lambda s: "w" not in s["worlds"]
-        or (s["worlds"]["w"]["status"] == "AwaitingCreation" and not s["worlds"]["w"]["procs"]),
+        lambda s: (
+            "w" not in s["worlds"]
+            or (s["worlds"]["w"]["status"] == "AwaitingCreation" and not s["worlds"]["w"]["procs"])
+        ),
         10,
         "world w evicted",
     )
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids.values()):
+    while time.monotonic() < deadline and any(
+        psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        for p in pids.values()
+    ):
         time.sleep(0.05)
-    assert not [p for p in pids.values() if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [
+        p
+        for p in pids.values()
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
     assert all(h.popen.poll() is None for h in cluster.hosts)
 
 
@@ -191,7 +222,10 @@ def test_palatine_stop_stops_everything(cluster: Cluster) -> None:
     pids = [e["pid"] for e in snap["worlds"]["w"]["procs"].values()]
     out = subprocess.run(
         [*palatine_cmd(), "stop", "--system-addr", cluster.system.addr],
-        capture_output=True, text=True, timeout=30, env={**os.environ, **cluster.env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **cluster.env},
     )
     assert out.returncode == 0, out.stderr
     assert cluster.system.wait(15) == 0
@@ -200,7 +234,11 @@ def test_palatine_stop_stops_everything(cluster: Cluster) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.05)
-    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    alive = [
+        p
+        for p in pids
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
     assert not alive
 
 
@@ -210,13 +248,18 @@ def test_killed_host_takes_its_procs_and_they_are_reported(cluster: Cluster) -> 
     pids = {r: snap["worlds"]["w"]["procs"][f"w[{r}]"]["pid"] for r in range(4)}
     cluster.hosts[1].kill()
     snap = cluster.wait_for(
-        lambda s: "w" in s["worlds"]
-        and all(s["worlds"]["w"]["procs"][f"w[{r}]"]["health"] != "Alive" for r in (2, 3)),
+        lambda s: (
+            "w" in s["worlds"]
+            and all(s["worlds"]["w"]["procs"][f"w[{r}]"]["health"] != "Alive" for r in (2, 3))
+        ),
         5,
         "w[2], w[3] reported",
     )
     for r in (2, 3):
-        assert not psutil.pid_exists(pids[r]) or psutil.Process(pids[r]).status() == psutil.STATUS_ZOMBIE
+        assert (
+            not psutil.pid_exists(pids[r])
+            or psutil.Process(pids[r]).status() == psutil.STATUS_ZOMBIE
+        )
     assert snap["worlds"]["w"]["status"] == "Unhealthy"
 
 
@@ -226,24 +269,51 @@ def test_snapshot_cli_json_and_table(cluster: Cluster) -> None:
     env = {**os.environ, **cluster.env}
     out = subprocess.run(
         [*palatine_cmd(), "snapshot", "--system-addr", cluster.system.addr, "--json"],
-        capture_output=True, text=True, timeout=30, env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
     )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     w = doc["worlds"]["w"]
     assert w["status"] == "Live"
     for entry in w["procs"].values():
-        assert list(entry)[:8] == ["labels", "addr", "pid", "host", "health", "exit_code", "exit_signal", "failed_actors"]
+        assert list(entry)[:8] == [
+            "labels",
+            "addr",
+            "pid",
+            "host",
+            "health",
+            "exit_code",
+            "exit_signal",
+            "failed_actors",
+        ]
     table = subprocess.run(
         [*palatine_cmd(), "snapshot", "--system-addr", cluster.system.addr],
-        capture_output=True, text=True, timeout=30, env={**env, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**env, "COLUMNS": "200"},
     )
     assert table.returncode == 0, table.stderr
     assert "w[3]" in table.stdout and "Live" in table.stdout
-    # several worlds after one --world, as the spec writes it (`--world W ...`)
+    # several worlds after one --world, as documented (`--world W ...`)
     some = subprocess.run(
-        [*palatine_cmd(), "snapshot", "--system-addr", cluster.system.addr, "--json", "--world", "w", "nope"],
-        capture_output=True, text=True, timeout=30, env=env,
+        [
+            *palatine_cmd(),
+            "snapshot",
+            "--system-addr",
+            cluster.system.addr,
+            "--json",
+            "--world",
+            "w",
+            "nope",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
     )
     assert some.returncode == 0, some.stderr
     assert list(json.loads(some.stdout)["worlds"]) == ["w"]
@@ -266,22 +336,54 @@ def test_a_role_stops_when_its_launcher_is_gone() -> None:
     ("argv", "says"),
     [
         (["system", "--system-addr", "bogus"], "--system-addr 'bogus'"),
-        (["system", "--system-addr", "unix:", "--supervision-update-timeout-in-sec", "-1"],
-         "--supervision-update-timeout-in-sec must be a finite number > 0, got -1"),
-        (["system", "--system-addr", "unix:", "--world-eviction-timeout-in-sec", "nan"],
-         "--world-eviction-timeout-in-sec must be a finite number > 0, got nan"),
-        (["host", "--system-addr", "unix:@nobody", "--host-world", "hostw", "--host-rank", "-3"],
-         "--host-rank must be in [0, 2**64), got -3"),
-        (["host", "--system-addr", "unix:@nobody", "--host-world", "host w", "--host-rank", "0"],
-         "--host-world 'host w'"),
-        (["host", "--system-addr", "unix:@nobody", "--host-world", "hostw", "--host-rank", "0",
-          "--supervision-update-interval-in-sec", "inf"],
-         "--supervision-update-interval-in-sec must be a finite number > 0, got inf"),
+        (
+            ["system", "--system-addr", "unix:", "--supervision-update-timeout-in-sec", "-1"],
+            "--supervision-update-timeout-in-sec must be a finite number > 0, got -1",
+        ),
+        (
+            ["system", "--system-addr", "unix:", "--world-eviction-timeout-in-sec", "nan"],
+            "--world-eviction-timeout-in-sec must be a finite number > 0, got nan",
+        ),
+        (
+            ["host", "--system-addr", "unix:@nobody", "--host-world", "hostw", "--host-rank", "-3"],
+            "--host-rank must be in [0, 2**64), got -3",
+        ),
+        (
+            ["host", "--system-addr", "unix:@nobody", "--host-world", "host w", "--host-rank", "0"],
+            "--host-world 'host w'",
+        ),
+        (
+            [
+                "host",
+                "--system-addr",
+                "unix:@nobody",
+                "--host-world",
+                "hostw",
+                "--host-rank",
+                "0",
+                "--supervision-update-interval-in-sec",
+                "inf",
+            ],
+            "--supervision-update-interval-in-sec must be a finite number > 0, got inf",
+        ),
         (["worker", "--proc-id", "w[x]", "--bootstrap-addr", "unix:@nobody"], "--proc-id 'w[x]'"),
         (["worker", "--proc-id", "w[0]", "--bootstrap-addr", "bogus"], "--bootstrap-addr 'bogus'"),
-        (["worker", "--world-id", "alpha", "--proc-id", "beta[0]", "--bootstrap-addr", "unix:@nobody"],
-         "--proc-id 'beta[0]' is not in --world-id 'alpha'"),
-        (["snapshot", "--system-addr", "unix:@nobody", "--world-label", "foo"], "no '=' found in 'foo'"),
+        (
+            [
+                "worker",
+                "--world-id",
+                "alpha",
+                "--proc-id",
+                "beta[0]",
+                "--bootstrap-addr",
+                "unix:@nobody",
+            ],
+            "--proc-id 'beta[0]' is not in --world-id 'alpha'",
+        ),
+        (
+            ["snapshot", "--system-addr", "unix:@nobody", "--world-label", "foo"],
+            "no '=' found in 'foo'",
+        ),
     ],
 )
 def test_bad_role_flags_are_a_usage_error_named_at_once(argv: list[str], says: str) -> None:
@@ -294,8 +396,12 @@ def test_bad_role_flags_are_a_usage_error_named_at_once(argv: list[str], says: s
 
 
 def test_snapshot_of_an_unreachable_system_says_so() -> None:
-    proc = subprocess.run([*palatine_cmd(), "snapshot", "--system-addr", "tcp:127.0.0.1:1", "--timeout-in-sec", "1"],
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [*palatine_cmd(), "snapshot", "--system-addr", "tcp:127.0.0.1:1", "--timeout-in-sec", "1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 1
     assert "palatine snapshot: no answer from system at tcp:127.0.0.1:1 within 1 s" in proc.stderr
     assert "Traceback" not in proc.stderr and "Task was destroyed" not in proc.stderr
@@ -306,13 +412,23 @@ def test_snapshot_of_an_unreachable_system_says_so() -> None:
     [
         ["host", "--system-addr", "tcp:127.0.0.1:1", "--host-world", "hostw", "--host-rank", "0"],
         ["worker", "--proc-id", "w[0]", "--bootstrap-addr", "tcp:127.0.0.1:1"],
-        ["controller", "--worker-world", "w", "--system-addr", "tcp:127.0.0.1:1", "--world-size", "1"],
+        [
+            "controller",
+            "--worker-world",
+            "w",
+            "--system-addr",
+            "tcp:127.0.0.1:1",
+            "--world-size",
+            "1",
+        ],
     ],
     ids=["host", "worker", "controller"],
 )
 def test_sigterm_while_joining_stops_the_role_at_once(argv: list[str]) -> None:
     # Nothing answers at this address, so the role is still joining when the signal comes.
-    proc = subprocess.Popen([*palatine_cmd(), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*palatine_cmd(), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         time.sleep(1.5)  # let it start its join (nothing to wait for: this only lets it begin)
         assert proc.poll() is None
@@ -326,20 +442,36 @@ def test_sigterm_while_joining_stops_the_role_at_once(argv: list[str]) -> None:
             proc.wait()
 
 
-def test_a_refused_join_is_heard_at_once_and_the_first_proc_keeps_its_place(cluster: Cluster) -> None:
+def test_a_refused_join_is_heard_at_once_and_the_first_proc_keeps_its_place(
+    cluster: Cluster,
+) -> None:
     # hostw[0] is running: a second hostw[0] is refused, and so is a worker in a reserved
     # world. Neither is routable from the system, yet each hears why in well under its
     # join timeout (30 s), and the running host keeps its record.
     env = {**os.environ, **cluster.env}
     cases = [
-        (["host", "--system-addr", cluster.system.addr, "--host-world", "hostw", "--host-rank", "0"],
-         "proc hostw[0] is already joined from "),
-        (["worker", "--proc-id", "unknown[0]", "--bootstrap-addr", cluster.system.addr],
-         "world name 'unknown' is reserved"),
+        (
+            [
+                "host",
+                "--system-addr",
+                cluster.system.addr,
+                "--host-world",
+                "hostw",
+                "--host-rank",
+                "0",
+            ],
+            "proc hostw[0] is already joined from ",
+        ),
+        (
+            ["worker", "--proc-id", "unknown[0]", "--bootstrap-addr", cluster.system.addr],
+            "world name 'unknown' is reserved",
+        ),
     ]
     for argv, says in cases:
         t0 = time.monotonic()
-        proc = subprocess.run([*palatine_cmd(), *argv], capture_output=True, text=True, timeout=60, env=env)
+        proc = subprocess.run(
+            [*palatine_cmd(), *argv], capture_output=True, text=True, timeout=60, env=env
+        )
         assert proc.returncode == 1 and says in proc.stderr, proc.stderr
         assert time.monotonic() - t0 < 10
     snap = cluster.snapshot()

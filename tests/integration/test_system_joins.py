@@ -11,7 +11,7 @@ import pytest
 from palatine.channel.addr import any_addr
 from palatine.errors import SystemRequestError
 from palatine.ids import ProcId
-from palatine.system.messages import Join
+from palatine.protocol.system import Join
 from palatine.system.service import System
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,8 +40,12 @@ async def _refused_joins() -> list[tuple[str, float]]:
 def test_a_join_from_an_any_address_is_refused_at_once_and_the_system_keeps_serving() -> None:
     got = asyncio.run(_refused_joins())
     assert len(got) == 4, got
-    assert got[0][0] == "invalid_argument: cannot join as unknown[0]: world name 'unknown' is reserved"
+    assert (
+        got[0][0] == "invalid_argument: cannot join as unknown[0]: world name 'unknown' is reserved"
+    )
     assert got[1][0].startswith("invalid_argument: join of W[0]: address 'unix:' cannot be dialed")
-    assert got[2][0].startswith("invalid_argument: join of W[0]: address 'tcp:127.0.0.1:0' cannot be dialed")
+    assert got[2][0].startswith(
+        "invalid_argument: join of W[0]: address 'tcp:127.0.0.1:0' cannot be dialed"
+    )
     assert all(took < 5 for _, took in got)
     assert got[3][0] == "worlds []"

@@ -1,4 +1,4 @@
-"""`this_host()` proc meshes from plain scripts: real OS processes (10-runtime.md §5 items 70–73)."""
+"""`this_host()` proc meshes from plain scripts: real OS processes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     """
     import asyncio, os, sys, time
     from palatine import Actor, endpoint, this_host, RemoteException
-    from palatine.future import LOOP_THREAD_ERROR
+    from palatine.core.future import LOOP_THREAD_ERROR
 
     class Counter(Actor):
         def __init__(self, start=0):
@@ -65,7 +65,7 @@ SCRIPT = textwrap.dedent(
 
     print("AWAIT", asyncio.run(use_await()))
 
-    from palatine import runtime
+    from palatine.core import runtime
     fut = counters.incr.call(0)
     def on_loop():
         try:
@@ -90,9 +90,7 @@ def test_plain_script_drives_a_four_proc_mesh(tmp_path: object) -> None:
         timeout=80,
         env=env,
     )
-    lines = dict(
-        line.split(" ", 1) for line in out.stdout.splitlines() if " " in line
-    )
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
     assert out.returncode == 0, out.stderr[-3000:]
     assert lines["CALL"] == "[1, 1, 1, 1]"
     assert lines["DISTINCT_PIDS"] == "4 True"
@@ -156,7 +154,7 @@ def test_procs_come_from_one_fork_server_unless_it_is_off(fork_server: str) -> N
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
     assert lines["DETECTED"].endswith(" True"), lines["DETECTED"]
     if fork_server == "1":
-        assert lines["PARENT"].startswith("from palatine.forkserver_main import main")
+        assert lines["PARENT"].startswith("from palatine.hosting.forkserver_main import main")
         server = int(lines["SERVER"])
         deadline = time.monotonic() + 5
         while psutil.pid_exists(server) and psutil.Process(server).status() != psutil.STATUS_ZOMBIE:

@@ -1,4 +1,4 @@
-"""The tensor worker in real procs (40-worker-client.md §5: worker and collective items).
+"""The tensor worker in real procs.
 
 Most tests run `WorkerActor`s in procs of a `proc_cluster` (one process, real channels)
 and play the controller with the cluster's client instance, which records every
@@ -27,19 +27,14 @@ import msgspec
 import pytest
 import torch
 
-from palatine.actor import SupervisionEvent
 from palatine.channel.addr import any_addr
 from palatine.channel.token import resolve_token, token_env
+from palatine.core.actor import SupervisionEvent
+from palatine.core.proc import ClientInstance, Proc
 from palatine.errors import SpawnError
 from palatine.ids import ActorId, WorldId
-from palatine.proc import ClientInstance, Proc
-from palatine.system.agent_messages import Spawn, Spawned
-from palatine.system.service import System, SystemClient, SystemHandle
-from palatine.testing.procs import proc_cluster
-from palatine.wire.codec import Message
-from palatine.worker import WorkerActor
-from palatine.worker.collectives import open_store
-from palatine.worker.messages import (
+from palatine.protocol.agent import Spawn, Spawned
+from palatine.protocol.worker import (
     BackendNetworkInit,
     BorrowCreate,
     BorrowDrop,
@@ -69,13 +64,18 @@ from palatine.worker.messages import (
     WorkerParams,
     WorkerProgress,
 )
-from palatine.worker.values import (
+from palatine.system.service import System, SystemClient, SystemHandle
+from palatine.tensor.worker import WorkerActor
+from palatine.tensor.worker.collectives import open_store
+from palatine.tensor.worker.values import (
     dumps_args,
     dumps_value,
     function_ref,
     loads_value,
     pickle_function,
 )
+from palatine.testing.procs import proc_cluster
+from palatine.wire.codec import Message
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -287,7 +287,7 @@ def identity(x: Any) -> Any:
 
 
 def whoami() -> dict[str, Any]:
-    from palatine.worker import worker_info
+    from palatine.tensor.worker import worker_info
 
     return worker_info()
 
@@ -494,7 +494,7 @@ async def test_mesh_rank_inside_a_remote_function_on_a_2_rank_mesh() -> None:
         ctl.send(
             CreateDeviceMesh(result=1, names=["x"], ranks=Slice(0, [2], [1])),
             fetch_call(0, lambda m: m.rank("x"), Ref(1)),
-            fetch_call(1, "palatine.worker.collectives.mesh_rank", Ref(1), "x"),
+            fetch_call(1, "palatine.tensor.worker.collectives.mesh_rank", Ref(1), "x"),
         )
         assert [await ctl.fetched(0, r) for r in (0, 1)] == [0, 1]
         assert [await ctl.fetched(1, r) for r in (0, 1)] == [0, 1]
@@ -791,7 +791,7 @@ async def test_undecodable_command_fails_the_worker_actor() -> None:
 async def test_a_command_port_refuses_a_type_the_worker_does_not_handle() -> None:
     from palatine.errors import DeliveryError
     from palatine.ids import PortId
-    from palatine.system.messages import SystemStopping  # registered; no worker handler
+    from palatine.protocol.system import SystemStopping  # registered; no worker handler
     from palatine.wire.codec import encode_message
     from palatine.wire.envelope import ENC_MSGPACK, Envelope
 
@@ -800,8 +800,16 @@ async def test_a_command_port_refuses_a_type_the_worker_does_not_handle() -> Non
         p = mb.pending(ctl.workers[0], "raw", 10.0)
         msg = SystemStopping(reason="x")
         tid = CallFunction.__palatine_type_id__
-        mb.proc.post(Envelope(mb.actor_id, PortId(ctl.workers[0], tid), SystemStopping.__palatine_type_id__,
-                              ENC_MSGPACK, encode_message(msg), p.id))
+        mb.proc.post(
+            Envelope(
+                mb.actor_id,
+                PortId(ctl.workers[0], tid),
+                SystemStopping.__palatine_type_id__,
+                ENC_MSGPACK,
+                encode_message(msg),
+                p.id,
+            )
+        )
         with pytest.raises(DeliveryError, match="takes CallFunction, not SystemStopping"):
             await p.future
         inst = ctl.procs[0].instance(ctl.workers[0])
@@ -894,12 +902,12 @@ NO_TORCH_SCRIPT = textwrap.dedent(
     sys.modules["torch"] = None  # as if torch were not installed
     import asyncio, json, os
     from palatine.testing.procs import proc_cluster
-    from palatine.worker import WorkerActor
-    from palatine.worker.messages import (
+    from palatine.tensor.worker import WorkerActor
+    from palatine.protocol.worker import (
         CreateStream, FetchResult, FunctionPath, Reduce, RemoteFunctionFailed, RequestStatus,
         SendValue, Status, WorkerParams, CallFunction, Ok,
     )
-    from palatine.worker.values import dumps_args, loads_value
+    from palatine.tensor.worker.values import dumps_args, loads_value
 
     async def main():
         got = []
@@ -964,7 +972,7 @@ class LoopThread:
     """A private event loop on a thread for the module's system and fake controller."""
 
     def __init__(self) -> None:
-        from palatine.runtime import new_event_loop
+        from palatine.core.runtime import new_event_loop
 
         self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
@@ -1087,7 +1095,7 @@ class Gang:
                 world_size=self.N, rank=r, device_index=None, controller_actor=self.client.client.id
             )
             msg = Spawn(
-                actor_type="palatine.worker.WorkerActor",
+                actor_type="palatine.tensor.worker.WorkerActor",
                 actor_name="worker",
                 params=msgspec.msgpack.encode(params),
                 params_encoding="msgpack",
@@ -1229,7 +1237,7 @@ def test_reduce_ops_across_four_gloo_workers(gang: Gang) -> None:
         ref, _ = gang.reduce(bits, ["proc"], op=op)
         assert [t.tolist() for t in gang.fetch_all(ref)] == [[want]] * 4, op
     s = gang.seq()
-    gang.send(fetch_call(s, "palatine.worker.collectives.backend_name"), ranks=[0])
+    gang.send(fetch_call(s, "palatine.tensor.worker.collectives.backend_name"), ranks=[0])
     assert gang.fetched(s, 0) == "gloo"
     assert gang.rec.of(RemoteFunctionFailed) == []
 

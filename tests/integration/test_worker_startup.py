@@ -1,8 +1,8 @@
-"""What a CPU tensor worker imports, and when (40-worker-client.md §1): torch on first use.
+"""What a CPU tensor worker imports, and when: torch on first use.
 
 A CPU worker reports ready without importing torch (about 1.6 s of CPU each); the first
 command that needs it imports it on its stream and gets the right result. Worker-side
-helpers (``palatine.worker.functions``) never pull the client package into a worker.
+helpers (``palatine.tensor.worker.functions``) never pull the client package into a worker.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import cloudpickle
 import pytest
 
 from palatine import fetch, local_mesh, remote
-from palatine.client.mesh import DeviceMesh
+from palatine.tensor.client.mesh import DeviceMesh
 
 pytestmark = pytest.mark.timeout(120)
 
 # Workers cannot import this test module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-IDENTITY = "palatine.worker.functions.identity"
+IDENTITY = "palatine.tensor.worker.functions.identity"
 GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
 
 
@@ -47,7 +47,7 @@ def mesh() -> Iterator[DeviceMesh]:
 
 
 def test_torch_is_imported_on_first_use_and_the_client_never(mesh: DeviceMesh) -> None:
-    watched = ["torch", "palatine.client"]
+    watched = ["torch", "palatine.tensor.client"]
     with mesh.activate():
         assert fetch(remote(IDENTITY)(7), shard=1).result(timeout=30) == 7
         assert fetch(remote(loaded)(watched), shard=0).result(timeout=30) == [False, False]
@@ -63,7 +63,7 @@ def test_torch_is_imported_on_first_use_and_the_client_never(mesh: DeviceMesh) -
 )
 def test_local_mesh_checks_for_a_gpu_without_importing_torch() -> None:
     code = (
-        "import sys; from palatine.client.local import _want_cuda; "
+        "import sys; from palatine.tensor.client.local import _want_cuda; "
         "print(_want_cuda('auto'), _want_cuda('cpu'), 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

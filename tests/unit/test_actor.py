@@ -1,4 +1,4 @@
-"""Actors and procs on in-process local channels (10-runtime.md §4, acceptance 56–75)."""
+"""Actors and procs on in-process local channels."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 from palatine import config
-from palatine.actor import Actor, SupervisionEvent, endpoint, handler
+from palatine.core.actor import Actor, SupervisionEvent, endpoint, handler
+from palatine.core.supervision_hook import set_unhandled_fault_hook
 from palatine.errors import ConfigError, DeliveryError, RemoteException, SpawnError
 from palatine.ids import ActorId
-from palatine.mesh import ActorMesh, ActorRef
-from palatine.supervision_hook import set_unhandled_fault_hook
+from palatine.mesh.actor_mesh import ActorMesh, ActorRef
 from palatine.testing.procs import proc_cluster
 from palatine.wire.codec import Message
 
@@ -86,13 +86,17 @@ async def test_status_walk_and_init_before_first_message() -> None:
 
 async def test_init_failure_fails_spawn_and_frees_nothing_else() -> None:
     async with proc_cluster(1) as (procs, _):
-        with pytest.raises(SpawnError, match=r"failed|initialization error: RuntimeError: no init for you"):
+        with pytest.raises(
+            SpawnError, match=r"failed|initialization error: RuntimeError: no init for you"
+        ):
             await procs[0].spawn("b", BadInit)
-        # the failed status text of the spec
+        # the failed status text
         try:
             await procs[0].spawn("b2", BadInit)
         except SpawnError as e:
-            assert str(e) == "serving w[0].b2[0]: initialization error: RuntimeError: no init for you"
+            assert (
+                str(e) == "serving w[0].b2[0]: initialization error: RuntimeError: no init for you"
+            )
 
 
 async def test_endpoint_error_is_remote_exception_and_actor_keeps_serving() -> None:
@@ -113,7 +117,12 @@ async def test_broadcast_error_fails_actor_and_reaches_coordinator() -> None:
         events: list[SupervisionEvent] = []
         procs[1].set_supervision_coordinator(events.append)
         aid = await procs[1].spawn("c", Counter)
-        mesh = ActorMesh(aid.proc.world.proc(1).actor("c").proc.world and ActorRef(aid)._as_mesh().gang, [("procs", 2)], [1], Counter)
+        mesh = ActorMesh(
+            aid.proc.world.proc(1).actor("c").proc.world and ActorRef(aid)._as_mesh().gang,
+            [("procs", 2)],
+            [1],
+            Counter,
+        )
         assert mesh.boom.broadcast() is None
         inst = procs[1].instance(aid)
         while not events:
@@ -121,7 +130,10 @@ async def test_broadcast_error_fails_actor_and_reaches_coordinator() -> None:
         assert events[0].actor_id == "w[1].c[0]"
         assert events[0].message == "serving w[1].c[0]: processing error: ValueError: nope"
         assert "raise ValueError" in events[0].traceback
-        assert inst is not None and inst.status == "failed: serving w[1].c[0]: processing error: ValueError: nope"
+        assert (
+            inst is not None
+            and inst.status == "failed: serving w[1].c[0]: processing error: ValueError: nope"
+        )
 
 
 async def test_system_exit_is_a_panic() -> None:
@@ -173,7 +185,9 @@ async def test_drain_and_stop_processes_queued_and_returns_later() -> None:
         inst.request_stop("drain", "test")
         late = ref.work.call_one(99)
         assert [await f for f in futs] == list(range(10))
-        with pytest.raises(DeliveryError, match=r"mailbox error: actor w\[0\].s\[0\] is (stopping|stopped)"):
+        with pytest.raises(
+            DeliveryError, match=r"mailbox error: actor w\[0\].s\[0\] is (stopping|stopped)"
+        ):
             await late
         assert await inst.terminal == "stopped"
 
@@ -396,12 +410,14 @@ class Unhandled(Message, kw_only=True):
     i: int
 
 
-async def test_a_message_sent_to_a_handler_port_of_another_type_is_refused_and_the_actor_serves_on() -> None:
+async def test_a_message_sent_to_a_handler_port_of_another_type_is_refused_and_the_actor_serves_on() -> (
+    None
+):
     # A peer may address any port with any type id: the port refuses a type its actor
     # has no handler for (before decoding it), and the sender hears why.
-    from palatine.actor import ENDPOINT_CALL_TID
+    from palatine.core.actor import ENDPOINT_CALL_TID
+    from palatine.core.instance import UNDELIVERABLE_TID
     from palatine.ids import PortId
-    from palatine.instance import UNDELIVERABLE_TID
     from palatine.wire.codec import encode_message
     from palatine.wire.envelope import ENC_MSGPACK, Envelope
 
@@ -417,13 +433,25 @@ async def test_a_message_sent_to_a_handler_port_of_another_type_is_refused_and_t
         ]:
             p = mb.pending(aid, "raw", 5.0)
             tid = type(msg).__palatine_type_id__
-            mb.proc.post(Envelope(mb.actor_id, PortId(aid, port), tid, ENC_MSGPACK, encode_message(msg), p.id))
+            mb.proc.post(
+                Envelope(
+                    mb.actor_id, PortId(aid, port), tid, ENC_MSGPACK, encode_message(msg), p.id
+                )
+            )
             with pytest.raises(DeliveryError, match=f"takes .*, not {type(msg).__name__}"):
                 await p.future
         # Another handler's port takes a type the actor handles (dispatch is by type).
         p = mb.pending(aid, "raw", 5.0)
-        mb.proc.post(Envelope(mb.actor_id, PortId(aid, Pong.__palatine_type_id__), ping_tid, ENC_MSGPACK,
-                              encode_message(Ping(i=4)), p.id))
+        mb.proc.post(
+            Envelope(
+                mb.actor_id,
+                PortId(aid, Pong.__palatine_type_id__),
+                ping_tid,
+                ENC_MSGPACK,
+                encode_message(Ping(i=4)),
+                p.id,
+            )
+        )
         assert await p.future == Pong(i=4)
         assert await ref.log.call_one() == ["ping4"]
 
@@ -472,10 +500,12 @@ async def test_ask_never_answered_times_out_without_leftovers() -> None:
 
 
 async def test_call_to_missing_actor_fails_fast() -> None:
-    async with proc_cluster(2) as (procs, _):
+    async with proc_cluster(2) as (_procs, _):
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        with pytest.raises(DeliveryError, match=r"mailbox error: no actor w\[1\].nobody\[0\] in w\[1\]"):
+        with pytest.raises(
+            DeliveryError, match=r"mailbox error: no actor w\[1\].nobody\[0\] in w\[1\]"
+        ):
             await ActorRef(ActorId.parse("w[1].nobody[0]"), Counter).incr.call_one()
         assert loop.time() - t0 < 1.0  # a bounce, not the 30 s rpc timeout
 
@@ -522,7 +552,10 @@ async def test_undeliverable_hook_default_and_override(caplog: pytest.LogCapture
         assert status.startswith(
             "failed: serving w[0].m[0]: processing error: a message from w[0].m[0] to "
         )
-        assert "was undeliverable and returned: mailbox error: no actor w[1].ghost[0] in w[1]" in status
+        assert (
+            "was undeliverable and returned: mailbox error: no actor w[1].ghost[0] in w[1]"
+            in status
+        )
 
 
 class CancelsItself(Actor):

@@ -1,7 +1,7 @@
 """Channel addresses: parse/print, errors, any_addr and the private unix directory.
 
-Covers 10-runtime.md §2.1, §2.2 (any_addr) and acceptance items 10–13 (binding real
-sockets ourselves: serve/dial belong to the net channel) and 15.
+Covers parsing, `any_addr` and binding real sockets ourselves (serve and dial belong to
+the net channel's tests).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bounded waits of the blocking channel side (`palatine.channel.blocking.Waiter`), as the
+"""Bounded waits of the blocking channel side (`palatine.fastpath.blocking.Waiter`), as the
 heartbeat thread uses them: any deadline, however far, is waited out in pieces the OS
 takes, and a stop interrupts the wait at once."""
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from palatine.channel.blocking import Stopped, Waiter
+from palatine.fastpath.blocking import Stopped, Waiter
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,10 +1,11 @@
-"""Controller command validation, labels and env bounds (30-controller.md §2.1), sans-IO."""
+"""Controller command validation, labels and env bounds, sans-IO."""
 
 from __future__ import annotations
 
 import pytest
 
-from palatine.controller.startup import (
+from palatine.errors import ConfigError
+from palatine.tensor.controller.startup import (
     ControllerCommand,
     ControllerTimeouts,
     parse_key_val,
@@ -12,7 +13,6 @@ from palatine.controller.startup import (
     validate_command,
     world_labels,
 )
-from palatine.errors import ConfigError
 
 
 def cmd(**kw: object) -> ControllerCommand:

@@ -1,11 +1,13 @@
-"""The step-3 wait of the controller bootstrap (30-controller.md §2.2–§2.3), sans-IO:
+"""The step-3 wait of the controller bootstrap, sans-IO:
 verdicts of snapshots, fail-fast texts, timeout messages and hints, poll periods."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from palatine.controller.startup import (
+from palatine.ids import ProcId
+from palatine.protocol.system import ProcEntry, WorldSnapshot
+from palatine.tensor.controller.startup import (
     ControllerCommand,
     WaitState,
     format_ranks,
@@ -15,8 +17,6 @@ from palatine.controller.startup import (
     startup_failure_text,
     worker_records,
 )
-from palatine.ids import ProcId
-from palatine.system.messages import ProcEntry, WorldSnapshot
 
 
 def entry(**kw: Any) -> ProcEntry:

@@ -1,4 +1,4 @@
-"""How one client flush is cut into `Send`s (palatine.client.session._group_sends) and
+"""How one client flush is cut into `Send`s (palatine.tensor.client.session._group_sends) and
 the plain-argument fast path of `pickle_args`."""
 
 from __future__ import annotations
@@ -7,9 +7,7 @@ import pickle
 
 import pytest
 
-from palatine.client.session import _group_sends
-from palatine.client.values import pickle_args
-from palatine.worker.messages import (
+from palatine.protocol.worker import (
     CommandGroup,
     DeleteRefs,
     Pickled,
@@ -17,7 +15,9 @@ from palatine.worker.messages import (
     SendValue,
     Slice,
 )
-from palatine.worker.values import dumps_args
+from palatine.tensor.client.session import _group_sends
+from palatine.tensor.client.values import pickle_args
+from palatine.tensor.worker.values import dumps_args
 
 ALL = Slice(0, [4], [1])
 
@@ -53,8 +53,10 @@ def test_disjoint_rank_sets_become_contiguous_slices() -> None:
     cmds = [(evens, DeleteRefs(refs=[1])), (ALL, RequestStatus(seq=1))]
     got = _sends(cmds)
     assert got == [
-        ([Slice(0, [1], [1]), Slice(2, [1], [1])],
-         CommandGroup(commands=[DeleteRefs(refs=[1]), RequestStatus(seq=1)])),
+        (
+            [Slice(0, [1], [1]), Slice(2, [1], [1])],
+            CommandGroup(commands=[DeleteRefs(refs=[1]), RequestStatus(seq=1)]),
+        ),
         ([Slice(1, [1], [1]), Slice(3, [1], [1])], RequestStatus(seq=1)),
     ]
 

@@ -1,4 +1,4 @@
-"""The payload codec's out-of-band buffers (10-runtime.md §3.2), sans-IO.
+"""The payload codec's out-of-band buffers, sans-IO.
 
 A runtime message holding `pickle.PickleBuffer` objects (a pickled value's buffers) is
 encoded by `encode_message_oob` with the buffers left out of the msgpack bytes, and
@@ -16,8 +16,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from palatine.controller.messages import Result
 from palatine.ids import ActorId, PortId
+from palatine.protocol.controller import Result
+from palatine.protocol.worker import FetchResult, Ok, Pickled
+from palatine.tensor.worker.values import dumps_fetched, loads_value
 from palatine.wire.codec import (
     OOB_EXT_CODE,
     Message,
@@ -27,8 +29,6 @@ from palatine.wire.codec import (
     encode_message_oob,
 )
 from palatine.wire.envelope import ENC_MSGPACK, Envelope
-from palatine.worker.messages import FetchResult, Ok, Pickled
-from palatine.worker.values import dumps_fetched, loads_value
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,20 +1,29 @@
-"""Casting through the fan-out tree (20-system.md §3): tree shape, delivery, per-sender FIFO."""
+"""Casting through the fan-out tree: tree shape, delivery, per-sender FIFO."""
 
 from __future__ import annotations
 
 import pytest
 
-from palatine.actor import Actor, endpoint
-from palatine.comm import CommActor, split_blocks
+from palatine.core.actor import Actor, endpoint
+from palatine.core.comm import CommActor, split_blocks
 from palatine.ids import GangId
-from palatine.mesh import ActorMesh
+from palatine.mesh.actor_mesh import ActorMesh
 from palatine.testing.procs import proc_cluster
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_split_blocks_near_equal_larger_first() -> None:
-    assert split_blocks(0, 12, 8) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 9), (9, 10), (10, 11), (11, 12)]
+    assert split_blocks(0, 12, 8) == [
+        (0, 2),
+        (2, 4),
+        (4, 6),
+        (6, 8),
+        (8, 9),
+        (9, 10),
+        (10, 11),
+        (11, 12),
+    ]
     assert split_blocks(1, 4, 8) == [(1, 2), (2, 3), (3, 4)]
     assert split_blocks(0, 100, 8)[0] == (0, 13) and len(split_blocks(0, 100, 8)) == 8
     assert split_blocks(5, 5, 8) == []
@@ -26,7 +35,7 @@ class Recorder(Actor):
 
     @endpoint
     def note(self, origin: str, i: int) -> int:
-        from palatine.actor import context
+        from palatine.core.actor import context
 
         self.seen.append((origin, i))
         return int(context().headers["cast_rank"])

@@ -43,10 +43,15 @@ def test_idle_spin_reads_microseconds_and_zero_turns_it_off() -> None:
 
 
 def test_health_tick_and_stop_fallback_margin_have_their_variables() -> None:
-    c = config.from_env({"PALATINE_HEALTH_TICK_INTERVAL": "0.25", "PALATINE_STOP_FALLBACK_MARGIN": "7"})
+    c = config.from_env(
+        {"PALATINE_HEALTH_TICK_INTERVAL": "0.25", "PALATINE_STOP_FALLBACK_MARGIN": "7"}
+    )
     assert (c.health_tick_interval_s, c.stop_fallback_margin_s) == (0.25, 7.0)
     d = config.from_env({})
-    assert (d.health_tick_interval_s, d.stop_fallback_margin_s) == (None, 3.0)  # None: min(1, timeout/4)
+    assert (d.health_tick_interval_s, d.stop_fallback_margin_s) == (
+        None,
+        3.0,
+    )  # None: min(1, timeout/4)
 
 
 def test_a_period_must_be_finite_while_a_timeout_may_be_endless() -> None:

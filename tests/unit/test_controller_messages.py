@@ -1,4 +1,4 @@
-"""Tests of the controller and worker message structs (30-controller.md §4, 40 §1.4).
+"""Tests of the controller and worker message structs.
 
 Every `Message` subclass of both modules has an example here, and each example survives
 the runtime's own path (``encode_message`` → envelope → ``decode_payload`` by type id)
@@ -17,12 +17,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import palatine.controller.messages as cm
-import palatine.worker.messages as wm
-from palatine.controller.history import Deadline, Err, Error, History, Ok
+import palatine.protocol.controller as cm
+import palatine.protocol.worker as wm
 from palatine.ids import ActorId, PortId, ProcId, WorldId
-from palatine.supervision import ActorFailure, ProcSupervisionState
-from palatine.system.messages import WorldStatus, WorldSupervisionState
+from palatine.protocol.controller import Deadline, Error
+from palatine.protocol.supervision import ActorFailure, ProcSupervisionState
+from palatine.protocol.system import WorldStatus, WorldSupervisionState
+from palatine.protocol.worker import Err, Ok
+from palatine.tensor.controller.history import History
 from palatine.wire.codec import Message, decode_payload, encode_message, message_type
 from palatine.wire.envelope import ENC_MSGPACK, Envelope
 
@@ -191,7 +193,11 @@ EXAMPLES: dict[type[Any], list[Any]] = {
         cm.Batch(),
         cm.Batch(
             nodes=[cm.Node(seq=1, defs=[2], label="f"), cm.Node(seq=2, uses=[2])],
-            sends=[cm.Send(ranks=[SLICE], message=cm.Serialized.of(wm.CommandGroup(commands=[CALL, CALL])))],
+            sends=[
+                cm.Send(
+                    ranks=[SLICE], message=cm.Serialized.of(wm.CommandGroup(commands=[CALL, CALL]))
+                )
+            ],
             drop_refs=[2],
         ),
     ],
@@ -392,7 +398,7 @@ def test_slice_ranks_are_offset_plus_the_row_major_index_sums(
     sizes = [d[0] for d in dims]
     strides = [d[1] for d in dims]
     want = [
-        offset + sum(i * s for i, s in zip(idx, strides))
+        offset + sum(i * s for i, s in zip(idx, strides, strict=False))
         for idx in itertools.product(*(range(n) for n in sizes))
     ]
     assert wm.Slice(offset, sizes, strides).ranks() == want
@@ -440,7 +446,7 @@ def test_controller_params_round_trip_and_defaults() -> None:
     )
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=cm.ControllerParams)
     assert back == params
-    # The defaults of 30-controller.md §2.1 / §3.1.
+    # The defaults.
     assert (
         params.num_procs_per_host,
         params.worker_name,

@@ -1,4 +1,4 @@
-"""Tests of the controller's supervision (30-controller.md §8; acceptance items 55–64 of §10).
+"""Tests of the controller's supervision.
 
 `SupervisionMonitor` is fed what the system would send — ``Subscribed``/``WorldState``
 answers as `SupervisionResult`, pushed ``ProcFailed``/``WorldGone`` events, failing
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from palatine.controller.history import History
-from palatine.controller.messages import (
+from palatine.ids import ActorId, ProcId, WorldId
+from palatine.protocol.controller import (
     CheckSupervision,
     DeviceFailure,
     Fail,
@@ -22,21 +22,21 @@ from palatine.controller.messages import (
     SupervisionResult,
     WorkerProcRecord,
 )
-from palatine.controller.supervision import (
-    PendingFailures,
-    SupervisionMonitor,
-    is_failed,
-    proc_failure,
-)
-from palatine.ids import ActorId, ProcId, WorldId
-from palatine.supervision import ActorFailure, ProcSupervisionState
-from palatine.system.messages import (
+from palatine.protocol.supervision import ActorFailure, ProcSupervisionState
+from palatine.protocol.system import (
     ProcFailed,
     SystemStopping,
     WorldGone,
     WorldStatus,
     WorldStatusChanged,
     WorldSupervisionState,
+)
+from palatine.tensor.controller.history import History
+from palatine.tensor.controller.supervision import (
+    PendingFailures,
+    SupervisionMonitor,
+    is_failed,
+    proc_failure,
 )
 
 W = WorldId("worker")
@@ -118,10 +118,10 @@ def monitor(n: int = 4, **kw: object) -> SupervisionMonitor:
     return SupervisionMonitor(**args)  # type: ignore[arg-type]
 
 
-# --------------------------------------------------------------------------- §10 items 55-61
+# --------------------------------------------------------------------------- failures
 
 
-def test_55_sigkill_gives_one_failure_naming_everything() -> None:
+def test_sigkill_gives_one_failure_naming_everything() -> None:
     sup = monitor()
     out = sup.on_proc_failed(ProcFailed(world=W, rank=1, state=killed(1)), 0.1)
     (f,) = fails(out)
@@ -159,7 +159,7 @@ def test_subscribe_reply_is_fed_like_a_poll() -> None:
     assert not sup.query_pending
 
 
-def test_56_host_lost_reports_each_proc_once_then_world_gone() -> None:
+def test_host_lost_reports_each_proc_once_then_world_gone() -> None:
     sup = monitor(2)
     lost = "connection lost (its host hostworker[0] on node3 was lost at the same time)"
     procs = [proc(r, health="ConnectionFailure", reason=lost) for r in (1, 0)]
@@ -182,12 +182,12 @@ def test_56_host_lost_reports_each_proc_once_then_world_gone() -> None:
     assert sup.world_gone
 
 
-def test_57_exit_code() -> None:
+def test_exit_code() -> None:
     (f,) = fails(monitor().on_result(poll(proc(3, exit_code=3, reason="exited with code 3")), 1))
     assert f.message.endswith("exited with code 3") and f.exit_code == 3
 
 
-def test_58_heartbeat_silence() -> None:
+def test_heartbeat_silence() -> None:
     p = proc(1, health="Expired", reason="no heartbeat for 20.4 s (timeout 20 s)")
     (f,) = fails(monitor().on_result(poll(p), 1.0))
     assert f.kind == "proc_failed"
@@ -199,7 +199,7 @@ def test_58_heartbeat_silence() -> None:
     assert f.reason == "no heartbeat for 20.4 s (timeout 20 s)"
 
 
-def test_59_failed_actor() -> None:
+def test_failed_actor() -> None:
     sup = monitor()
     (f,) = fails(sup.on_proc_failed(ProcFailed(world=W, rank=1, state=panic(1)), 0.5))
     assert f.kind == "actor_failed"
@@ -213,7 +213,7 @@ def test_59_failed_actor() -> None:
     assert fails(sup.on_result(poll(proc(1, exit_code=1)), 2.0)) == []
 
 
-def test_60_not_reported_again_and_a_later_proc_gets_its_own() -> None:
+def test_not_reported_again_and_a_later_proc_gets_its_own() -> None:
     sup = monitor()
     assert len(fails(sup.on_result(poll(killed(1)), 1.0))) == 1
     for t in range(2, 12):
@@ -223,7 +223,7 @@ def test_60_not_reported_again_and_a_later_proc_gets_its_own() -> None:
     assert sup.dead_ranks == {1, 3}
 
 
-def test_61_two_procs_together_ordered_by_rank() -> None:
+def test_two_procs_together_ordered_by_rank() -> None:
     sup = monitor()
     st = WorldSupervisionState(
         world_id=W,
@@ -233,10 +233,10 @@ def test_61_two_procs_together_ordered_by_rank() -> None:
     assert [f.rank for f in fails(sup.on_state(st, 1.0))] == [0, 3]
 
 
-# --------------------------------------------------------------------------- §10 items 62-64
+# --------------------------------------------------------------------------- worlds gone
 
 
-def test_62_system_lost_once_after_the_loss_timeout() -> None:
+def test_system_lost_once_after_the_loss_timeout() -> None:
     sup = monitor()  # interval 1 s, loss timeout 5 s, last contact at 0
     sent: list[DeviceFailure] = []
     logs: list[LogLine] = []
@@ -263,7 +263,7 @@ def test_62_system_lost_once_after_the_loss_timeout() -> None:
     assert sup.system_lost
 
 
-def test_62_pending_query_counts_as_failing() -> None:
+def test_pending_query_counts_as_failing() -> None:
     sup = monitor()
     queries = 0
     sent: list[DeviceFailure] = []
@@ -276,7 +276,7 @@ def test_62_pending_query_counts_as_failing() -> None:
     assert [f.kind for f in sent] == ["system_lost"]
 
 
-def test_62_answers_and_events_keep_the_system_alive() -> None:
+def test_answers_and_events_keep_the_system_alive() -> None:
     sup = monitor()
     for t in range(0, 30):
         now = float(t)
@@ -301,7 +301,7 @@ def test_on_stop_sends_system_lost_if_not_sent_yet() -> None:
     assert sup.system_lost_failure() == []
 
 
-def test_63_world_gone_texts() -> None:
+def test_world_gone_texts() -> None:
     evicted = monitor().on_world_gone(
         WorldGone(world=W, reason="evicted: worker[3] (pid 812 on node3) was killed by signal 9"),
         1.0,
@@ -324,7 +324,7 @@ def test_63_world_gone_texts() -> None:
     assert fails(sup2.on_result(SupervisionResult(state=None), 2.0)) == []
 
 
-def test_64_no_placeholder_ids_in_any_text() -> None:
+def test_no_placeholder_ids_in_any_text() -> None:
     placeholder = ActorFailure(
         actor_id=ActorId.parse("worker[1].none[0]"), status="failed: boom", message=""
     )
@@ -444,7 +444,7 @@ def test_subscribe_failure_is_a_warning_and_polling_continues() -> None:
 
 
 def test_from_params() -> None:
-    from palatine.controller.messages import ControllerParams
+    from palatine.protocol.controller import ControllerParams
 
     params = ControllerParams(
         world_size=2,
@@ -472,8 +472,8 @@ def test_pending_failures_keep_order_and_count_drops() -> None:
     assert q.drain() == ([], 0)
 
 
-def test_19_failure_before_attach_is_queued_then_delivered_in_order() -> None:
-    """The shell's part of item 19: Fails produced before attach go through the queue."""
+def test_failure_before_attach_is_queued_then_delivered_in_order() -> None:
+    """The shell's part of a late attach: Fails produced before attach go through the queue."""
     sup = monitor()
     q = PendingFailures()
     for instr in sup.on_result(poll(killed(2), killed(0)), 1.0):

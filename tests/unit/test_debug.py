@@ -1,4 +1,4 @@
-"""Stack dumps (20-system.md §2.6): in-process dumps, faulthandler files, py-spy selection.
+"""Stack dumps: in-process dumps, faulthandler files, py-spy selection.
 
 These run inside the test process: the faulthandler path signals the test process itself
 (after registering a handler), and py-spy is replaced by small fake scripts, so no real
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from palatine import debug
-from palatine.debug import (
+from palatine.hosting import stacks as debug
+from palatine.hosting.stacks import (
     StackDumpError,
     dump_external,
     dump_threads,

@@ -1,4 +1,4 @@
-"""Frame layout, encoder and incremental parser (10-runtime.md §2.4), sans-IO."""
+"""Frame layout, encoder and incremental parser, sans-IO."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def test_big_frame_gets_its_own_writable_buffer() -> None:
 
 
 def read_like_a_socket(parser: FrameParser, stream: bytes, chunk: int) -> list[object]:
-    """What `palatine.channel.net_rx` does: receive straight into `big_window` when one
+    """What `palatine.channel.net.rx` does: receive straight into `big_window` when one
     is open (never past it), otherwise a chunk for `feed`."""
     out: list[object] = []
     pos = 0
@@ -298,8 +298,17 @@ def test_a_header_nested_too_deeply_is_a_frame_error_not_a_crash() -> None:
     enc = msgspec.msgpack.Encoder()
     env = [[[["w"], 0], "a", 0], [[[["w"], 0], "a", 0], 1], 1, 0, b"", None, None, None]
     nested = b"\x91" * 1500 + b"\xc0"  # [[[…[nil]…]]]
-    header = (b"\x95" + enc.encode(5) + enc.encode(0) + enc.encode(True) + b"\x99"
-              + b"".join(enc.encode(x) for x in env) + b"\x91" + nested + b"\x90")
+    header = (
+        b"\x95"
+        + enc.encode(5)
+        + enc.encode(0)
+        + enc.encode(True)
+        + b"\x99"
+        + b"".join(enc.encode(x) for x in env)
+        + b"\x91"
+        + nested
+        + b"\x90"
+    )
     frame = struct.pack(">QI", len(header) + 4, len(header)) + header
     with pytest.raises(FrameError, match="undecodable frame header: nested too deeply"):
         FrameParser().feed(frame)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from palatine.future import Future
+from palatine.core.future import Future
 
 
 @pytest.fixture

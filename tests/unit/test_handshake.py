@@ -1,4 +1,4 @@
-"""The HMAC challenge/response state machines (10-runtime.md §2.5), sans-IO."""
+"""The HMAC challenge/response state machines, sans-IO."""
 
 from __future__ import annotations
 

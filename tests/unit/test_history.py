@@ -1,8 +1,8 @@
-"""Tests of the controller's History (30-controller.md §6, acceptance items 23–39 of §10).
+"""Tests of the controller's History.
 
-Notation as in the spec: ``s3{r3→r5}`` is seq 3 using ref 3 and defining ref 5. Errors
+Notation: ``s3{r3→r5}`` is seq 3 using ref 3 and defining ref 5. Errors
 are plain strings standing for the worker's ``WorkerError``. Besides the worked example
-and one test per invariant of §6.3, a naive reference model (full scans, sets, no
+and one test per invariant, a naive reference model (full scans, sets, no
 incremental structures) is driven in lock-step with the History by a hypothesis state
 machine over arbitrary interleavings and by a simulation of single-stream workers.
 """
@@ -20,17 +20,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from palatine.controller.history import (
-    Deadline,
-    Err,
-    Error,
-    Errored,
-    History,
-    Invoked,
-    Ok,
-    Outcome,
-    Report,
-)
+from palatine.protocol.controller import Deadline, Error
+from palatine.protocol.worker import Err, Ok
+from palatine.tensor.controller.history import Errored, History, Invoked, Outcome, Report
 
 
 def err(seq: int, caused_by: int, error: Any) -> Err[Error[Any]]:
@@ -76,7 +68,7 @@ class Client:
         self.h.delete_invocations_for_refs(refs)
 
 
-# --------------------------------------------------------------------------- §6.4
+# --------------------------------------------------------------------------- refs
 
 
 def test_worked_example_step_by_step() -> None:
@@ -138,7 +130,7 @@ def test_worked_example_with_s4_issued_before_the_failure() -> None:
     assert c.failed(1, e) == [(1, err(1, 1, e)), (3, err(3, 1, e)), (4, err(4, 1, e))]
 
 
-# --------------------------------------------------------------------------- §6.3
+# --------------------------------------------------------------------------- results
 
 
 def test_invariant_1_exactly_one_result_per_accepted_node() -> None:
@@ -259,7 +251,7 @@ def test_invariant_7_reports_in_seq_order_within_one_call() -> None:
     assert [s for s, _ in c.failed(0, "e")] == [0, 1, 2, 3]
 
 
-# --------------------------------------------------------------------------- §10 items
+# --------------------------------------------------------------------------- scenarios
 
 
 def test_item_23_one_rank_mixed_results() -> None:
@@ -271,7 +263,7 @@ def test_item_23_one_rank_mixed_results() -> None:
     assert c.failed(1, "some failure happened!") == [(1, err(1, 1, "some failure happened!"))]
     assert c.status(0, 2) == [(0, None)]
     c.fetched(20, Ok(42))
-    assert c.results.get(20) is None and 20 not in c.results  # item 24: not before Status(21)
+    assert c.results.get(20) is None and 20 not in c.results  # not before Status(21)
     assert c.status(0, 21) == [(20, Ok(42))]
     assert c.log == [(1, err(1, 1, "some failure happened!")), (0, None), (20, Ok(42))]
 
@@ -627,7 +619,7 @@ class Model:
             # A pending drop named the previous binding, not this new value: cancel it.
             # (Moving it to this producer instead would, if this one fails, remove an
             # Errored ref nobody dropped, and with an earlier producer's purge even while
-            # this one is live: §6.3 invariant 5 forbids both.)
+            # this one is live: an error is reported once, never twice.)
             self.pending.pop(ref, None)
         out = []
         if root is not None:
@@ -850,7 +842,7 @@ TestHistoryMachine = HistoryMachine.TestCase
 
 
 def simulate(rng: random.Random) -> None:
-    """Client issues a random program; single-stream workers run it and report (item 38).
+    """Client issues a random program; single-stream workers run it and report.
 
     Workers obey the real ordering rules (a Node is recorded before a worker runs it; a
     rank's RemoteFunctionFailed/FetchResult precede its Status covering the seq), so the

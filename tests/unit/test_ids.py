@@ -1,4 +1,4 @@
-"""Identities (10-runtime.md §1, acceptance items 1–9; host worlds of 20-system.md §1.2)."""
+"""Identities."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def ids_with_rank(rank: int) -> list[Id]:
     return [WorldId("world"), proc, actor, PortId(actor, rank), GangId(WorldId("world"), "actor")]
 
 
-# --------------------------------------------------------------------------- item 1
+# ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("rank", [0, 7, 2**63 + 5])
@@ -108,7 +108,7 @@ def test_parse_returns_each_kind() -> None:
     assert parse("w.a") == GangId(W, "a")
 
 
-# --------------------------------------------------------------------------- item 2
+# ---------------------------------------------------------------------------
 
 
 def test_actor_without_pid_is_pid_zero() -> None:
@@ -125,7 +125,7 @@ def test_default_controller_text() -> None:
     assert a == DEFAULT_CONTROLLER_ACTOR
 
 
-# --------------------------------------------------------------------------- item 3
+# ---------------------------------------------------------------------------
 
 BAD_INPUTS = [
     "foo-bar",
@@ -240,7 +240,7 @@ def test_non_string_input_is_a_type_error() -> None:
         parse(3)  # type: ignore[arg-type]
 
 
-# --------------------------------------------------------------------------- item 4
+# ---------------------------------------------------------------------------
 
 
 def test_unicode_names_round_trip() -> None:
@@ -262,7 +262,7 @@ def test_leading_zeros() -> None:
     assert str(parse("w[007]")) == "w[7]"
 
 
-# --------------------------------------------------------------------------- item 5
+# ---------------------------------------------------------------------------
 
 
 def test_typed_parse_checks_the_kind() -> None:
@@ -299,7 +299,7 @@ def test_typed_parse_returns_its_type() -> None:
     assert type(GangId.parse("w.a")) is GangId
 
 
-# --------------------------------------------------------------------------- item 6
+# ---------------------------------------------------------------------------
 
 REQUIRED_ORDER = [
     "second",
@@ -345,11 +345,11 @@ def test_order_puts_missing_components_first() -> None:
 def test_ids_do_not_order_against_other_objects() -> None:
     other: object = "w"
     with pytest.raises(TypeError):
-        _ = W < other
-    assert W != other
+        _ = other > W
+    assert other != W
 
 
-# --------------------------------------------------------------------------- item 7
+# ---------------------------------------------------------------------------
 
 
 def test_prefixes_from_the_acceptance_list() -> None:
@@ -380,7 +380,7 @@ def test_prefix_rules() -> None:
     assert not gang.is_prefix_of(parse("w.b"))
 
 
-# --------------------------------------------------------------------------- item 8 and helpers
+# --------------------------------------------------------------------------- and helpers
 
 
 def test_gang_member() -> None:
@@ -433,8 +433,8 @@ def test_well_known_ids() -> None:
 
 
 def test_reserved_names() -> None:
-    assert RESERVED_WORLDS == {"system", "user", "unknown"}
-    assert RESERVED_ACTOR_NAMES == {"proc", "comm"}
+    assert {"system", "user", "unknown"} == RESERVED_WORLDS
+    assert {"proc", "comm"} == RESERVED_ACTOR_NAMES
     for name in ("system", "user", "unknown", "host", "hostworker", "hostx"):
         assert is_reserved_world(name)
         assert is_reserved_world(WorldId(name))
@@ -485,7 +485,7 @@ def test_ids_are_frozen_and_hashable() -> None:
     assert WorldId("w") != gang
 
 
-# --------------------------------------------------------------------------- item 9
+# ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("x", ids_with_rank(7) + ids_with_rank(2**64 - 1), ids=str)

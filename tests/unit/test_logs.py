@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 
 from palatine import config
-from palatine.logs import LOCK_NAME, LogSession, default_log_dir, prune_sessions
+from palatine.output.logs import LOCK_NAME, LogSession, default_log_dir, prune_sessions
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def test_sessions_live_under_the_configured_log_dir_and_go_after_a_clean_end(tmp_path: Path) -> None:
+def test_sessions_live_under_the_configured_log_dir_and_go_after_a_clean_end(
+    tmp_path: Path,
+) -> None:
     with config.override(log_dir=str(tmp_path)):
         assert default_log_dir() == tmp_path
         s = LogSession.create("mesh")
@@ -41,7 +43,9 @@ def test_a_users_log_dir_is_used_as_it_is_and_never_removed(tmp_path: Path) -> N
     assert mine.is_dir()
 
 
-def test_only_the_newest_idle_sessions_are_kept_and_running_ones_never_touched(tmp_path: Path) -> None:
+def test_only_the_newest_idle_sessions_are_kept_and_running_ones_never_touched(
+    tmp_path: Path,
+) -> None:
     with config.override(log_dir=str(tmp_path), keep_logs=100):
         ended = []
         for _ in range(6):

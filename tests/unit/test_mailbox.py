@@ -1,4 +1,4 @@
-"""Mailboxes, ports and routing (10-runtime.md §3, acceptance 40–55)."""
+"""Mailboxes, ports and routing."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from palatine.actor import Actor, endpoint
 from palatine.channel.addr import ChannelAddr
+from palatine.core.actor import Actor, endpoint
+from palatine.core.mailbox import FIRST_EPHEMERAL_PORT, Mailbox
+from palatine.core.proc import Proc
+from palatine.core.router import Router
 from palatine.errors import DeliveryError, PeerGoneError
 from palatine.ids import ActorId, PortId, ProcId, WorldId
-from palatine.mailbox import FIRST_EPHEMERAL_PORT, Mailbox
-from palatine.mesh import ActorRef
-from palatine.proc import Proc
-from palatine.router import Router
+from palatine.mesh.actor_mesh import ActorRef
 from palatine.testing.procs import proc_cluster
 from palatine.wire.codec import Message, display, encode_message, type_id_for
 from palatine.wire.envelope import ENC_MSGPACK, ENC_PICKLE, Envelope
@@ -46,22 +46,33 @@ def test_envelope_display() -> None:
 
 
 def test_handler_type_id_is_stable_across_processes() -> None:
-    tid = type_id_for("palatine.system.messages.Join")
+    tid = type_id_for("palatine.protocol.system.Join")
     assert tid >> 63 == 1
     out = subprocess.run(
-        [sys.executable, "-c", "from palatine.system.messages import Join; print(Join.__palatine_type_id__)"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            "from palatine.protocol.system import Join; print(Join.__palatine_type_id__)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert int(out.stdout) == tid
 
 
 def _env(dest: PortId, data: bytes = b"") -> Envelope:
-    return Envelope(ActorId.parse("w[0].s[0]"), dest, MyTest.__palatine_type_id__, ENC_MSGPACK,
-                    encode_message(MyTest(a=1, b="x")))
+    return Envelope(
+        ActorId.parse("w[0].s[0]"),
+        dest,
+        MyTest.__palatine_type_id__,
+        ENC_MSGPACK,
+        encode_message(MyTest(a=1, b="x")),
+    )
 
 
 async def test_once_stream_and_ephemeral_ports() -> None:
-    async with proc_cluster(1) as (procs, client):
+    async with proc_cluster(1) as (_procs, client):
         mb: Mailbox = client.mailbox
         once = mb.open_once_port()
         assert once.index == FIRST_EPHEMERAL_PORT
@@ -71,7 +82,7 @@ async def test_once_stream_and_ephemeral_ports() -> None:
         stream = mb.open_port()
         assert stream.index == FIRST_EPHEMERAL_PORT + 1  # never reused, even after close
         assert stream.try_recv() is None
-        for i in range(3):
+        for _i in range(3):
             mb.deliver(_env(stream.id))
         assert await stream.recv(1.0) == MyTest(a=1, b="x")
         assert len(stream.drain()) == 2
@@ -112,20 +123,29 @@ class Echo(Actor):
 
 
 async def test_no_route_and_no_system_returns_not_routable() -> None:
-    async with proc_cluster(1) as (procs, _):
-        with pytest.raises(DeliveryError, match="address not routable: destination not found in routing table"):
+    async with proc_cluster(1) as (_procs, _):
+        with pytest.raises(
+            DeliveryError, match="address not routable: destination not found in routing table"
+        ):
             await ActorRef(ActorId.parse("elsewhere[0].x[0]")).ping.call_one(1)
 
 
-async def test_undeliverable_of_undeliverable_is_dropped_once(caplog: pytest.LogCaptureFixture) -> None:
+async def test_undeliverable_of_undeliverable_is_dropped_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     async with proc_cluster(1) as (procs, _):
         p = procs[0]
-        from palatine.instance import UNDELIVERABLE_TID
-        from palatine.mailbox import Undeliverable
+        from palatine.core.instance import UNDELIVERABLE_TID
+        from palatine.core.mailbox import Undeliverable
 
         inner = _env(PortId.parse("w[0].nobody[0][5]"))
-        wrapper = Envelope(ActorId.parse("ghost[0].g[0]"), PortId(ActorId.parse("w[0].nobody[0]"), UNDELIVERABLE_TID),
-                           UNDELIVERABLE_TID, ENC_MSGPACK, encode_message(Undeliverable(inner)))
+        wrapper = Envelope(
+            ActorId.parse("ghost[0].g[0]"),
+            PortId(ActorId.parse("w[0].nobody[0]"), UNDELIVERABLE_TID),
+            UNDELIVERABLE_TID,
+            ENC_MSGPACK,
+            encode_message(Undeliverable(inner)),
+        )
         with caplog.at_level(logging.WARNING, logger="palatine"):
             p.post(wrapper)
             await asyncio.sleep(0.05)
@@ -139,12 +159,15 @@ async def test_envelope_for_another_proc_is_returned_not_forwarded() -> None:
         # Route w[1] to w[0]'s address: w[0]'s mailbox server must refuse, not forward.
         assert procs[0].addr is not None
         client.proc.router.bind(ProcId.parse("w[1]"), procs[0].addr)
-        with pytest.raises(DeliveryError, match=r"address not routable: w\[1\] is not served at .* \(this is w\[0\]\)"):
+        with pytest.raises(
+            DeliveryError,
+            match=r"address not routable: w\[1\] is not served at .* \(this is w\[0\]\)",
+        ):
             await ActorRef(ActorId.parse("w[1].echo[0]")).ping.call_one(1)
 
 
 async def test_call_bounce_fails_fast() -> None:
-    async with proc_cluster(2) as (procs, _):
+    async with proc_cluster(2) as (_procs, _):
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         with pytest.raises(DeliveryError):
@@ -173,7 +196,9 @@ async def test_peer_gone_fails_pending_calls_and_watch() -> None:
             host = "node3"
 
         client.proc.peer_gone(Notice())  # type: ignore[arg-type]
-        with pytest.raises(PeerGoneError, match=r"w\[1\] \(pid 812 on node3\): killed by signal 9") as ei:
+        with pytest.raises(
+            PeerGoneError, match=r"w\[1\] \(pid 812 on node3\): killed by signal 9"
+        ) as ei:
             await fut
         assert ei.value.details["world"] == "w" and ei.value.details["rank"] == 1
         assert (await watch).exit_signal == 9
@@ -184,8 +209,8 @@ def test_proc_routes_to_itself_without_channels() -> None:
         p = Proc(ProcId.parse("solo[0]"))
         await p.spawn("echo", Echo)
         client = p.attach("client")
-        from palatine.mesh import set_default_client
-        from palatine import runtime
+        from palatine.core import runtime
+        from palatine.mesh.actor_mesh import set_default_client
 
         runtime.adopt_current_loop()
         set_default_client(client)
@@ -199,11 +224,13 @@ def test_proc_routes_to_itself_without_channels() -> None:
     asyncio.run(main())
 
 
-async def test_long_deadlines_share_one_sweep_and_still_fire(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_long_deadlines_share_one_sweep_and_still_fire(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Requests with long timeouts are timed by one sweep per loop, not a timer each:
     they still time out (a little late, never early), and an answered request leaves
     the sweep at once."""
-    import palatine.mailbox as mailbox_mod
+    import palatine.core.mailbox as mailbox_mod
     from palatine.errors import CallTimeout
 
     monkeypatch.setattr(mailbox_mod, "SWEPT_TIMEOUT_S", 0.2)
@@ -222,7 +249,9 @@ async def test_long_deadlines_share_one_sweep_and_still_fire(monkeypatch: pytest
         assert answered.future.result() == 7 and answered.timer not in sweep.due
         with pytest.raises(CallTimeout, match=r"call quick to w\[0\].nobody\[0\] timed out"):
             await quick.future
-        with pytest.raises(CallTimeout, match=r"call slow to w\[0\].nobody\[0\] timed out: no reply within 0.3 s"):
+        with pytest.raises(
+            CallTimeout, match=r"call slow to w\[0\].nobody\[0\] timed out: no reply within 0.3 s"
+        ):
             await asyncio.wait_for(late.future, 5)
         assert 0.3 <= loop.time() - t0 < 2.0  # never early; late only by the sweep (+ stalls)
         assert not sweep.due and sweep.handle is None  # nothing left: the sweep stops

@@ -1,6 +1,6 @@
 """User values on the wire: by reference (the stdlib pickler) unless they name code that
 another process cannot import, which cloudpickle ships by value (`palatine.wire.codec`,
-`palatine.worker.values`).
+`palatine.tensor.worker.values`).
 
 The choice is made while pickling (`refers_by_value`, asked by the picklers'
 ``reducer_override``), never by scanning the pickle's bytes: a payload whose bytes happen
@@ -22,7 +22,6 @@ import pytest
 
 from palatine.wire import codec
 from palatine.wire.codec import dumps, refers_by_value
-from palatine.worker.values import dumps_value
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,7 +30,7 @@ MAKE = textwrap.dedent(
     """
     import functools, pickle, sys
     from palatine.wire.codec import dumps
-    from palatine.worker.values import dumps_value
+    from palatine.tensor.worker.values import dumps_value
 
     def f(x):
         return x + 1
@@ -95,12 +94,18 @@ USE = textwrap.dedent(
 )
 
 
-def test_values_naming_main_lambdas_or_locals_arrive_by_value_in_another_process(tmp_path: Path) -> None:
+def test_values_naming_main_lambdas_or_locals_arrive_by_value_in_another_process(
+    tmp_path: Path,
+) -> None:
     saved = tmp_path / "pickles"
     for script in (MAKE, USE):
-        proc = subprocess.run([sys.executable, "-c", script, str(saved)], capture_output=True, text=True, timeout=50)
+        proc = subprocess.run(
+            [sys.executable, "-c", script, str(saved)], capture_output=True, text=True, timeout=50
+        )
         assert proc.returncode == 0, proc.stderr
-    got = {tuple(line.split(" ", 2)[:2]): line.split(" ", 2)[2] for line in proc.stdout.splitlines()}
+    got = {
+        tuple(line.split(" ", 2)[:2]): line.split(" ", 2)[2] for line in proc.stdout.splitlines()
+    }
     expect = {
         "main_function": "2 True",
         "moduleless_function": "11 True",

@@ -1,17 +1,17 @@
-"""Tests of stall detection (30-controller.md §7; acceptance items 44–54 of §10).
+"""Tests of stall detection.
 
 A small simulated controller drives `ProgressMonitor` with a fake clock: Nodes go to
 the History, probes go to fake workers that answer when the test says so, checks run
 every interval, and stall reports are completed with canned worker data. Settings are
-those of §10: interval 1 s, timeout 3 s, K = 100.
+those: interval 1 s, timeout 3 s, K = 100.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from palatine.controller.history import History
-from palatine.controller.messages import (
+from palatine.ids import ProcId, WorldId
+from palatine.protocol.controller import (
     CheckWorkerProgress,
     Fail,
     Instruction,
@@ -23,18 +23,18 @@ from palatine.controller.messages import (
     Warn,
     WorkerProcRecord,
 )
-from palatine.controller.progress import (
+from palatine.protocol.worker import ExecutingOp, StreamProgress, WorkerProgress
+from palatine.tensor.controller.history import History
+from palatine.tensor.controller.progress import (
     ProgressMonitor,
     select_stack,
     stall_headline,
 )
-from palatine.ids import ProcId, WorldId
-from palatine.worker.messages import ExecutingOp, StreamProgress, WorkerProgress
 
 W = WorldId("worker")
 
 IN_PROCESS_DUMP = """Thread 0x7f01 "MainThread" (most recent call last):
-  File "/palatine/proc.py", line 10, in run
+  File "/palatine/core/proc.py", line 10, in run
     loop.run_forever()
   File "/asyncio/base_events.py", line 600, in run_forever
     self._run_once()
@@ -42,13 +42,13 @@ IN_PROCESS_DUMP = """Thread 0x7f01 "MainThread" (most recent call last):
 Thread 0x7f02 "palatine-stream-main" (daemon) (most recent call last):
   File "/threading.py", line 1002, in _bootstrap
     self._bootstrap_inner()
-  File "/palatine/worker/stream.py", line 80, in _loop
+  File "/palatine/tensor/worker/stream.py", line 80, in _loop
     self._execute(cmd)
   File "/home/me/train.py", line 12, in slow_step
     time.sleep(10)
 
 Thread 0x7f03 "palatine-heartbeat" (daemon) (most recent call last):
-  File "/palatine/heartbeat.py", line 40, in _beat
+  File "/palatine/hosting/heartbeat.py", line 40, in _beat
     time.sleep(0.5)
 """
 
@@ -64,21 +64,21 @@ Thread 4251 (idle): "palatine-stream-main"
     slow_step (train.py:12)
         Arguments:
             x: 1
-    _execute (palatine/worker/stream.py:91)
-    _loop (palatine/worker/stream.py:80)
+    _execute (palatine/tensor/worker/stream.py:91)
+    _loop (palatine/tensor/worker/stream.py:80)
 """
 
 FAULTHANDLER_DUMP = """Thread 0x00007f02 (most recent call first):
   File "/home/me/train.py", line 12 in slow_step
-  File "/palatine/worker/stream.py", line 80 in _loop
+  File "/palatine/tensor/worker/stream.py", line 80 in _loop
 
 Current thread 0x00007f01 (most recent call first):
-  File "/palatine/proc.py", line 10 in run
+  File "/palatine/core/proc.py", line 10 in run
 """
 
 
 class Sim:
-    """The parts of a ControllerActor that §7 needs, on a fake clock."""
+    """The parts of a ControllerActor that progress checks need, on a fake clock."""
 
     def __init__(
         self,
@@ -178,10 +178,10 @@ class Sim:
         return [i for i in self.client if isinstance(i, Warn)]
 
 
-# --------------------------------------------------------------------------- §10 items 44-48
+# --------------------------------------------------------------------------- stall reports
 
 
-def test_44_probe_after_first_node_answered_in_time_is_silent() -> None:
+def test_probe_after_first_node_answered_in_time_is_silent() -> None:
     sim = Sim()
     sim.node(0, "init")
     assert sim.probes == [SendProbe(0, (0,))]
@@ -191,7 +191,7 @@ def test_44_probe_after_first_node_answered_in_time_is_silent() -> None:
     assert sim.client == []
 
 
-def test_45_late_answer_gives_exactly_one_warning_with_the_seed_line() -> None:
+def test_late_answer_gives_exactly_one_warning_with_the_seed_line() -> None:
     sim = Sim()
     sim.node(0, "init")
     sim.answer(0, 0)
@@ -222,7 +222,7 @@ def test_stall_is_reported_between_timeout_and_timeout_plus_interval() -> None:
     assert 3.3 < sim.request_times[0] <= 3.3 + 1.0  # reported at the 4.0 check
 
 
-def test_46_47_fail_on_worker_timeout_sends_log_then_stuck_failure() -> None:
+def test_fail_on_worker_timeout_sends_log_then_stuck_failure() -> None:
     sim = Sim(fail=True)
     sim.node(0, "init")
     sim.answer(0, 0)
@@ -249,7 +249,7 @@ def test_46_47_fail_on_worker_timeout_sends_log_then_stuck_failure() -> None:
     assert len(sim.client) == 2
 
 
-def test_48_rank_list_and_timeout_formatting() -> None:
+def test_rank_list_and_timeout_formatting() -> None:
     assert stall_headline([0, 1], 3.0) == (
         "ranks 0, 1 have operations that have not completed after 3 seconds"
     )
@@ -284,7 +284,7 @@ def _busy(rank: int, seq: int, fn: str, *, pid: int = 4243) -> WorkerProgress:
     )
 
 
-def test_49_report_names_op_function_and_stack_of_the_stuck_stream() -> None:
+def test_report_names_op_function_and_stack_of_the_stuck_stream() -> None:
     procs = [
         WorkerProcRecord(rank=0, proc_id=ProcId(W, 0), pid=4242, host="node3"),
         WorkerProcRecord(rank=1, proc_id=ProcId(W, 1), pid=4243, host="node3"),
@@ -323,7 +323,7 @@ def test_49_report_names_op_function_and_stack_of_the_stuck_stream() -> None:
     assert "time.sleep(10)" in warn.details["stacks"][0]
 
 
-def test_50_unanswered_stack_dump_says_stack_unavailable() -> None:
+def test_unanswered_stack_dump_says_stack_unavailable() -> None:
     sim = Sim()
     sim.node(0, "f")
     sim.answers[0] = RankStallData(
@@ -341,7 +341,7 @@ def test_50_unanswered_stack_dump_says_stack_unavailable() -> None:
     assert "no progress answer within 2.5 s" in warn2.message
 
 
-def test_50_lost_report_is_finished_by_the_check_within_the_bound_plus_one_second() -> None:
+def test_lost_report_is_finished_by_the_check_within_the_bound_plus_one_second() -> None:
     sim = Sim(report_timeout=2.0)
     sim.auto_report = False
     sim.node(0, "f")
@@ -358,7 +358,7 @@ def test_50_lost_report_is_finished_by_the_check_within_the_bound_plus_one_secon
     assert sim.mon.finish_stall_report(late, sim.now) == []
 
 
-def test_51_one_warning_per_deadline_and_again_after_recovery() -> None:
+def test_one_warning_per_deadline_and_again_after_recovery() -> None:
     sim = Sim()
     sim.node(0, "a")
     sim.advance(20.0)
@@ -386,7 +386,7 @@ def test_no_second_report_while_one_is_in_flight() -> None:
 # --------------------------------------------------------------------------- probes
 
 
-def test_52_no_probe_twice_for_a_seq_and_none_when_idle() -> None:
+def test_no_probe_twice_for_a_seq_and_none_when_idle() -> None:
     sim = Sim(2)
     sim.advance(30.0)
     assert sim.probes == [] and sim.client == []
@@ -421,7 +421,7 @@ def test_probe_throttling_rules() -> None:
     assert [p.seq for p in sim.probes] == [0, 1, 30]
 
 
-def test_53_probe_answers_never_complete_anything() -> None:
+def test_probe_answers_never_complete_anything() -> None:
     sim = Sim(2)
     sim.node(0)
     sim.node(1)
@@ -431,7 +431,7 @@ def test_53_probe_answers_never_complete_anything() -> None:
     assert sim.h.min_progress == 6
 
 
-def test_54_dead_rank_is_neither_probed_nor_listed() -> None:
+def test_dead_rank_is_neither_probed_nor_listed() -> None:
     sim = Sim(3)
     sim.dead.add(1)
     sim.node(0, "f")
@@ -559,7 +559,7 @@ def test_at_most_one_deadline_check_is_pending() -> None:
 
 
 def test_due_time_check_waits_for_a_probe_held_back_until_late() -> None:
-    # the probe of s0 was held back by the actor (a Node without its Send, §5) and
+    # the probe of s0 was held back by the actor (a Node without its Send) and
     # only cast at 0.9: the due-time check at 1.0 leaves the verdict to the periodic
     # check, which reports at 1.5 if the rank still has not answered
     sim = Sim(n=1, timeout=1.0, interval=0.5)

@@ -1,4 +1,4 @@
-"""Decoding ``palatine serve`` request lines (30-controller.md §9.1), sans-IO."""
+"""Decoding ``palatine serve`` request lines, sans-IO."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from palatine.controller.bootstrap import ControllerCommand
-from palatine.serve import (
+from palatine.cli.serving import (
     ExitRequest,
     HostCommand,
     InvalidRequest,
@@ -16,6 +15,7 @@ from palatine.serve import (
     finished_line,
     parse_request,
 )
+from palatine.tensor.controller.bootstrap import ControllerCommand
 
 
 def line(obj: object) -> bytes:
@@ -184,11 +184,27 @@ def test_run_controller_full_shape_of_the_interface_doc() -> None:
             "not valid JSON",
         ),
         (
-            line({"Run": {"Host": {"system_addr": "unix:@s", "host_world": "hostw", "host_rank": 2**64}}}),
+            line(
+                {
+                    "Run": {
+                        "Host": {
+                            "system_addr": "unix:@s",
+                            "host_world": "hostw",
+                            "host_rank": 2**64,
+                        }
+                    }
+                }
+            ),
             "Run.Host.host_rank must be in [0, 2**64)",
         ),
         (
-            line({"Run": {"Host": {"system_addr": "unix:@s", "host_world": "host w", "host_rank": 0}}}),
+            line(
+                {
+                    "Run": {
+                        "Host": {"system_addr": "unix:@s", "host_world": "host w", "host_rank": 0}
+                    }
+                }
+            ),
             "Run.Host.host_world 'host w'",
         ),
     ],
@@ -202,4 +218,3 @@ def test_invalid_requests_say_what_and_where(raw: bytes, fragment: str) -> None:
 def test_finished_line() -> None:
     assert finished_line(None) == b'{"Finished":{"error":null}}\n'
     assert json.loads(finished_line("boom")) == {"Finished": {"error": "boom"}}
-

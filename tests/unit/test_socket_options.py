@@ -1,10 +1,10 @@
-"""Socket options every channel connection gets (`palatine.channel.net.tune_socket`)."""
+"""Socket options every channel connection gets (`palatine.channel.net.sockets.tune_socket`)."""
 
 from __future__ import annotations
 
 import socket
 
-from palatine.channel.net import tune_socket
+from palatine.channel.net.sockets import tune_socket
 
 
 def test_a_unix_connection_gets_the_large_send_buffer(unix_send_buffer: int) -> None:

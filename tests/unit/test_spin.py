@@ -12,7 +12,14 @@ import time
 import pytest
 
 from palatine import config
-from palatine.channel.spin import MAX_WAIT_S, LoopSpin, loop_spin, poll_ms, poll_spinning, recv_spinning
+from palatine.channel.spin import (
+    MAX_WAIT_S,
+    LoopSpin,
+    loop_spin,
+    poll_ms,
+    poll_spinning,
+    recv_spinning,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

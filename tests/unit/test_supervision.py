@@ -1,17 +1,17 @@
-"""Tests of `palatine.supervision`: liveness records and the exact failure texts."""
+"""Tests of `palatine.protocol.supervision`: liveness records and the exact failure texts."""
 
 from __future__ import annotations
 
 import msgspec
 
+from palatine.config import format_seconds
 from palatine.ids import ProcId
-from palatine.supervision import (
+from palatine.protocol.supervision import (
     ActorFailure,
     ProcRecord,
     ProcSupervisionState,
     exit_text,
     expiry_reason,
-    format_seconds,
     signal_text,
 )
 

@@ -1,7 +1,7 @@
-"""Tests of the system's sans-IO core, `SystemRegistry` (20-system.md §1, acceptance §6).
+"""Tests of the system's sans-IO core, `SystemRegistry`.
 
 Everything runs against a fake clock that only moves when a test advances it, with the
-small settings of §6 (update timeout 1 s, eviction 1 s, tick 0.25 s). The `Harness`
+small settings (update timeout 1 s, eviction 1 s, tick 0.25 s). The `Harness`
 plays the actor shell: it feeds stimuli, keeps every instruction, and can answer the
 registry's `Ask`s the way proc agents would. Acceptance items are cited as ``A<n>``.
 """
@@ -22,30 +22,15 @@ from hypothesis import strategies as st
 
 from palatine.errors import SystemRequestError
 from palatine.ids import PortId, ProcId, WorldId
-from palatine.supervision import ActorFailure, ProcSupervisionState
-from palatine.system.detection import PROBE_AGAIN_S
-from palatine.system.instructions import (
-    Ask,
-    Bind,
-    ExitReportGrace,
-    JoinProbeNeeded,
-    Log,
-    Probe,
-    ProbeAgain,
-    Send,
-    StopFallback,
-    StopSystem,
-    Timer,
-    Unbind,
-)
-from palatine.system.agent_messages import (
+from palatine.protocol.agent import (
     KillProcs,
     ProcStop,
     ProcStopResult,
     SpawnProc,
     SpawnProcResult,
 )
-from palatine.system.messages import (
+from palatine.protocol.supervision import ActorFailure, ProcSupervisionState
+from palatine.protocol.system import (
     AddressChanged,
     Exec,
     FailedProc,
@@ -77,6 +62,21 @@ from palatine.system.messages import (
     WorldStateReply,
     WorldStatusChanged,
     WorldUpserted,
+)
+from palatine.system.detection import PROBE_AGAIN_S
+from palatine.system.instructions import (
+    Ask,
+    Bind,
+    ExitReportGrace,
+    JoinProbeNeeded,
+    Log,
+    Probe,
+    ProbeAgain,
+    Send,
+    StopFallback,
+    StopSystem,
+    Timer,
+    Unbind,
 )
 from palatine.system.registry import SystemRegistry, agent_of
 from palatine.system.worlds import execution_id_from_env, host_ranks
@@ -1639,4 +1639,6 @@ def test_lost_host_gets_its_children_probed_and_a_silent_child_declared() -> Non
     for r in range(2):
         rec = h.reg.record(pid(f"w[{r}]"))
         assert rec is not None and rec.health == "ConnectionFailure"
-        assert rec.reason == "connection lost (its host hostw[0] on node1 was lost at the same time)"
+        assert (
+            rec.reason == "connection lost (its host hostw[0] on node1 was lost at the same time)"
+        )

@@ -1,4 +1,4 @@
-"""Mutual TLS contexts (10-runtime.md §2.9) exercised by real handshakes on 127.0.0.1.
+"""Mutual TLS contexts exercised by real handshakes on 127.0.0.1.
 
 The server thread and the client use blocking sockets with timeouts; every failure
 closes the server's end, so a refused client sees an alert or EOF, never a hang.

@@ -1,6 +1,6 @@
-"""Cluster token resolution, file checks, caching and propagation (10-runtime.md §2.5).
+"""Cluster token resolution, file checks, caching and propagation.
 
-Covers acceptance item 37. Every test runs with a clean environment and cache, and
+Every test runs with a clean environment and cache, and
 points ``XDG_CONFIG_HOME`` at a temporary directory so the real per-user file is
 never read or written.
 """

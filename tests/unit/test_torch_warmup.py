@@ -1,4 +1,4 @@
-"""`palatine.worker.torch_warmup`: the first ``import torch`` reads torch's libraries through.
+"""`palatine.tensor.worker.torch_warmup`: the first ``import torch`` reads torch's libraries through.
 
 Run in a fresh interpreter each (torch must not be imported yet), with a thread that
 ticks every 10 ms during the import: the finder must run once, step aside, and the
@@ -29,7 +29,7 @@ def test_first_import_reads_the_libraries_then_steps_aside() -> None:
     out = run(
         """
         import sys
-        from palatine.worker import torch_warmup
+        from palatine.tensor.worker import torch_warmup
         seen = []
         orig = torch_warmup.read_through
         torch_warmup.read_through = lambda paths: seen.append(len(paths)) or orig(paths)
@@ -53,7 +53,7 @@ def test_nothing_is_installed_once_torch_is_imported() -> None:
     out = run(
         """
         import sys, torch
-        from palatine.worker import torch_warmup
+        from palatine.tensor.worker import torch_warmup
         print(torch_warmup.install(), any(type(f).__name__ == "_TorchWarmup" for f in sys.meta_path))
         """
     )

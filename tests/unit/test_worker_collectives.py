@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from palatine.worker.collectives import _choose_backend
+from palatine.tensor.worker.collectives import _choose_backend
 
 
 def info(host: str, kind: str, uuid: str = "") -> list[str]:
@@ -44,7 +44,7 @@ def test_reduce_header_codes_are_the_same_in_every_process() -> None:
     pytest.importorskip("torch")
     code = (
         "import torch\n"
-        "from palatine.worker import reduce\n"
+        "from palatine.tensor.worker import reduce\n"
         "for dt in (torch.uint16, torch.uint32, torch.float32):\n"
         "    h = reduce._header(torch, reduce._OK, 0, torch.zeros(2, dtype=dt), 'cpu')\n"
         "    print(int(h[2]))\n"

@@ -1,4 +1,4 @@
-"""`palatine worker` narrows the visible GPUs to one per proc (40-worker-client.md §1.1)."""
+"""`palatine worker` narrows the visible GPUs to one per proc."""
 
 from __future__ import annotations
 

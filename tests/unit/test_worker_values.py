@@ -1,4 +1,4 @@
-"""Values on the worker wire (40-worker-client.md §1.3, §1.4): refs as persistent ids,
+"""Values on the worker wire: refs as persistent ids,
 tensors out of band, function resolution, user-error formatting, device mesh views."""
 
 from __future__ import annotations
@@ -12,10 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from palatine.worker.collectives import DeviceMeshView, mesh_rank
-from palatine.worker.messages import Cloudpickle, FunctionPath, Pickled, Slice, WorkerError
-from palatine.worker.user_errors import format_user_traceback, pickle_exception, user_error_fields
-from palatine.worker.values import (
+from palatine.protocol.worker import Cloudpickle, FunctionPath, Pickled, Slice, WorkerError
+from palatine.tensor.worker.collectives import DeviceMeshView, mesh_rank
+from palatine.tensor.worker.user_errors import (
+    format_user_traceback,
+    pickle_exception,
+    user_error_fields,
+)
+from palatine.tensor.worker.values import (
     FunctionCache,
     SeqError,
     dumps_args,
@@ -191,7 +195,7 @@ def test_argument_buffers_are_views_that_stay_inline() -> None:
 
 
 def test_unpicklable_fetch_names_the_type() -> None:
-    with pytest.raises(TypeError, match="cannot pickle a value of type _thread.lock for fetch"):
+    with pytest.raises(TypeError, match=r"cannot pickle a value of type _thread\.lock for fetch"):
         dumps_fetched(threading.Lock())
 
 
@@ -283,7 +287,7 @@ def test_cloudpickled_function_gets_its_file_and_source_lines_back(tmp_path: Any
 
 
 def test_torch_path_without_torch_names_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    from palatine.worker import values
+    from palatine.tensor.worker import values
 
     monkeypatch.setattr(values, "import_torch", lambda: None)
     with pytest.raises(ModuleNotFoundError, match="torch is not installed on worker rank 2"):
@@ -294,7 +298,7 @@ def test_torch_path_without_torch_names_the_rank(monkeypatch: pytest.MonkeyPatch
 
 
 def _raise_via_palatine() -> None:
-    from palatine.worker.values import load_args as palatine_frame
+    from palatine.tensor.worker.values import load_args as palatine_frame
 
     def user_fn(n: int) -> Any:
         raise ValueError("from user code")
@@ -308,7 +312,7 @@ def test_user_traceback_drops_palatine_frames() -> None:
     except ValueError as e:
         tb = format_user_traceback(e)
     assert "_raise_via_palatine" in tb and "user_fn" in tb
-    assert "palatine/worker/values.py" not in tb
+    assert "palatine/tensor/worker/values.py" not in tb
     assert tb.rstrip().endswith("ValueError: from user code")
 
 
@@ -356,3 +360,14 @@ def test_mesh_view_of_an_offset_slice_and_errors() -> None:
     with pytest.raises(ValueError, match="1 names, 2 sizes"):
         DeviceMeshView.create(2, ["host"], Slice(0, [2, 2], [2, 1]), 0)
     assert pickle.loads(pickle.dumps(v)).members("host") == [2, 4]
+
+
+def test_frames_of_every_palatine_package_are_the_runtimes_and_a_users_are_not() -> None:
+    import importlib
+
+    from palatine.tensor.worker.user_errors import is_palatine_frame
+
+    for name in ("palatine.core.actor", "palatine.tensor.client.remote", "palatine.wire.codec"):
+        assert is_palatine_frame(importlib.import_module(name).__file__ or "")
+    assert not is_palatine_frame(__file__)
+    assert not is_palatine_frame("/elsewhere/palatine_user_script.py")

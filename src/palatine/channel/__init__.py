@@ -1,4 +1,4 @@
-"""Channels: addresses, framing, sessions (10-runtime.md §2).
+"""Channels: addresses, framing, sessions.
 
 A channel is a one-way, ordered pipe of envelopes from a proc to a served address.
 `serve` binds an address and returns its `Rx`; `dial` returns a `Tx` to an address
@@ -10,9 +10,7 @@ A channel is a one-way, ordered pipe of envelopes from a proc to a served addres
 * `net` — ``tcp:``, ``unix:``, ``tls:`` over ``asyncio.Protocol``, with the token
   handshake, sessions, acks and reconnects (`palatine.wire.frames` and
   `palatine.wire.handshake` are its sans-IO halves);
-* `blocking` — a connection owned by one thread instead of a loop (heartbeats, lanes);
-* `direct_tx` — `DirectTx`, a session to a local proc that any thread writes without
-  the loop (a worker's results, a client's calls to the controller);
+* `spin` — how long a loop polls for the next frame before it sleeps;
 * `token`, `tls` — the cluster token and the SSL contexts.
 """
 

@@ -1,11 +1,10 @@
 """Channel addresses: parse, display, and pick an address to serve on.
 
-A `ChannelAddr` names where a channel is served (10-runtime.md §2.1, 05-interfaces.md
-"Addresses"): ``tcp:HOST:PORT``, ``tls:HOST:PORT``, ``unix:/path``, ``unix:@name``,
+A `ChannelAddr` names where a channel is served: ``tcp:HOST:PORT``, ``tls:HOST:PORT``, ``unix:/path``, ``unix:@name``,
 ``unix:`` and ``local:N``. Addresses are immutable values: they hash, compare, pickle
 and encode with msgspec, and ``parse(str(a)) == a`` for every address.
 
-`any_addr` (§2.2) chooses what a proc serves on when nobody told it: a routable tcp/tls
+`any_addr` chooses what a proc serves on when nobody told it: a routable tcp/tls
 host with port 0, a ``local:0``, or a unix *path* socket inside a private per-user
 directory (mode 0700). The socket helpers at the bottom (`ChannelAddr.sockaddr`,
 `ChannelAddr.from_bound`, `secure_socket_file`, `remove_socket_file`) are the small
@@ -149,7 +148,7 @@ class ChannelAddr(msgspec.Struct, frozen=True, omit_defaults=True):
 
     @classmethod
     def parse(cls, text: str | ChannelAddr) -> ChannelAddr:
-        """Parse the text form (10-runtime.md §2.1); same as the module's `parse`."""
+        """Parse the text form; same as the module's `parse`."""
         return parse(text)
 
     @classmethod
@@ -159,7 +158,7 @@ class ChannelAddr(msgspec.Struct, frozen=True, omit_defaults=True):
 
     @classmethod
     def tls(cls, host: str, port: int = 0) -> ChannelAddr:
-        """A tls address (tcp with mutual TLS, §2.9)."""
+        """A tls address (tcp with mutual TLS)."""
         return cls._net("tls", host, port)
 
     @classmethod
@@ -321,7 +320,7 @@ class ChannelAddr(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 def parse(text: str | ChannelAddr) -> ChannelAddr:
-    """Parse a channel address (10-runtime.md §2.1), raising `AddrParseError`.
+    """Parse a channel address, raising `AddrParseError`.
 
     The kind is split off at the legacy ``!`` separator (``tcp!127.0.0.1:80``) or at
     the first ``:``, whichever comes first, so a unix path containing ``!`` still
@@ -403,7 +402,7 @@ def _hostname_ip() -> str | None:
 
 
 def _pick_host(peer: ChannelAddr | None) -> tuple[str, str]:
-    """(host, why) for a tcp/tls `any_addr`, in the order of 10-runtime.md §2.2."""
+    """(host, why) for a tcp/tls `any_addr`, in the order."""
     configured = _configured_host()
     if configured is not None:
         return configured, "PALATINE_HOST_IP"
@@ -421,7 +420,7 @@ def _pick_host(peer: ChannelAddr | None) -> tuple[str, str]:
 
 
 def any_addr(transport: str, peer: ChannelAddr | str | None = None) -> ChannelAddr:
-    """An address to serve ``transport`` on, dialable by ``peer`` (10-runtime.md §2.2).
+    """An address to serve ``transport`` on, dialable by ``peer``.
 
     tcp/tls: port 0 on ``PALATINE_HOST_IP``, else a loopback of the peer's family when
     the peer is loopback, else the local IP routing to the peer, else the local

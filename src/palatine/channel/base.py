@@ -4,7 +4,7 @@
 Implementations: `palatine.channel.local` (in-process) and `palatine.channel.net`
 (tcp, unix, tls over `asyncio.Protocol`). Everything here runs on the event loop thread.
 
-Return contract (10-runtime.md §2.7): any envelope that a Tx accepted with `post` and
+Return contract: any envelope that a Tx accepted with `post` and
 cannot deliver is handed to its ``on_return(envelope, reason)`` exactly once; ``reason``
 is the channel's text (``delivery timeout: …``, ``server rejected connection: …``,
 ``message of N bytes exceeds max frame size M``, ``channel closed``); the mailbox layer
@@ -94,7 +94,7 @@ class Rx(abc.ABC):
 
         Used by the mailbox server (the hot path: no queue hop). ``on_peer_lost`` gets
         the sender procs of an inbound connection that closed (the system's
-        "connection lost" signal, 20-system.md §1.8).
+        "connection lost" signal).
         """
 
     @abc.abstractmethod

@@ -1,4 +1,4 @@
-"""The in-process transport: ``local:N`` channels between procs of one process (§2.3).
+"""The in-process transport: ``local:N`` channels between procs of one process.
 
 A process-global registry maps port N to its `LocalRx`; ports come from a counter that
 starts at 1 and never reuses a number, so a stale address can never reach a newer

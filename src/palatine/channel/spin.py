@@ -6,7 +6,7 @@ halt-polling off, as on many cloud VMs) that costs 20-40 µs per wake-up, on eac
 of a round trip: more than the rest of a small call. So:
 
 * a loop that has just received a request on a lane (a thread's blocking call,
-  `palatine.lane`) keeps polling for ``idle_spin_us`` (config,
+  `palatine.fastpath.lane`) keeps polling for ``idle_spin_us`` (config,
   ``PALATINE_IDLE_SPIN_US``) before it may sleep again, since that thread's next
   request usually follows its reply at once (`LoopSpin`, poked by the channel's read
   path), and
@@ -34,7 +34,15 @@ import weakref
 
 from palatine import config
 
-__all__ = ["LoopSpin", "loop_spin", "recv_spinning", "poll_spinning", "poll_ms", "spin_seconds", "MAX_WAIT_S"]
+__all__ = [
+    "LoopSpin",
+    "loop_spin",
+    "recv_spinning",
+    "poll_spinning",
+    "poll_ms",
+    "spin_seconds",
+    "MAX_WAIT_S",
+]
 
 _yield = getattr(os, "sched_yield", lambda: None)  # every Unix we know has it
 _now = time.perf_counter

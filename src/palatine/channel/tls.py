@@ -1,10 +1,10 @@
-"""SSL contexts for the ``tls:`` transport: mutual TLS against one CA (10-runtime.md §2.9).
+"""SSL contexts for the ``tls:`` transport: mutual TLS against one CA.
 
 The server requires a client certificate (``CERT_REQUIRED``); the client verifies the
 server certificate and its hostname or IP SAN; both trust only the configured CA, never
 the system store. PEM files come from ``PALATINE_TLS_CERT``, ``PALATINE_TLS_KEY`` and
 ``PALATINE_TLS_CA``, read from the environment at call time so a launcher can point
-each process at its own files. The token handshake (§2.5) still runs inside TLS.
+each process at its own files. The token handshake still runs inside TLS.
 
 Dialers pass the address's host as ``server_hostname``: an IP literal is matched
 against the certificate's IP SANs, a name against its DNS SANs.

@@ -1,4 +1,4 @@
-"""The cluster token: the shared secret of the channel handshake (10-runtime.md §2.5).
+"""The cluster token: the shared secret of the channel handshake.
 
 Resolution, first match wins: ``PALATINE_CLUSTER_TOKEN``; the file named by
 ``PALATINE_CLUSTER_TOKEN_FILE`` (surrounding whitespace stripped); the per-user file

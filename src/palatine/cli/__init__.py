@@ -1,4 +1,4 @@
-"""The ``palatine`` command line (05-interfaces.md "CLI"): one module per subcommand.
+"""The ``palatine`` command line: one module per subcommand.
 
 argparse, imported lazily per subcommand, because worker procs start often and must
 import fast.
@@ -21,7 +21,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("palatine.cli.serve", "run system/host/controller roles on JSON-lines requests"),
     "snapshot": ("palatine.cli.snapshot", "print the worlds and procs of a running system"),
     "stop": ("palatine.cli.stop", "stop worlds (or everything) of a running system"),
-    "demo": ("palatine.demo", "train a small model data-parallel on a local mesh"),
+    "demo": ("palatine.cli.demo", "train a small model data-parallel on a local mesh"),
 }
 
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     for cmd, (mod, help_text) in _COMMANDS.items():
         p = sub.add_parser(cmd, help=help_text, description=help_text)
         if cmd == name:
-            importlib.import_module(mod).add_arguments(p)  # type: ignore[attr-defined]
+            importlib.import_module(mod).add_arguments(p)
     args = parser.parse_args(args_list)
     module = importlib.import_module(_COMMANDS[args.command][0])
-    return int(module.run(args) or 0)  # type: ignore[attr-defined]
+    return int(module.run(args) or 0)

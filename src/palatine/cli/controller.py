@@ -1,6 +1,6 @@
-"""``palatine controller``: bootstrap the worker world and serve one client (30-controller.md §2).
+"""``palatine controller``: bootstrap the worker world and serve one client.
 
-Flags and defaults are the seed's (05-interfaces.md). Input errors exit 2 before anything
+Flags and defaults are those of Monarch's controller command. Input errors exit 2 before anything
 starts; a failed bootstrap prints its reason as the last stderr line and exits 1; a normal
 stop (``palatine stop --world controller``, SIGTERM, the client's Detach) exits 0.
 """
@@ -19,7 +19,7 @@ __all__ = ["add_arguments", "parse_label", "run"]
 
 def parse_label(text: str) -> tuple[str, str]:
     """argparse type of ``--extra-proc-labels``: ``KEY=VALUE`` split at the first ``=``."""
-    from palatine.controller.bootstrap import parse_key_val
+    from palatine.tensor.controller.bootstrap import parse_key_val
 
     try:
         return parse_key_val(text)
@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def command_from_args(args: argparse.Namespace) -> Any:
     """The `ControllerCommand` of parsed flags (not yet validated)."""
-    from palatine.controller.bootstrap import ControllerCommand
+    from palatine.tensor.controller.bootstrap import ControllerCommand
 
     return ControllerCommand(
         worker_world=args.worker_world,
@@ -114,9 +114,9 @@ def command_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from palatine.controller.bootstrap import ControllerTimeouts, validate_command
     from palatine.errors import ConfigError, TooManyOpenFiles
-    from palatine.limits import check_open_files
+    from palatine.hosting.limits import check_open_files
+    from palatine.tensor.controller.bootstrap import ControllerTimeouts, validate_command
 
     cmd = command_from_args(args)
     try:
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve_controller(cmd: Any, stop: asyncio.Event) -> int:
-    from palatine.controller.bootstrap import BootstrapError, run_controller
+    from palatine.tensor.controller.bootstrap import BootstrapError, run_controller
 
     try:
         code, why = await run_controller(

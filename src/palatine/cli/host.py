@@ -1,4 +1,4 @@
-"""``palatine host``: join as ``hostW[r]`` and start the procs of world W (§2.5)."""
+"""``palatine host``: join as ``hostW[r]`` and start the procs of world W."""
 
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-addr", required=True)
     p.add_argument("--host-world", required=True, help="host world, e.g. hostworker")
     p.add_argument("--host-rank", type=int, required=True)
-    p.add_argument("--supervision-update-interval-in-sec", type=float, default=None,
-                   help="heartbeat interval (default 2)")
+    p.add_argument(
+        "--supervision-update-interval-in-sec",
+        type=float,
+        default=None,
+        help="heartbeat interval (default 2)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,14 +28,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve_host(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    from palatine.cli.serving import check_cli_args
     from palatine.errors import JoinError
-    from palatine.host import HostAgent, join_host
-    from palatine.serve import check_cli_args
+    from palatine.hosting.host import HostAgent, join_host
 
     check_cli_args("Host", args)
     try:
         handle = await join_host(
-            args.host_world, args.host_rank, args.system_addr, args.supervision_update_interval_in_sec, stop,
+            args.host_world,
+            args.host_rank,
+            args.system_addr,
+            args.supervision_update_interval_in_sec,
+            stop,
             main_proc=True,
         )
     except JoinError as e:

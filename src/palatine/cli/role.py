@@ -16,11 +16,12 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from palatine import config, runtime
-from palatine.console import LineFormatter
+from palatine import config
+from palatine.core import runtime
+from palatine.core.supervision_hook import set_unhandled_fault_hook
 from palatine.errors import ConfigError
-from palatine.limits import raise_open_files_limit
-from palatine.supervision_hook import set_unhandled_fault_hook
+from palatine.hosting.limits import raise_open_files_limit
+from palatine.output.console import LineFormatter
 
 __all__ = ["run_role", "ready_line", "add_seconds_flag", "setup_logging"]
 
@@ -29,10 +30,18 @@ log = logging.getLogger("palatine")
 
 def setup_logging() -> None:
     """Log to stderr in `LOG_FORMAT`, the header on every line (what launchers sort by)."""
-    level = os.environ.get("PALATINE_LOG_LEVEL", "INFO").upper()
+    try:
+        name = config.get().log_level.upper()
+    except ConfigError:  # reported by the role's own config check
+        name = "INFO"
+    level = logging.getLevelName(name)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(LineFormatter())
-    logging.basicConfig(level=getattr(logging, level, logging.INFO), handlers=[handler])
+    logging.basicConfig(level=level if isinstance(level, int) else logging.INFO, handlers=[handler])
+    if not isinstance(level, int):
+        logging.getLogger("palatine").warning(
+            "PALATINE_LOG_LEVEL=%s is not a level (DEBUG, INFO, WARNING, ERROR); using INFO", name
+        )
 
 
 def ready_line(role: str, addr: Any) -> None:

@@ -1,4 +1,4 @@
-"""``palatine serve READ_FD WRITE_FD``: roles on JSON-lines requests (30-controller.md §9).
+"""``palatine serve READ_FD WRITE_FD``: roles on JSON-lines requests.
 
 The file descriptors are inherited from the launcher. The server prints no ready line
 itself; each role it runs prints its own on stdout. ``Exit``, EOF, SIGTERM and SIGINT end
@@ -36,6 +36,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    from palatine.serve import serve
+    from palatine.cli.serving import serve
 
     return await serve(args.read_fd, args.write_fd, stop, ready_line)

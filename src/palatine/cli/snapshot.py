@@ -24,8 +24,14 @@ def parse_kv(items: list[str] | None) -> dict[str, str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-addr", required=True)
-    p.add_argument("--world", action="extend", nargs="+", default=[], metavar="W",
-                   help="only these worlds (repeatable)")
+    p.add_argument(
+        "--world",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="W",
+        help="only these worlds (repeatable)",
+    )
     p.add_argument("--world-label", action="extend", nargs="+", default=[], metavar="K=V")
     p.add_argument("--proc-label", action="extend", nargs="+", default=[], metavar="K=V")
     p.add_argument("--json", action="store_true", help="print the JSON document")
@@ -34,19 +40,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from palatine.cli.role import setup_logging
-    from palatine.runtime import new_event_loop
+    from palatine.core.runtime import new_event_loop
 
     setup_logging()
     wl, pl = parse_kv(args.world_label), parse_kv(args.proc_label)
     t = args.timeout_in_sec
     if not (t > 0 and math.isfinite(t)):
-        print(f"palatine snapshot: --timeout-in-sec must be a finite number > 0, got {t:g}", file=sys.stderr)
+        print(
+            f"palatine snapshot: --timeout-in-sec must be a finite number > 0, got {t:g}",
+            file=sys.stderr,
+        )
         return 2
     loop = new_event_loop()
     try:
         snap = loop.run_until_complete(_snapshot(args, wl, pl))
     except TimeoutError:
-        print(f"palatine snapshot: no answer from system at {args.system_addr} within {t:g} s", file=sys.stderr)
+        print(
+            f"palatine snapshot: no answer from system at {args.system_addr} within {t:g} s",
+            file=sys.stderr,
+        )
         return 1
     except Exception as e:  # noqa: BLE001 - a CLI reports and exits
         print(f"palatine snapshot: {e}", file=sys.stderr)
@@ -71,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _snapshot(args: argparse.Namespace, wl: dict[str, str], pl: dict[str, str]):  # type: ignore[no-untyped-def]
-    from palatine import runtime
+    from palatine.core import runtime
     from palatine.system.service import System
 
     runtime.adopt_current_loop()

@@ -11,14 +11,20 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-addr", required=True)
-    p.add_argument("--world", action="extend", nargs="+", default=[], metavar="W",
-                   help="only these worlds (repeatable)")
+    p.add_argument(
+        "--world",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="W",
+        help="only these worlds (repeatable)",
+    )
     p.add_argument("--timeout-in-sec", type=float, default=5.0, help="per-proc stop timeout")
 
 
 def run(args: argparse.Namespace) -> int:
     from palatine.cli.role import setup_logging
-    from palatine.runtime import new_event_loop
+    from palatine.core.runtime import new_event_loop
 
     setup_logging()
     loop = new_event_loop()
@@ -29,13 +35,15 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         loop.close()
-    print(f"stopping: {[str(w) for w in ack.stopping]}; already stopping: "
-          f"{[str(w) for w in ack.already_stopping]}; unknown: {[str(w) for w in ack.unknown]}")
+    print(
+        f"stopping: {[str(w) for w in ack.stopping]}; already stopping: "
+        f"{[str(w) for w in ack.already_stopping]}; unknown: {[str(w) for w in ack.unknown]}"
+    )
     return 0
 
 
 async def _stop(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from palatine import runtime
+    from palatine.core import runtime
     from palatine.system.service import System
 
     runtime.adopt_current_loop()

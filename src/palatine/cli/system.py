@@ -11,11 +11,21 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--system-addr", required=True, help="address to serve (tcp:HOST:PORT, unix:...)")
-    p.add_argument("--supervision-update-timeout-in-sec", type=float, default=None,
-                   help="silence after which a proc is Expired (default 20)")
-    p.add_argument("--world-eviction-timeout-in-sec", type=float, default=None,
-                   help="how long a world may stay unhealthy before eviction (default 10)")
+    p.add_argument(
+        "--system-addr", required=True, help="address to serve (tcp:HOST:PORT, unix:...)"
+    )
+    p.add_argument(
+        "--supervision-update-timeout-in-sec",
+        type=float,
+        default=None,
+        help="silence after which a proc is Expired (default 20)",
+    )
+    p.add_argument(
+        "--world-eviction-timeout-in-sec",
+        type=float,
+        default=None,
+        help="how long a world may stay unhealthy before eviction (default 10)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve_system(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    from palatine.serve import check_cli_args
+    from palatine.cli.serving import check_cli_args
     from palatine.system.service import System
 
     check_cli_args("System", args)

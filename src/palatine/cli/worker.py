@@ -1,4 +1,4 @@
-"""``palatine worker``: a plain proc that joins its world and waits for spawns (§2.1)."""
+"""``palatine worker``: a plain proc that joins its world and waits for spawns."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from palatine.child_env import arm_parent_death_signal
-    from palatine.debug import register_faulthandler
+    from palatine.hosting.child_env import arm_parent_death_signal
+    from palatine.hosting.stacks import register_faulthandler
 
     arm_parent_death_signal()
     register_faulthandler()
@@ -33,12 +33,18 @@ def run(args: argparse.Namespace) -> int:
     proc_text = args.proc_id or os.environ.get("PALATINE_PROC_ID")
     addr = args.bootstrap_addr or os.environ.get("PALATINE_BOOTSTRAP_ADDR")
     if not proc_text or not addr:
-        print("palatine worker: need --proc-id and --bootstrap-addr (or PALATINE_PROC_ID and "
-              "PALATINE_BOOTSTRAP_ADDR)", file=sys.stderr)
+        print(
+            "palatine worker: need --proc-id and --bootstrap-addr (or PALATINE_PROC_ID and "
+            "PALATINE_BOOTSTRAP_ADDR)",
+            file=sys.stderr,
+        )
         return 2
     world = args.world_id or os.environ.get("PALATINE_WORLD_ID")
     if world and not proc_text.startswith(world + "["):
-        print(f"palatine worker: --proc-id {proc_text!r} is not in --world-id {world!r}", file=sys.stderr)
+        print(
+            f"palatine worker: --proc-id {proc_text!r} is not in --world-id {world!r}",
+            file=sys.stderr,
+        )
         return 2
     return run_role(lambda stop: serve_worker(proc_text, addr, stop))
 
@@ -46,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 def narrow_visible_devices(environ: MutableMapping[str, str]) -> str | None:
     """With ``PALATINE_DEVICES_PER_HOST=n``, keep only entry ``LOCAL_RANK % n`` of the
     visible GPUs in ``CUDA_VISIBLE_DEVICES`` (all of ``0..n-1`` when it is unset), so each
-    worker proc of a host sees one GPU as ``cuda:0`` (40-worker-client.md §1.1). The
+    worker proc of a host sees one GPU as ``cuda:0``. The
     local rank is ``LOCAL_RANK`` (else ``PALATINE_LOCAL_RANK``, else 0); afterwards
     ``PALATINE_DEVICES_PER_HOST`` is 1, so a worker started from this one keeps its GPU.
 
@@ -102,11 +108,11 @@ def _preload(modules: str) -> None:
 
 async def serve_worker(proc_text: str, addr: str, stop: asyncio.Event) -> int:
     from palatine import config
-    from palatine.agent import bootstrap_proc
     from palatine.channel.addr import ChannelAddr
+    from palatine.core.runtime import unless_stopped
     from palatine.errors import ConfigError, JoinError
+    from palatine.hosting.agent import bootstrap_proc
     from palatine.ids import ProcId
-    from palatine.runtime import unless_stopped
 
     try:
         proc_id = ProcId.parse(proc_text)

@@ -1,9 +1,9 @@
 """The system layer: registry of worlds, procs and hosts; supervision; eviction; stop.
 
-Layering inside this package (20-system.md §1), bottom up:
+Layering inside this package, bottom up:
 
-* `palatine.system.messages` — typed messages of the SystemActor, its subscription
-  events and the notices to resolvers; `palatine.system.agent_messages` — the proc
+* `palatine.protocol.system` — typed messages of the SystemActor, its subscription
+  events and the notices to resolvers; `palatine.protocol.agent` — the proc
   agent's messages;
 * `palatine.system.worlds` — world records, host placement and request validation;
 * `palatine.system.instructions` — what the sans-IO core asks its actor shell to do;
@@ -15,5 +15,5 @@ Layering inside this package (20-system.md §1), bottom up:
 * `palatine.system.actor` — the SystemActor, a thin asyncio shell around the registry.
 
 Per-proc liveness records and failure texts live one layer down, in
-`palatine.supervision`.
+`palatine.protocol.supervision`.
 """

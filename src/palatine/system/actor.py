@@ -13,25 +13,14 @@ import asyncio
 import errno
 import logging
 import socket
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 from palatine import config
-from palatine.actor import Actor, handler
 from palatine.channel.addr import ChannelAddr
+from palatine.core.actor import Actor, handler
 from palatine.ids import ProcId
-from palatine.system.instructions import (
-    Ask,
-    Bind,
-    Instruction,
-    JoinProbeNeeded,
-    Log,
-    Probe,
-    Send,
-    StopSystem,
-    Timer,
-    Unbind,
-)
-from palatine.system.messages import (
+from palatine.protocol.system import (
     Join,
     Leave,
     ProcExited,
@@ -44,6 +33,18 @@ from palatine.system.messages import (
     Unsubscribe,
     UpsertWorld,
     WorldState,
+)
+from palatine.system.instructions import (
+    Ask,
+    Bind,
+    Instruction,
+    JoinProbeNeeded,
+    Log,
+    Probe,
+    Send,
+    StopSystem,
+    Timer,
+    Unbind,
 )
 from palatine.system.registry import SystemRegistry
 from palatine.wire.envelope import Envelope
@@ -247,7 +248,11 @@ class SystemActor(Actor):
         if not task.cancelled() and task.exception() is not None:
             log.error("system task failed: %r", task.exception())
 
-    def _execute(self, out: list[Instruction]) -> None:
+    def _fire(self, token: Any) -> None:
+        """A registry timer is due."""
+        self._run(self.reg.handle_timer(token))
+
+    def _execute(self, out: Sequence[Instruction]) -> None:
         mb = self.cx.mailbox
         for ins in out:
             t = type(ins)
@@ -258,13 +263,9 @@ class SystemActor(Actor):
             elif t is Probe:
                 self._spawn(self._probe(ins))  # type: ignore[arg-type]
             elif t is Timer:
+                timer = cast(Timer, ins)
                 loop = asyncio.get_running_loop()
-                token = ins.token  # type: ignore[union-attr]
-                self._timers.append(
-                    loop.call_later(
-                        ins.delay_s, lambda tok=token: self._run(self.reg.handle_timer(tok))
-                    )  # type: ignore[union-attr]
-                )
+                self._timers.append(loop.call_later(timer.delay_s, self._fire, timer.token))
             elif t is Bind:
                 self.cx.proc.router.bind(ins.proc_id, ChannelAddr.parse(ins.addr))  # type: ignore[union-attr]
             elif t is Unbind:

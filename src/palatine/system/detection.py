@@ -1,6 +1,6 @@
 """Failure detection of the system: heartbeats, silence, exits, connections, returns.
 
-The paths of 20-system.md §1.7–1.8, as a mixin of `SystemRegistry`:
+The paths, as a mixin of `SystemRegistry`:
 
 * **silence** — `handle_supervision_update` records arrival times; the health tick
   (`handle_health_tick`) and every query expire procs silent for
@@ -25,7 +25,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from palatine.ids import ActorId, PortId, ProcId
-from palatine.supervision import (
+from palatine.protocol.agent import ProcStop
+from palatine.protocol.supervision import (
     ALIVE,
     CONNECTION_FAILURE,
     EXITED,
@@ -35,6 +36,7 @@ from palatine.supervision import (
     clock_text,
     expiry_reason,
 )
+from palatine.protocol.system import Ok, ProcExited, SupervisionUpdate
 from palatine.system.instructions import (
     ExitReportGrace,
     Instruction,
@@ -45,8 +47,6 @@ from palatine.system.instructions import (
     Send,
     Timer,
 )
-from palatine.system.agent_messages import ProcStop
-from palatine.system.messages import Ok, ProcExited, SupervisionUpdate
 from palatine.system.state import RegistryState, Result, agent_of
 from palatine.system.worlds import (
     ACTIVE,
@@ -204,7 +204,7 @@ class DetectionMixin(RegistryState):
             self._declare(rec, EXPIRED, expiry_reason(now - rec.last_heartbeat, limit), out)
 
     def handle_health_tick(self) -> Result:
-        """The periodic health tick (every `health_tick_interval_s`, 20-system.md §1.7)."""
+        """The periodic health tick (every `health_tick_interval_s`)."""
         out: list[Instruction] = []
         now = self._clock()
         self._expire(now, out)
@@ -230,7 +230,7 @@ class DetectionMixin(RegistryState):
         return None, out
 
     def handle_proc_exited(self, msg: ProcExited, requester: ProcId | None = None) -> Result:
-        """A host's exit report (20-system.md §1.8, death path): always `Ok`."""
+        """A host's exit report: always `Ok`."""
         out: list[Instruction] = []
         pid = msg.proc_id
         rec = self._records.get(pid)
@@ -275,7 +275,7 @@ class DetectionMixin(RegistryState):
         return Ok(), out
 
     def _exit_before_join(self, msg: ProcExited, out: list[Instruction]) -> None:
-        """A rank that died before it ever joined counts as failed (20-system.md §1.5)."""
+        """A rank that died before it ever joined counts as failed."""
         pid = msg.proc_id
         world = self._worlds.get(pid.world.name)
         if (
@@ -310,7 +310,7 @@ class DetectionMixin(RegistryState):
         self._evaluate(world, now, out)
 
     def handle_connection_lost(self, proc_id: ProcId) -> Result:
-        """An inbound connection from ``proc_id`` closed without a prior `Leave` (§1.8).
+        """An inbound connection from ``proc_id`` closed without a prior `Leave`.
 
         Procs with a host wait ``exit_report_grace_s`` for the host's exit report
         (a `Timer`); others are probed at once (a `Probe`).
@@ -394,7 +394,11 @@ class DetectionMixin(RegistryState):
         for child in list(self._records.values()):
             if child.host_proc == host.proc_id and child.alive and not child.checking:
                 child.checking = True
-                out.append(Probe(child.proc_id, child.addr, child.incarnation, self.liveness_probe_timeout_s))
+                out.append(
+                    Probe(
+                        child.proc_id, child.addr, child.incarnation, self.liveness_probe_timeout_s
+                    )
+                )
 
     def handle_returned(
         self, dest: ActorId | PortId | ProcId, errors: Iterable[str], message: Any = None

@@ -1,4 +1,4 @@
-"""The system's bookkeeping as a sans-IO state machine (20-system.md §1).
+"""The system's bookkeeping as a sans-IO state machine.
 
 `SystemRegistry` holds worlds, procs, hosts, subscriptions and resolvers. It is mutated
 only through its ``handle_*`` methods, each taking one stimulus (a request, a heartbeat,
@@ -7,11 +7,11 @@ a timer, a probe result, a returned message, a closed connection) and returning
 does with them. Time comes from the injected ``clock`` (monotonic seconds), so tests
 drive every timeout by advancing a fake clock.
 
-This module has joins (§1.4), upserts and host assignment (§1.5), snapshots and
-supervision queries (§1.6–1.7), subscriptions and resolution (§1.9). Failure detection
+This module has joins, upserts and host assignment, snapshots and
+supervision queries, subscriptions and resolution. Failure detection
 is in `palatine.system.detection`, stop and eviction in `palatine.system.stopping`.
 
-Bookkeeping errors are replies (`Rejected`), never exceptions (20-system.md §1.12).
+Bookkeeping errors are replies (`Rejected`), never exceptions.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 
 from palatine.channel.addr import ChannelAddr
 from palatine.ids import HOST_WORLD_PREFIX, ProcId, WorldId
-from palatine.supervision import (
+from palatine.protocol.agent import ProcStop, SpawnProc
+from palatine.protocol.supervision import (
     DETACHED,
     EXITED,
     MANAGED_BY_SYSTEM,
@@ -30,21 +31,7 @@ from palatine.supervision import (
     ProcRecord,
     RecordKind,
 )
-from palatine.system.detection import DetectionMixin
-from palatine.system.instructions import (
-    Ask,
-    Bind,
-    Instruction,
-    JoinProbeNeeded,
-    Log,
-    Probe,
-    ProbeOutcome,
-    Send,
-    SpawnToken,
-    Unbind,
-)
-from palatine.system.agent_messages import ProcStop, SpawnProc
-from palatine.system.messages import (
+from palatine.protocol.system import (
     AddressChanged,
     FailedActorEntry,
     Join,
@@ -72,6 +59,19 @@ from palatine.system.messages import (
     WorldStatusChanged,
     WorldSupervisionState,
     WorldUpserted,
+)
+from palatine.system.detection import DetectionMixin
+from palatine.system.instructions import (
+    Ask,
+    Bind,
+    Instruction,
+    JoinProbeNeeded,
+    Log,
+    Probe,
+    ProbeOutcome,
+    Send,
+    SpawnToken,
+    Unbind,
 )
 from palatine.system.state import Result, agent_of
 from palatine.system.stopping import StoppingMixin
@@ -142,7 +142,7 @@ class SystemRegistry(DetectionMixin, StoppingMixin):
         return result
 
     def handle_join(self, msg: Join, requester: ProcId | None = None) -> Result:
-        """`Join` (20-system.md §1.4): `Joined`, `Rejected`, or `JoinProbeNeeded`."""
+        """`Join`: `Joined`, `Rejected`, or `JoinProbeNeeded`."""
         return self._join(msg, requester, None, None)
 
     def complete_join(
@@ -192,7 +192,10 @@ class SystemRegistry(DetectionMixin, StoppingMixin):
                 return "invalid_argument", f"join of {pid}: invalid address {msg.addr!r}: {e}"
             if addr.is_any:
                 why = "an 'any' address is for serving; a join gives the address it serves"
-                return "invalid_argument", f"join of {pid}: address {msg.addr!r} cannot be dialed ({why})"
+                return (
+                    "invalid_argument",
+                    f"join of {pid}: address {msg.addr!r} cannot be dialed ({why})",
+                )
         if mode == MANAGED_BY_SYSTEM:
             wname = served_name(name) if is_host else name
             world = self._worlds.get(wname)
@@ -349,7 +352,7 @@ class SystemRegistry(DetectionMixin, StoppingMixin):
         return Ok(), out
 
     def handle_upsert_world(self, msg: UpsertWorld, requester: ProcId | None = None) -> Result:
-        """`UpsertWorld` (20-system.md §1.5): `WorldUpserted` or `Rejected`."""
+        """`UpsertWorld`: `WorldUpserted` or `Rejected`."""
         out: list[Instruction] = []
         name = msg.world_id.name
         problem = check_world_name(name) or check_upsert_spec(msg)
@@ -452,7 +455,7 @@ class SystemRegistry(DetectionMixin, StoppingMixin):
         out.append(Ask(agent_of(host.proc_id), spawn, self.rpc_timeout_s, token))
 
     def handle_snapshot(self, msg: Snapshot, requester: ProcId | None = None) -> Result:
-        """`Snapshot` (20-system.md §1.6): `SystemSnapshot`; cost linear in listed procs."""
+        """`Snapshot`: `SystemSnapshot`; cost linear in listed procs."""
         out: list[Instruction] = []
         now = self._clock()
         self._expire(now, out)
@@ -560,7 +563,7 @@ class SystemRegistry(DetectionMixin, StoppingMixin):
         return Ok(), []
 
     def handle_resolve(self, msg: Resolve, requester: ProcId | None = None) -> Result:
-        """`Resolve` (20-system.md §1.9): `Resolved`; the requester becomes a resolver."""
+        """`Resolve`: `Resolved`; the requester becomes a resolver."""
         out: list[Instruction] = []
         pid = msg.proc_id
         rec = self._records.get(pid)

@@ -1,4 +1,4 @@
-"""Serving a system and attaching to one (20-system.md §1.1).
+"""Serving a system and attaching to one.
 
 ``await System.serve(addr)`` creates proc ``system[0]`` with the SystemActor and serves
 ``addr``. ``await System(addr).attach()`` creates a detached client proc ``user[R]``
@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, cast
 
 from palatine import config
-from palatine.agent import DETACHED, ProcHandle, bootstrap_proc
 from palatine.channel.addr import ChannelAddr
+from palatine.core.proc import ClientInstance, Proc
+from palatine.hosting.agent import DETACHED, ProcHandle, bootstrap_proc
 from palatine.ids import SYSTEM_ACTOR, SYSTEM_PROC, PortId, ProcId, WorldId, random_user_proc
-from palatine.proc import ClientInstance, Proc
-from palatine.system.actor import SystemActor, registry_from_config
-from palatine.system.messages import (
+from palatine.protocol.system import (
     Exec,
     Local,
     Snapshot,
@@ -33,6 +32,7 @@ from palatine.system.messages import (
     WorldStateReply,
     WorldUpserted,
 )
+from palatine.system.actor import SystemActor, registry_from_config
 
 __all__ = ["System", "SystemHandle", "SystemClient"]
 
@@ -103,7 +103,7 @@ class SystemClient:
             world_labels=world_labels or {},
             proc_labels=proc_labels or {},
         )
-        return await self.ask(Snapshot(filter=flt))
+        return cast(SystemSnapshot, await self.ask(Snapshot(filter=flt)))
 
     async def upsert_world(
         self,
@@ -114,25 +114,24 @@ class SystemClient:
         labels: dict[str, str] | None = None,
     ) -> WorldUpserted:
         env = Exec(program=program) if program else Local()
-        return await self.ask(
-            UpsertWorld(
-                world_id=WorldId(world),
-                shape=shape,
-                num_procs_per_host=num_procs_per_host,
-                env=env,
-                labels=labels or {},
-            )
+        upsert = UpsertWorld(
+            world_id=WorldId(world),
+            shape=shape,
+            num_procs_per_host=num_procs_per_host,
+            env=env,
+            labels=labels or {},
         )
+        return cast(WorldUpserted, await self.ask(upsert))
 
     async def stop(self, worlds: list[str] | None = None, proc_timeout_s: float = 5.0) -> StopAck:
         ws = [WorldId(w) for w in worlds] if worlds else None
-        return await self.ask(Stop(worlds=ws, proc_timeout_s=proc_timeout_s))
+        return cast(StopAck, await self.ask(Stop(worlds=ws, proc_timeout_s=proc_timeout_s)))
 
     async def world_state(self, world: str) -> WorldStateReply:
-        return await self.ask(WorldState(world_id=WorldId(world)))
+        return cast(WorldStateReply, await self.ask(WorldState(world_id=WorldId(world))))
 
     async def subscribe(self, world: str, port: PortId) -> Subscribed:
-        return await self.ask(Subscribe(world_id=WorldId(world), port=port))
+        return cast(Subscribed, await self.ask(Subscribe(world_id=WorldId(world), port=port)))
 
     async def close(self) -> None:
         """Leave and stop the client proc."""

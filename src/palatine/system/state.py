@@ -10,25 +10,18 @@ detection paths in `palatine.system.detection`, stop and eviction in
 from __future__ import annotations
 
 import abc
-
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from palatine.ids import ActorId, PortId, ProcId
-from palatine.supervision import (
+from palatine.protocol.supervision import (
     EXITED,
     Health,
     ProcRecord,
 )
-from palatine.system.instructions import (
-    Instruction,
-    Log,
-    ProbeAgain,
-    Send,
-)
-from palatine.system.messages import (
+from palatine.protocol.system import (
     PeerGone,
     ProcExited,
     ProcFailed,
@@ -37,6 +30,12 @@ from palatine.system.messages import (
     StopAck,
     WorldStatusChanged,
     WorldStatusName,
+)
+from palatine.system.instructions import (
+    Instruction,
+    Log,
+    ProbeAgain,
+    Send,
 )
 from palatine.system.worlds import (
     ACTIVE,
@@ -69,7 +68,7 @@ class RegistryState(abc.ABC):
             (default ``min(1, supervision_update_timeout_s / 4)``); the registry only
             reports it.
         liveness_probe_timeout_s, exit_report_grace_s, proc_stop_timeout_s,
-        stop_fallback_margin_s, rpc_timeout_s: 20-system.md §5.
+        stop_fallback_margin_s, rpc_timeout_s: see `palatine.config.Config`.
         unknown_proc_stop_interval_s: at most one ``ProcStop`` per unknown heartbeating
             proc (and per zombie) in this interval.
         wall_clock: wall-clock seconds, only for texts humans read (``declared Expired
@@ -249,7 +248,7 @@ class RegistryState(abc.ABC):
         self._drop_record(rec, out)
 
     def _evaluate(self, world: WorldRecord, now: float, out: list[Instruction]) -> None:
-        """Re-derive the world's status (20-system.md §1.5) and push a change."""
+        """Re-derive the world's status and push a change."""
         if world.size is None or world.phase != ACTIVE:
             return
         status: WorldStatusName

@@ -1,4 +1,4 @@
-"""Stop, eviction and world removal of the system (20-system.md §1.10–1.11).
+"""Stop, eviction and world removal of the system.
 
 A mixin of `SystemRegistry`. A stop or an eviction sends ``ProcStop`` asks (and, for an
 eviction, ``KillProcs`` to the hosts), keeps the *stopping set* of the world, and
@@ -15,13 +15,21 @@ import logging
 import math
 from typing import Any
 
+from palatine.config import format_seconds
 from palatine.ids import ProcId, WorldId
-from palatine.supervision import (
+from palatine.protocol.agent import (
+    KillProcs,
+    ProcStop,
+    ProcStopResult,
+    SpawnProc,
+    SpawnProcResult,
+)
+from palatine.protocol.supervision import (
     ALIVE,
     EXPIRED,
     ProcRecord,
-    format_seconds,
 )
+from palatine.protocol.system import ProcExited, Rejected, Stop, StopAck, SystemStopping, WorldGone
 from palatine.system.instructions import (
     Ask,
     ExitReportGrace,
@@ -38,14 +46,6 @@ from palatine.system.instructions import (
     Timer,
     Unbind,
 )
-from palatine.system.agent_messages import (
-    KillProcs,
-    ProcStop,
-    ProcStopResult,
-    SpawnProc,
-    SpawnProcResult,
-)
-from palatine.system.messages import ProcExited, Rejected, Stop, StopAck, SystemStopping, WorldGone
 from palatine.system.state import RegistryState, Result, agent_of
 from palatine.system.worlds import (
     ACTIVE,
@@ -61,7 +61,7 @@ class StoppingMixin(RegistryState):
     """The stop-and-eviction half of `SystemRegistry` (see the module docstring)."""
 
     def handle_stop(self, msg: Stop, requester: ProcId | None = None) -> Result:
-        """`Stop` (20-system.md §1.11): `StopAck` at once; completion is tracked after."""
+        """`Stop`: `StopAck` at once; completion is tracked after."""
         out: list[Instruction] = []
         t = msg.proc_timeout_s
         if t is None or not (t >= 0 and math.isfinite(t)):
@@ -233,7 +233,7 @@ class StoppingMixin(RegistryState):
             self._remove_world(world, out)
 
     def _remove_world(self, world: WorldRecord, out: list[Instruction]) -> None:
-        """§1.10 step 3: drop the procs, unbind, `PeerGone`, `WorldGone`; hosts stay
+        """The last step of a stop: drop the procs, unbind, `PeerGone`, `WorldGone`; hosts stay
         after an eviction (the world is listed ``AwaitingCreation`` again)."""
         name = world.name
         stopped = world.phase == STOPPING

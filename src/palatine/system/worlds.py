@@ -1,4 +1,4 @@
-"""World records, host placement and request validation of the system (20-system.md §1.2–1.5).
+"""World records, host placement and request validation of the system.
 
 A `WorldRecord` exists for every world name the system knows anything about:
 
@@ -7,7 +7,7 @@ A `WorldRecord` exists for every world name the system knows anything about:
 * worlds known only through their hosts (``created`` is False): listed by ``Snapshot``
   as ``AwaitingCreation`` with ``host_procs``, but ``WorldState`` answers none.
 
-So the "host table keyed by the served world" of the spec is ``WorldRecord.hosts``: it
+So the host table keyed by the served world is ``WorldRecord.hosts``: it
 survives an eviction of the world, while ``procs`` do not.
 
 The pure helpers here (placement, name and spec checks, execution ids) have no state.
@@ -22,10 +22,11 @@ import secrets
 import shlex
 import time
 from collections.abc import Mapping
+from typing import Final
 
 from palatine.ids import HOST_WORLD_PREFIX, RESERVED_WORLDS, ProcId, WorldId
-from palatine.supervision import ProcRecord
-from palatine.system.messages import Exec, UpsertWorld, WorldEnv, WorldStatus, WorldStatusName
+from palatine.protocol.supervision import ProcRecord
+from palatine.protocol.system import Exec, UpsertWorld, WorldEnv, WorldStatus, WorldStatusName
 
 __all__ = [
     "ACTIVE",
@@ -175,7 +176,7 @@ MAX_PROCS_PER_HOST: Final = 4096
 
 
 def check_world_name(name: str) -> str | None:
-    """Why ``name`` cannot be upserted (``None`` if it can); texts of 20-system.md §1.12."""
+    """Why ``name`` cannot be upserted (``None`` if it can); texts."""
     if not isinstance(name, str) or not name.isidentifier():
         return f"invalid world name {name!r}: expected an identifier"
     if name.startswith(HOST_WORLD_PREFIX):
@@ -196,9 +197,7 @@ def check_upsert_spec(msg: UpsertWorld) -> str | None:
         if size > MAX_WORLD_PROCS:
             return f"invalid shape: a world has at most {MAX_WORLD_PROCS:,} procs"
     if not 1 <= msg.num_procs_per_host <= MAX_PROCS_PER_HOST:
-        return (
-            f"invalid num_procs_per_host {msg.num_procs_per_host}: expected 1 to {MAX_PROCS_PER_HOST:,}"
-        )
+        return f"invalid num_procs_per_host {msg.num_procs_per_host}: expected 1 to {MAX_PROCS_PER_HOST:,}"
     if isinstance(msg.env, Exec):
         program = msg.env.program
         try:

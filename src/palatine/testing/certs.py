@@ -1,4 +1,4 @@
-"""A throwaway PKI for testing the ``tls:`` transport (10-runtime.md §2.9).
+"""A throwaway PKI for testing the ``tls:`` transport.
 
 `make_test_pki` writes a CA, a server certificate valid for ``127.0.0.1``, ``::1`` and
 ``localhost``, a client certificate, and — for negative tests — a second CA with a

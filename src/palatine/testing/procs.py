@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from palatine import mesh, runtime
 from palatine.channel.addr import any_addr
+from palatine.core import runtime
+from palatine.core.proc import ClientInstance, Proc
 from palatine.ids import WorldId
-from palatine.proc import ClientInstance, Proc
+from palatine.mesh import actor_mesh as mesh
 
 __all__ = ["proc_cluster"]
 

@@ -9,7 +9,7 @@ both directions, is held for a random delay from ``delay_s``, preserving order. 
 randomness comes from one seeded `random.Random`, so a failing run can be replayed.
 
 Used by the channel tests for "10,001 messages through a lossy link arrive exactly once,
-in order, under one session" (10-runtime.md §5 item 19).
+in order, under one session".
 """
 
 from __future__ import annotations

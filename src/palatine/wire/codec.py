@@ -1,7 +1,7 @@
 """Payload codec: typed runtime messages (msgpack) and user values (pickle 5).
 
 * Runtime messages subclass `Message`; each class gets a stable 64-bit ``type_id``
-  (blake2b of its name, bit 63 set, 10-runtime.md §3.3) and is registered so any
+  (blake2b of its name, bit 63 set) and is registered so any
   process can decode an envelope by its ``type_id``. A collision is an import-time error.
 * User values are pickled with protocol 5, out-of-band buffers collected separately.
   The fast path is the stdlib pickler; values that reference ``__main__`` or cannot be
@@ -309,7 +309,7 @@ _json = msgspec.json.Encoder()
 
 
 def display(env: Envelope) -> str:
-    """``<sender> > <dest>: <TypeName><payload>`` plus ``: delivery error: e1; e2`` (§3.1)."""
+    """``<sender> > <dest>: <TypeName><payload>`` plus ``: delivery error: e1; e2``."""
     name = type_name_of(env.type_id)
     if env.encoding == ENC_MSGPACK:
         try:

@@ -1,4 +1,4 @@
-"""The envelope: what a channel carries from a proc to a port (10-runtime.md §3.1).
+"""The envelope: what a channel carries from a proc to a port.
 
 Wire invariants:
 

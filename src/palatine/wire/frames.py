@@ -1,6 +1,6 @@
 """Channel frames: the structs, the encoder and an incremental parser (sans-IO).
 
-Wire layout of every frame (10-runtime.md §2.4)::
+Wire layout of every frame::
 
     [8-byte BE length L][4-byte BE header length H][H bytes msgpack header][raw buffers]
 
@@ -28,8 +28,8 @@ from typing import Annotated, Any, Final
 import msgspec
 
 from palatine.errors import PalatineError
-from palatine.wire.buffers import take_buffer
 from palatine.ids import ActorId
+from palatine.wire.buffers import take_buffer
 from palatine.wire.envelope import Envelope
 
 __all__ = [
@@ -75,7 +75,7 @@ _Seq = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class Hello(msgspec.Struct, tag=1, array_like=True, gc=False):
-    """Server → client on accept: ``nonce_s`` is 32 fresh random bytes (§2.5 step 1)."""
+    """Server → client on accept: ``nonce_s`` is 32 fresh random bytes."""
 
     version: int
     nonce: bytes
@@ -100,9 +100,9 @@ class Init(msgspec.Struct, tag=4, array_like=True, gc=False):
 
     The server answers every ``Init`` with ``Ack(expected - 1)`` — ``Ack(-1)`` for a
     session that has received nothing — so a reconnecting client can drop what already
-    arrived before resending (10-runtime.md §2.6, §5 item 38).
+    arrived before resending.
 
-    ``lane`` (ours) opens a *lane* (`palatine.lane`): one calling thread's connection on
+    ``lane`` (ours) opens a *lane* (`palatine.fastpath.lane`): one calling thread's connection on
     which the server also sends back, as ``Message`` frames of its own, whatever is
     addressed to the actor ``lane`` (the replies to that thread's calls).
     """

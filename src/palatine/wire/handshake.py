@@ -1,7 +1,7 @@
 """The connection handshake: mutual HMAC-SHA256 challenge/response (sans-IO).
 
 Every tcp, unix and tls connection authenticates with the cluster token before any
-session frame is read (10-runtime.md §2.5)::
+session frame is read::
 
     server -> Hello{version, nonce_s}
     client -> Auth{version, nonce_c, mac_c}   mac_c = HMAC(token, "palatine/1 client" + nonce_s + nonce_c)
@@ -46,10 +46,10 @@ CLIENT_LABEL: Final = b"palatine/1 client"
 SERVER_LABEL: Final = b"palatine/1 server"
 
 AUTH_FAILED: Final = "authentication failed"
-"""The server's ``Reject`` reason for a wrong client proof (exact text, §2.5 step 3)."""
+"""The server's ``Reject`` reason for a wrong client proof (exact text)."""
 
 SERVER_AUTH_FAILED: Final = "server authentication failed (cluster token mismatch?)"
-"""Why a client closes when the server's proof is wrong (§2.5 step 4)."""
+"""Why a client closes when the server's proof is wrong."""
 
 TOKEN_MISMATCH_HINT: Final = " (cluster token mismatch? set PALATINE_CLUSTER_TOKEN on every node)"
 """Appended to a client-side ``authentication failed`` so the fix is in the message."""

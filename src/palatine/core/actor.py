@@ -1,0 +1,233 @@
+"""Actors: the `Actor` base class, ``@endpoint`` / ``@handler``, the registry.
+
+An actor class declares endpoints (Python calls with pickled arguments, all on the one
+`EndpointCall` port) and typed handlers (msgspec `Message` structs on their own ports).
+Every subclass registers at class creation under ``__palatine_name__`` or
+``module.qualname``, so a proc can spawn it by name. The runtime side of a live actor
+is `palatine.core.instance.ActorInstance`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
+
+from palatine.wire.codec import Message, register
+
+if TYPE_CHECKING:
+    from palatine.core.instance import Context
+    from palatine.wire.envelope import Envelope
+
+__all__ = [
+    "Actor",
+    "endpoint",
+    "handler",
+    "EndpointInfo",
+    "SupervisionEvent",
+    "lookup_actor_type",
+    "actor_type_name",
+    "context",
+    "current_rank",
+    "ENDPOINT_CALL_TID",
+]
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _EndpointCall:
+    """Marker type of the single endpoint port; payload is pickled (method, args, kwargs)."""
+
+    __palatine_name__ = "palatine.EndpointCall"
+
+
+ENDPOINT_CALL_TID = register(_EndpointCall)
+
+
+class SupervisionEvent(Message, kw_only=True):
+    """A child (or root) actor ended `Failed`."""
+
+    actor_id: str
+    status: str
+    message: str
+    traceback: str = ""
+    caused_by: SupervisionEvent | None = None
+
+
+class EndpointInfo:
+    """What ``@endpoint`` records on a method."""
+
+    __slots__ = ("name", "is_async", "timeout_s")
+
+    def __init__(self, name: str, is_async: bool, timeout_s: float | None) -> None:
+        self.name = name
+        self.is_async = is_async
+        self.timeout_s = timeout_s
+
+
+@overload
+def endpoint(fn: F) -> F: ...
+@overload
+def endpoint(*, timeout: float | None = None) -> Callable[[F], F]: ...
+
+
+def endpoint(fn: Any = None, *, timeout: float | None = None) -> Any:
+    """Mark a ``def`` or ``async def`` method as an endpoint (callable through refs/meshes)."""
+
+    def mark(f: F) -> F:
+        f.__palatine_endpoint__ = EndpointInfo(  # type: ignore[attr-defined]
+            f.__name__, inspect.iscoroutinefunction(f), timeout
+        )
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+def _message_hint(fn: Callable[..., Any], param: str) -> Any:
+    """The resolved annotation of one parameter (only that one: ``self`` may name a type
+    imported under ``TYPE_CHECKING``, as in a mixin)."""
+    hint = fn.__annotations__[param]
+    if isinstance(hint, str):  # postponed evaluation: resolve it as typing.get_type_hints would
+        hint = eval(hint, fn.__globals__)  # noqa: S307 - the module's own annotation text
+    return hint
+
+
+def handler(fn: F) -> F:
+    """Mark a method ``(self, msg: T) -> R`` as the handler of message type ``T``."""
+    fn.__palatine_handler__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+_REGISTRY: dict[str, type[Actor]] = {}
+
+
+def actor_type_name(cls: type[Actor]) -> str:
+    return cls.__dict__.get("__palatine_name__") or f"{cls.__module__}.{cls.__qualname__}"
+
+
+class Actor:
+    """Base class of actors. Hooks: ``init``, ``on_stop``, supervision, undeliverables.
+
+    ``self.cx`` is the actor's `Context` (set before ``init`` runs).
+    """
+
+    __palatine_name__: ClassVar[str | None] = None
+    _palatine_endpoints: ClassVar[dict[str, EndpointInfo]] = {}
+    _palatine_handler_names: ClassVar[list[str]] = []
+    _palatine_handlers: ClassVar[dict[int, tuple[str, type[Any], bool]] | None] = None
+    cx: Context
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        eps: dict[str, EndpointInfo] = {}
+        hnames: list[str] = []
+        for klass in reversed(cls.__mro__):
+            for name, value in vars(klass).items():
+                info = getattr(value, "__palatine_endpoint__", None)
+                if info is not None:
+                    eps[name] = info
+                if getattr(value, "__palatine_handler__", False) and name not in hnames:
+                    hnames.append(name)
+        cls._palatine_endpoints = eps
+        cls._palatine_handler_names = hnames
+        cls._palatine_handlers = None
+        _REGISTRY[actor_type_name(cls)] = cls
+
+    @classmethod
+    def _handler_table(cls) -> dict[int, tuple[str, type[Any], bool]]:
+        """type_id -> (method name, message type, is_async); resolved on first spawn."""
+        known: dict[int, tuple[str, type[Any], bool]] | None = cls.__dict__.get(
+            "_palatine_handlers"
+        )
+        if known is not None:
+            return known
+        table: dict[int, tuple[str, type[Any], bool]] = {}
+        for name in cls._palatine_handler_names:
+            fn = getattr(cls, name)
+            params = [p for p in inspect.signature(fn).parameters if p != "self"]
+            if not params or params[0] not in fn.__annotations__:
+                raise TypeError(f"handler {cls.__qualname__}.{name} needs an annotated message")
+            mtype = _message_hint(fn, params[0])
+            tid = getattr(mtype, "__palatine_type_id__", None)
+            if tid is None:
+                raise TypeError(f"handler {cls.__qualname__}.{name}: {mtype!r} is not a Message")
+            table[tid] = (name, mtype, inspect.iscoroutinefunction(fn))
+        cls._palatine_handlers = table
+        return table
+
+    async def init(self) -> None:
+        """Runs in ``initializing``, before the first message; raising fails the spawn."""
+
+    async def on_stop(self, reason: str) -> None:
+        """Runs during teardown, after children stopped; raising fails the actor."""
+
+    def handle_supervision_event(self, event: SupervisionEvent) -> bool:
+        """A child failed. True: handled. False (default): this actor fails too."""
+        return False
+
+    def handle_undeliverable(self, returned: Envelope) -> None:
+        """A message this actor sent was returned; the default logs (rate-limited)."""
+        _warn_undeliverable(self.cx.actor_id, returned)
+
+
+_warned: dict[tuple[Any, Any], list[float]] = {}
+
+
+def _warn_undeliverable(owner: Any, env: Envelope) -> None:
+    """WARNING at most once per destination proc per 10 s, with a suppressed count."""
+    key = (owner, env.dest.actor.proc)
+    now = time.monotonic()
+    slot = _warned.get(key)
+    if slot is not None and now - slot[0] < 10.0:
+        slot[1] += 1
+        return
+    suppressed = int(slot[1]) if slot else 0
+    _warned[key] = [now, 0]
+    extra = f" ({suppressed} similar suppressed)" if suppressed else ""
+    errors = "; ".join(env.errors or ())
+    log.warning(
+        "%s: a message to %s was undeliverable and returned: %s%s",
+        owner,
+        env.dest,
+        errors,
+        extra,
+    )
+
+
+def lookup_actor_type(name: str) -> type[Actor] | None:
+    """The registered actor class for ``name``, importing its module if needed."""
+    cls = _REGISTRY.get(name)
+    if cls is not None:
+        return cls
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        break
+    return _REGISTRY.get(name)
+
+
+_current_cx: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
+    "palatine_context", default=None
+)
+
+
+def context() -> Context:
+    """The `Context` of the actor whose handler is running (RuntimeError outside one)."""
+    cx = _current_cx.get()
+    if cx is None:
+        raise RuntimeError("palatine.context() called outside an actor")
+    return cx
+
+
+def current_rank() -> dict[str, int]:
+    """The running actor's coordinates in its mesh (``{"procs": 2}``)."""
+    return context().rank

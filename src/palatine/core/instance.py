@@ -1,0 +1,606 @@
+"""The runtime side of a live actor: work queue, lifecycle, failures, teardown.
+
+One message at a time from one work queue; stop requests and child supervision events
+take priority. Status only moves forward and ``stopped``/``failed`` are set exactly once,
+at the very end of teardown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import traceback
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from palatine import config
+from palatine.core.actor import (
+    ENDPOINT_CALL_TID,
+    Actor,
+    SupervisionEvent,
+    _current_cx,
+    _warn_undeliverable,
+)
+from palatine.core.mailbox import ErrorReply, Mailbox, OncePort, StreamPort, Undeliverable
+from palatine.ids import ActorId, GangId, PortId
+from palatine.wire.codec import PICKLED_VALUE_TID, dumps, encode_message
+from palatine.wire.envelope import ENC_MSGPACK, ENC_PICKLE, Envelope
+
+if TYPE_CHECKING:
+    from palatine.core.proc import Proc
+
+__all__ = ["ActorInstance", "Context", "UNDELIVERABLE_TID"]
+
+log = logging.getLogger(__name__)
+
+UNDELIVERABLE_TID: int = Undeliverable.__palatine_type_id__
+
+# Work item kinds.
+_ENDPOINT = 0
+_HANDLER = 1
+_UNDELIVERABLE = 2
+_TASK_FAILED = 3
+_FAILED = 4  # a failure raised while processing inline: the task re-raises it
+
+
+class _Failure(Exception):
+    """Internal: fail the actor with this exact status message."""
+
+    def __init__(self, message: str, tb: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.tb = tb
+
+
+class Context:
+    """What an actor sees of the runtime: its id, the current message, spawn, ports."""
+
+    __slots__ = ("_inst", "env")
+
+    def __init__(self, inst: ActorInstance) -> None:
+        self._inst = inst
+        self.env: Envelope | None = None
+
+    @property
+    def actor_id(self) -> ActorId:
+        return self._inst.id
+
+    @property
+    def proc(self) -> Proc:
+        return self._inst.proc
+
+    @property
+    def mailbox(self) -> Mailbox:
+        return self._inst.mailbox
+
+    @property
+    def rank(self) -> dict[str, int]:
+        return self._inst.rank
+
+    @property
+    def sender(self) -> ActorId | None:
+        return self.env.sender if self.env is not None else None
+
+    @property
+    def headers(self) -> dict[str, str | int]:
+        return (self.env.headers or {}) if self.env is not None else {}
+
+    async def spawn(self, cls: type[Actor], *args: Any, name: str | None = None, **kw: Any) -> Any:
+        """Spawn a child in this proc (same root name, next pid); returns its ref."""
+        return await self._inst.proc.spawn_child(self._inst, cls, args, kw)
+
+    def spawn_task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A background task supervised like a one-way handler (an error fails the actor)."""
+        return self._inst.spawn_task(coro)
+
+    def open_port(self) -> StreamPort:
+        return self._inst.mailbox.open_port()
+
+    def open_once_port(self) -> OncePort:
+        return self._inst.mailbox.open_once_port()
+
+    def schedule(self, delay_s: float, msg: Any) -> asyncio.TimerHandle:
+        """Send ``msg`` (a Message) to this actor after ``delay_s`` (timers)."""
+        inst = self._inst
+        return inst.proc.loop.call_later(delay_s, inst.tell_self, msg)
+
+    def cast(self, gang: GangId, msg: Any, ranks: Any = None) -> None:
+        """One-way typed message to ranks of a gang through the cast tree."""
+        from palatine.core.comm import cast_message
+
+        cast_message(self._inst.mailbox, gang, msg, ranks)
+
+    def stop(self, reason: str = "stopped by itself") -> None:
+        self._inst.request_stop("drain", reason)
+
+
+_STRENGTH = {"drain": 0, "stop": 1, "abort": 2}
+
+
+class ActorInstance:
+    """A live actor: mailbox, work queue, status, children, supervision."""
+
+    def __init__(
+        self,
+        proc: Proc,
+        actor_id: ActorId,
+        actor: Actor,
+        parent: ActorInstance | None = None,
+        rank: dict[str, int] | None = None,
+    ) -> None:
+        self.proc = proc
+        self.loop = proc.loop
+        self.id = actor_id
+        self.actor = actor
+        self.parent = parent
+        self.root: ActorInstance = parent.root if parent is not None else self
+        self.rank = rank or {}
+        self.mailbox = Mailbox(actor_id, proc)
+        self.cx = Context(self)
+        self.queue: collections.deque[tuple[int, Any, Any, Envelope | None]] = collections.deque()
+        self.signals: collections.deque[tuple[str, Any]] = collections.deque()
+        self._wake: asyncio.Future[None] | None = None
+        self.children: dict[ActorId, ActorInstance] = {}
+        self.next_child_pid = 1  # used on roots only
+        self.state = "created"  # created|initializing|idle|processing|stopping|stopped|failed
+        self.failure: str | None = None
+        self.failure_tb = ""
+        self.caused_by: SupervisionEvent | None = None
+        self.processed = 0
+        self.current_handler: str | None = None
+        self.processing_since: float | None = None
+        self.stop_mode: str | None = None
+        self.stop_reason = ""
+        self._aborting = False
+        self.task: asyncio.Task[None] | None = None
+        self.terminal: asyncio.Future[str] = self.loop.create_future()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        cls = type(actor)
+        self._endpoints = cls._palatine_endpoints
+        self._handlers = cls._handler_table()
+        self._type_name = cls.__name__
+        actor.cx = self.cx
+        mb = self.mailbox
+        if self._endpoints:
+            mb.bind_handler(ENDPOINT_CALL_TID, self._enqueue_endpoint, "EndpointCall")
+        for tid, (_name, mtype, _) in self._handlers.items():
+            mb.bind_handler(tid, self._enqueue_handler, mtype.__name__, self._handlers.__contains__)
+        mb.bind_handler(UNDELIVERABLE_TID, self._enqueue_undeliverable, "Undeliverable")
+
+    # ---------------------------------------------------------------- status
+    @property
+    def status(self) -> str:
+        s = self.state
+        if s == "processing":
+            ms = int((self.loop.time() - (self.processing_since or 0.0)) * 1000)
+            return f"{self.current_handler}: processing for {ms}ms"
+        if s == "failed":
+            return f"failed: {self.failure}"
+        return s
+
+    @property
+    def terminated(self) -> bool:
+        return self.state in ("stopped", "failed")
+
+    # ---------------------------------------------------------------- inbound
+    def _push(self, item: tuple[int, Any, Any, Envelope | None]) -> None:
+        self.queue.append(item)
+        w = self._wake
+        if w is not None:
+            self._wake = None
+            w.set_result(None)
+
+    def _enqueue_endpoint(self, payload: Any, env: Envelope) -> None:
+        item = (_ENDPOINT, None, payload, env)
+        if (
+            self._wake is not None
+            and not self.queue
+            and not self.signals
+            and self.stop_mode is None
+        ):
+            # Idle, parked and nothing ahead: a plain ``def`` endpoint runs right here,
+            # from the channel's read callback, saving the task's loop turn. Never nested
+            # inside another actor's handler (local sends queue as usual).
+            try:
+                info = self._endpoints.get(payload[0])
+            except (TypeError, IndexError, KeyError):
+                info = None
+            if info is not None and not info.is_async and _current_cx.get() is None:
+                self._process_inline(item)
+                return
+        self._push(item)
+
+    def _process_inline(self, item: tuple[int, Any, Any, Envelope | None]) -> None:
+        """Run a synchronous endpoint call now; its failure goes to the task (teardown)."""
+        coro = self._process(item)
+        try:
+            coro.send(None)
+        except StopIteration:
+            pass
+        except _Failure as f:
+            self._push((_FAILED, None, f, None))
+        except BaseException as e:  # (CancelledError and such) a panic, as on the task
+            tb = traceback.format_exc()
+            self._push(
+                (
+                    _FAILED,
+                    None,
+                    _Failure(f"serving {self.id}: panic: {type(e).__name__}: {e}", tb),
+                    None,
+                )
+            )
+        else:  # cannot happen for a plain def endpoint; never leave a coroutine half-run
+            coro.close()
+            raise RuntimeError(f"endpoint of {self.id} suspended while running inline")
+        self.cx.env = None  # idle again: do not pin the message
+
+    def _enqueue_handler(self, payload: Any, env: Envelope) -> None:
+        self._push((_HANDLER, self._handlers[env.type_id], payload, env))
+
+    def _enqueue_undeliverable(self, payload: Undeliverable, env: Envelope) -> None:
+        self.undeliverable(payload.envelope)
+
+    def undeliverable(self, returned: Envelope) -> None:
+        """A message we sent came back: fail its pending call, then run the hook in turn."""
+        self.mailbox.returned(returned)
+        if self.terminated:
+            _warn_undeliverable(self.id, returned)
+            return
+        self._push((_UNDELIVERABLE, None, returned, None))
+
+    def tell_self(self, msg: Any) -> None:
+        if self.mailbox.state != "open":
+            return
+        tid = type(msg).__palatine_type_id__
+        env = Envelope(self.id, PortId(self.id, tid), tid, ENC_MSGPACK, encode_message(msg))
+        self.proc.post(env)
+
+    def signal(self, kind: str, value: Any) -> None:
+        self.signals.append((kind, value))
+        w = self._wake
+        if w is not None:
+            self._wake = None
+            w.set_result(None)
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Run ``init``; raise on failure (the spawn fails, no supervision event)."""
+        self.state = "initializing"
+        token = _current_cx.set(self.cx)
+        try:
+            if type(self.actor).init is not Actor.init:
+                await self.actor.init()
+        except BaseException as e:
+            self.state = "failed"
+            self.failure = f"serving {self.id}: initialization error: {type(e).__name__}: {e}"
+            self.failure_tb = traceback.format_exc()
+            self.mailbox.close(self.failure)
+            if not self.terminal.done():
+                self.terminal.set_result(self.status)
+            raise
+        finally:
+            _current_cx.reset(token)
+        self.state = "idle"
+        self.task = self.loop.create_task(self._run(), name=f"actor {self.id}")
+
+    def request_stop(self, mode: str, reason: str) -> None:
+        """``drain`` (process queued), ``stop`` (return queued) or ``abort`` (cancel)."""
+        if self.terminated:
+            return
+        if self.stop_mode is None or _STRENGTH[mode] > _STRENGTH[self.stop_mode]:
+            self.stop_mode = mode
+            self.stop_reason = reason
+        if self.mailbox.state == "open":
+            self.mailbox.state = "stopping"
+        if mode == "abort" and self.state == "processing" and self.task is not None:
+            self._aborting = True
+            self.task.cancel()
+        self.signal("stop", None)
+
+    def spawn_task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self._push((_TASK_FAILED, None, exc, None))
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if self.signals:
+                    kind, value = self.signals.popleft()
+                    if kind == "supervision":
+                        self.processed += 1
+                        self._on_child_event(value)
+                    continue  # "stop" signals only wake us; stop_mode says what to do
+                mode = self.stop_mode
+                if mode is not None and mode != "drain":
+                    break
+                if self.queue:
+                    await self._process(self.queue.popleft())
+                    continue
+                if mode == "drain":
+                    break
+                # Idle: do not pin the last message (a fetched value's buffers) meanwhile.
+                self.cx.env = None
+                self._wake = self.loop.create_future()
+                await self._wake
+        except asyncio.CancelledError:
+            if self.task is not None:
+                self.task.uncancel()
+            if not self._aborting:
+                self.failure = f"serving {self.id}: panic: CancelledError: actor task cancelled"
+                self.failure_tb = traceback.format_exc()
+            elif self.cx.env is not None and self.cx.env.reply_to is not None:
+                env = self.cx.env
+                self.reply(
+                    env.reply_to,  # type: ignore[arg-type]
+                    ErrorReply(
+                        type_name="ActorAborted",
+                        message=f"actor {self.id} was aborted: {self.stop_reason}",
+                        actor_id=str(self.id),
+                    ),
+                    env,
+                )
+        except _Failure as f:
+            self.failure = f.message
+            self.failure_tb = f.tb
+        except BaseException as e:  # runtime code bug: a panic
+            self.failure = f"serving {self.id}: panic: {type(e).__name__}: {e}"
+            self.failure_tb = traceback.format_exc()
+        self.cx.env = None
+        await self._teardown()
+
+    async def _process(self, item: tuple[int, Any, Any, Envelope | None]) -> None:
+        kind, meta, payload, env = item
+        self.processed += 1
+        cx = self.cx
+        cx.env = env
+        token = _current_cx.set(cx)
+        try:
+            if kind == _ENDPOINT:
+                await self._run_endpoint(payload, env)  # type: ignore[arg-type]
+            elif kind == _HANDLER:
+                await self._run_handler(meta, payload, env)  # type: ignore[arg-type]
+            elif kind == _UNDELIVERABLE:
+                self.current_handler = "handle_undeliverable"
+                try:
+                    self.actor.handle_undeliverable(payload)
+                except Exception as e:
+                    errs = "; ".join(payload.errors or ())
+                    raise _Failure(
+                        f"serving {self.id}: processing error: a message from "
+                        f"{payload.sender} to {payload.dest} was undeliverable and returned: {errs}",
+                        traceback.format_exc(),
+                    ) from e
+            elif kind == _FAILED:
+                raise payload
+            elif kind == _TASK_FAILED:
+                raise _Failure(
+                    f"serving {self.id}: processing error: {type(payload).__name__}: {payload}",
+                    "".join(traceback.format_exception(payload)),
+                )
+        finally:
+            _current_cx.reset(token)
+            if self.state == "processing":
+                self.state = "idle"
+            self.current_handler = None
+
+    async def _run_endpoint(
+        self, payload: tuple[str, tuple[Any, ...], dict[str, Any]], env: Envelope
+    ) -> None:
+        try:
+            method, args, kwargs = payload
+            info = self._endpoints.get(method)
+        except (TypeError, ValueError):
+            return self._dispatch_error(env, "malformed endpoint call")
+        if info is None:
+            return self._dispatch_error(
+                env, f"actor {self.id} ({self._type_name}) has no endpoint {method!r}"
+            )
+        fn = getattr(self.actor, method)
+        self.state = "processing"
+        self.current_handler = method
+        self.processing_since = self.loop.time()
+        try:
+            result = fn(*args, **kwargs)
+            if info.is_async:
+                result = await result
+        except TypeError as e:
+            if e.__traceback__ is not None and e.__traceback__.tb_next is None:
+                return self._dispatch_error(env, f"bad arguments for {method}: {e}")
+            self._handler_raised(e, env)
+            return
+        except Exception as e:
+            self._handler_raised(e, env)
+            return
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._panic(e, env)
+        if env.reply_to is not None:
+            self._reply_value(env, result)
+
+    async def _run_handler(
+        self, meta: tuple[str, type[Any], bool], payload: Any, env: Envelope
+    ) -> None:
+        name, _mtype, is_async = meta
+        fn = getattr(self.actor, name)
+        self.state = "processing"
+        self.current_handler = _mtype.__name__
+        self.processing_since = self.loop.time()
+        try:
+            result = fn(payload)
+            if is_async:
+                result = await result
+        except Exception as e:
+            self._handler_raised(e, env)
+            return
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._panic(e, env)
+        if env.reply_to is not None and result is not None:
+            self.reply(env.reply_to, result, env)
+
+    def _dispatch_error(self, env: Envelope, what: str) -> None:
+        """Not the actor's fault: an ErrorReply, or the message returned."""
+        if env.reply_to is not None:
+            self.reply(
+                env.reply_to,
+                ErrorReply(type_name="DispatchError", message=what, actor_id=str(self.id)),
+                env,
+            )
+        else:
+            self.proc.return_envelope(env, f"mailbox error: {what}")
+
+    def _handler_raised(self, e: Exception, env: Envelope) -> None:
+        if env.reply_to is not None:
+            tb = "".join(traceback.format_exception(e))
+            err = ErrorReply(
+                type_name=f"{type(e).__module__}.{type(e).__qualname__}"
+                if type(e).__module__ != "builtins"
+                else type(e).__qualname__,
+                message=str(e),
+                traceback=tb,
+                actor_id=str(self.id),
+            )
+            self.reply(env.reply_to, err, env)
+            return
+        raise _Failure(
+            f"serving {self.id}: processing error: {type(e).__name__}: {e}",
+            "".join(traceback.format_exception(e)),
+        ) from e
+
+    def _panic(self, e: BaseException, env: Envelope) -> None:
+        msg = f"serving {self.id}: panic: {type(e).__name__}: {e}"
+        if env.reply_to is not None:
+            self.reply(
+                env.reply_to,
+                ErrorReply(
+                    type_name="ActorFailed", message=f"actor failed: {msg}", actor_id=str(self.id)
+                ),
+                env,
+            )
+        raise _Failure(msg, "".join(traceback.format_exception(e)))
+
+    # ---------------------------------------------------------------- replies
+    def _reply_headers(self, req: Envelope | None) -> dict[str, str | int] | None:
+        if req is not None and req.headers:
+            rank = req.headers.get("cast_rank")
+            if rank is not None:
+                return {"cast_rank": rank}
+        return None
+
+    def _reply_value(self, req: Envelope, value: Any) -> None:
+        data, bufs = dumps(value)
+        env = Envelope(
+            self.id,
+            req.reply_to,  # type: ignore[arg-type]
+            PICKLED_VALUE_TID,
+            ENC_PICKLE,
+            data,
+            None,
+            self._reply_headers(req),
+            None,
+            bufs,
+        )
+        self.proc.post(env)
+
+    def reply(self, port: PortId, msg: Any, req: Envelope | None = None) -> None:
+        """Post a typed message (a reply or an ErrorReply) to ``port``."""
+        tid = type(msg).__palatine_type_id__
+        env = Envelope(
+            self.id, port, tid, ENC_MSGPACK, encode_message(msg), None, self._reply_headers(req)
+        )
+        self.proc.post(env)
+
+    # ---------------------------------------------------------------- supervision
+    def _on_child_event(self, event: SupervisionEvent) -> None:
+        try:
+            handled = self.actor.handle_supervision_event(event)
+        except Exception as e:
+            raise _Failure(
+                f"failed to handle supervision event: {type(e).__name__}: {e}",
+                traceback.format_exc(),
+            ) from e
+        if handled is True:
+            return
+        if handled is False:
+            self.caused_by = event
+            raise _Failure(
+                f"did not handle supervision event from {event.actor_id}: {event.message}"
+            )
+        raise _Failure(
+            f"serving {self.id}: panic: handle_supervision_event returned {type(handled).__name__}, not bool"
+        )
+
+    def child_failed(self, event: SupervisionEvent) -> None:
+        self.signal("supervision", event)
+
+    # ---------------------------------------------------------------- teardown
+    async def _teardown(self) -> None:
+        if self.mailbox.state == "open":
+            self.mailbox.state = "stopping"
+        self.state = "stopping"
+        failed = self.failure is not None
+        reason = self.failure or self.stop_reason or "stopped"
+        # 1. children: drain, wait, abort stragglers
+        if self.children:
+            kids = list(self.children.values())
+            for k in kids:
+                k.request_stop("drain", f"parent {self.id} stopping")
+            waits = [k.terminal for k in kids]
+            _done, pending = await asyncio.wait(waits, timeout=config.get().stop_actor_timeout_s)
+            if pending:
+                for k in kids:
+                    if not k.terminated:
+                        k.request_stop("abort", f"parent {self.id} stopping")
+                await asyncio.wait(waits, timeout=1.0)
+        for t in list(self._tasks):
+            t.cancel()
+        # 2. on_stop
+        if not failed and type(self.actor).on_stop is not Actor.on_stop:
+            token = _current_cx.set(self.cx)
+            try:
+                await self.actor.on_stop(reason)
+            except Exception as e:
+                self.failure = f"serving {self.id}: on_stop error: {type(e).__name__}: {e}"
+                self.failure_tb = traceback.format_exc()
+                failed = True
+            finally:
+                _current_cx.reset(token)
+        # 3. return queued messages, unbind ports, fail pending calls
+        self.mailbox.state = "stopped"
+        while self.queue:
+            kind, _meta, _payload, env = self.queue.popleft()
+            if env is not None and kind in (_ENDPOINT, _HANDLER):
+                self.proc.return_envelope(env, f"mailbox error: actor {self.id} is stopped")
+        self.mailbox.close(reason)
+        self.proc.unregister(self)
+        # 4. final status, exactly once
+        self.state = "failed" if failed else "stopped"
+        if self.parent is not None:
+            self.parent.children.pop(self.id, None)
+        if failed:
+            event = SupervisionEvent(
+                actor_id=str(self.id),
+                status=self.status,
+                message=self.failure or "",
+                traceback=self.failure_tb,
+                caused_by=self.caused_by,
+            )
+            if self.parent is not None and not self.parent.terminated:
+                self.parent.child_failed(event)
+            elif self.parent is None:
+                self.proc.root_failed(self, event)
+        if not self.terminal.done():
+            self.terminal.set_result(self.status)

@@ -1,0 +1,177 @@
+"""What a host hands each child proc, and the child's side of the contract.
+
+Pure helpers, free of the process machinery in `palatine.hosting.children`: the environment
+table a host adds for an exec'd proc (`child_env`), where the proc's log and stack-dump
+files go (`log_path_for`, `stack_path_for`), the human text for a
+process end (`describe_exit`), and `arm_parent_death_signal`, which a bootstrapping proc
+calls so that it dies with the host that started it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import signal
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from palatine import config
+from palatine.config import format_seconds
+from palatine.output.logs import default_log_dir
+
+__all__ = [
+    "arm_parent_death_signal",
+    "child_env",
+    "describe_exit",
+    "log_path_for",
+    "stack_path_for",
+]
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def describe_exit(exit_code: int | None, exit_signal: int | None) -> str:
+    """Human text for a process end: ``killed by signal 9 (SIGKILL)``, ``exited with code 3``.
+
+    Used verbatim in exit reports and in the errors users see.
+    """
+    if exit_signal is not None:
+        try:
+            name = signal.Signals(exit_signal).name
+        except ValueError:
+            return f"killed by signal {exit_signal}"
+        return f"killed by signal {exit_signal} ({name})"
+    if exit_code is not None:
+        return f"exited with code {exit_code}"
+    return "exited (status unknown)"
+
+
+_INDEX_RE = re.compile(r"\[(\d+)\]")
+
+
+def _flat(name: object) -> str:
+    """``hostw[0]`` -> ``hostw_0``: an id as one safe path component."""
+    text = _INDEX_RE.sub(r"_\1", str(name))
+    return text.replace(os.sep, "_").replace("\0", "_") or "_"
+
+
+def log_path_for(
+    log_dir: str | os.PathLike[str] | None,
+    execution_id: str,
+    host_proc: object,
+    proc_id: object,
+) -> Path:
+    """The per-proc log file: ``<log_dir>/<execution_id>/<hostW_h>/<W>_<r>.log``.
+
+    ``log_dir`` ``None`` means `default_log_dir`. Ids may be given as text or as id objects.
+    """
+    base = default_log_dir() if log_dir is None else Path(log_dir)
+    return base / _flat(execution_id) / _flat(host_proc) / f"{_flat(proc_id)}.log"
+
+
+def stack_path_for(log_path: Path) -> Path:
+    """The child's stack-dump file (``PALATINE_STACK_FILE``), next to its log."""
+    return log_path.with_suffix(".stack")
+
+
+def child_env(
+    *,
+    world_id: object,
+    proc_id: object,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    local_world_size: int,
+    bootstrap_addr: str,
+    execution_id: str,
+    host_proc_id: object,
+    stack_file: Path | str,
+    cluster_token: str | None = None,
+    supervision_update_interval_s: float | None = None,
+    parent_pid: int | None = None,
+    inherited: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The variables a host adds for an exec'd proc (the table).
+
+    Returns only the additions; `ChildProcs.spawn` lays them over ``os.environ``.
+    ``PALATINE_SUPERVISION_UPDATE_INTERVAL`` is left out when ``inherited`` (by default
+    ``os.environ``) already sets it, so an operator's choice wins. ``parent_pid`` defaults
+    to this process, the host; ``supervision_update_interval_s`` to the configured interval.
+    ``PALATINE_CLUSTER_TOKEN`` is set when a token is given.
+    """
+    inherited = os.environ if inherited is None else inherited
+    env = {
+        "PALATINE_WORLD_ID": str(world_id),
+        "PALATINE_PROC_ID": str(proc_id),
+        "PALATINE_BOOTSTRAP_ADDR": bootstrap_addr,
+        "PALATINE_WORLD_SIZE": str(world_size),
+        "PALATINE_RANK": str(rank),
+        "PALATINE_LOCAL_RANK": str(local_rank),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "PALATINE_EXECUTION_ID": execution_id,
+        "PALATINE_HOST_PROC_ID": str(host_proc_id),
+        "PALATINE_PARENT_PID": str(os.getpid() if parent_pid is None else parent_pid),
+        "PALATINE_STACK_FILE": str(stack_file),
+    }
+    if cluster_token is not None:
+        env["PALATINE_CLUSTER_TOKEN"] = cluster_token
+    if not inherited.get("PALATINE_SUPERVISION_UPDATE_INTERVAL"):
+        interval = (
+            config.get().supervision_update_interval_s
+            if supervision_update_interval_s is None
+            else supervision_update_interval_s
+        )
+        env["PALATINE_SUPERVISION_UPDATE_INTERVAL"] = format_seconds(interval)
+    return env
+
+
+def arm_parent_death_signal() -> bool:
+    """Child side of the parent-death contract: die with the host that started us.
+
+    When ``PALATINE_PARENT_PID`` is set, asks Linux (``prctl(PR_SET_PDEATHSIG, SIGKILL)``)
+    to SIGKILL this process when its parent ends, then checks that the parent is still
+    the one named: if it already died (we were re-parented), the process exits at once
+    with status 1 instead of running orphaned. Returns whether the signal was armed;
+    without the variable, or off Linux, it does nothing.
+    """
+    text = os.environ.get("PALATINE_PARENT_PID", "").strip()
+    if not text:
+        return False
+    try:
+        expected = int(text)
+    except ValueError:
+        log.warning("ignoring PALATINE_PARENT_PID=%r: not a pid", text)
+        return False
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            rc = libc.prctl(
+                _PR_SET_PDEATHSIG,
+                ctypes.c_ulong(signal.SIGKILL),
+                ctypes.c_ulong(0),
+                ctypes.c_ulong(0),
+                ctypes.c_ulong(0),
+            )
+        except (OSError, AttributeError) as e:
+            log.warning("cannot arm the parent-death signal: %s", e)
+        else:
+            if rc == 0:
+                armed = True
+            else:
+                err = ctypes.get_errno()
+                log.warning("cannot arm the parent-death signal: %s", os.strerror(err))
+    # Checked after arming: a parent dying between the two is then caught by one of them.
+    if os.getppid() != expected:
+        log.error("parent process %d is gone (parent is now %d); exiting", expected, os.getppid())
+        logging.shutdown()
+        os._exit(1)
+    return armed

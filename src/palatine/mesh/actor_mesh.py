@@ -1,0 +1,593 @@
+"""References and meshes: `ActorRef`, `ActorMesh`, endpoint handles, `ValueMesh`.
+
+``x.<endpoint>`` offers ``call_one``, ``call``, ``stream``, ``broadcast``/``send`` and
+``choose``. A single `ActorRef` sends directly; every mesh operation goes through the
+cast path, so all operations from one sender reach each actor in order. Everything
+here may be called from any thread: the work runs on the palatine loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import queue
+import random
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from palatine import config
+from palatine.core import runtime
+from palatine.core.actor import ENDPOINT_CALL_TID, Actor, _current_cx
+from palatine.core.comm import Cast, cast_envelope, normalize
+from palatine.core.future import Future, on_loop_thread
+from palatine.core.mailbox import Mailbox
+from palatine.errors import PalatineError
+from palatine.fastpath import lane
+from palatine.ids import ActorId, GangId, PortId, ProcId
+from palatine.wire.codec import dumps, encode_message
+from palatine.wire.envelope import ENC_MSGPACK, ENC_PICKLE, Envelope
+
+__all__ = ["ActorRef", "ActorMesh", "ValueMesh", "Endpoint", "set_default_client", "caller_mailbox"]
+
+_default_client: Any = None
+
+
+def set_default_client(client: Any) -> None:
+    """Install the client instance that non-actor code in this process sends from."""
+    global _default_client
+    _default_client = client
+
+
+def caller_mailbox() -> Mailbox:
+    """The sending mailbox: the running actor's, else this process's client instance."""
+    cx = _current_cx.get()
+    if cx is not None:
+        return cx.mailbox
+    if _default_client is None:
+        raise PalatineError(
+            "no palatine proc in this process: create one with this_host().spawn_procs(...) "
+            "or System(addr).attach()"
+        )
+    mailbox: Mailbox = _default_client.mailbox
+    return mailbox
+
+
+def _self_call_check(mb: Mailbox, dest: ActorId) -> None:
+    if mb.actor_id == dest:
+        raise RuntimeError(
+            f"{dest} called itself: a handler waiting on its own actor would deadlock"
+        )
+
+
+class ValueMesh:
+    """Replies of a mesh call, in rank order, with their coordinates."""
+
+    def __init__(
+        self, dims: Sequence[tuple[str, int]], ranks: Sequence[int], values: Sequence[Any]
+    ):
+        self._dims = list(dims)
+        self._ranks = list(ranks)
+        self._values = list(values)
+
+    def _coords(self, rank: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, size in reversed(self._dims):
+            out[name] = rank % size
+            rank //= size
+        return dict(reversed(list(out.items())))
+
+    def items(self) -> Iterator[tuple[dict[str, int], Any]]:
+        for r, v in zip(self._ranks, self._values, strict=True):
+            yield self._coords(r), v
+
+    def values(self) -> list[Any]:
+        return list(self._values)
+
+    def __getitem__(self, key: int | dict[str, int]) -> Any:
+        if isinstance(key, dict):
+            for r, v in zip(self._ranks, self._values, strict=True):
+                if self._coords(r) == {**self._coords(r), **key}:
+                    return v
+            raise KeyError(key)
+        return self._values[key]
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._values)
+
+    def __repr__(self) -> str:
+        return f"ValueMesh({self._values!r})"
+
+
+def _encode_call(
+    method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bytes, list[Any]]:
+    return dumps((method, args, kwargs))
+
+
+def _encode_in_band(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """A cast's payload: one in-band pickle (casts do not carry out-of-band buffers)."""
+    data, bufs = _encode_call(method, args, kwargs)
+    if bufs:
+        import pickle
+
+        data = pickle.dumps((method, args, kwargs), protocol=5)
+    return data
+
+
+def _direct_envelope(
+    sender: ActorId,
+    origin: str,
+    dest: ActorId,
+    rank: int,
+    size: int,
+    data: bytes,
+    reply_to: PortId | None,
+) -> Envelope:
+    """One rank's endpoint call of a cast delivered directly (no tree step)."""
+    return Envelope(
+        sender,
+        PortId(dest, ENDPOINT_CALL_TID),
+        ENDPOINT_CALL_TID,
+        ENC_PICKLE,
+        data,
+        reply_to,
+        {"cast_rank": rank, "cast_size": size, "cast_origin": origin},
+    )
+
+
+def _call_via(dests: tuple[tuple[int, ActorId], ...], call: lane.Call) -> Future[Any]:
+    """A call's future: over the calling thread's lanes when it may (`palatine.fastpath.lane`),
+    else through the loop (``call.go`` runs there). ``dests``: as `palatine.fastpath.lane.try_call`."""
+    if on_loop_thread():
+        return runtime.call(call.go, call.transform)
+    client = _default_client
+    if client is not None and _current_cx.get() is None:
+        on_lane = lane.try_call(client.mailbox, dests, call)
+        if on_lane is not None:
+            return on_lane
+    fut = runtime.call(call.go, call.transform)
+    lane.note_call(frozenset(dest.proc for _, dest in dests), fut)
+    return fut
+
+
+class _RefCall:
+    """``ActorRef.x.call_one(...)``: one envelope straight to the actor (`palatine.fastpath.lane.Call`)."""
+
+    __slots__ = ("dest", "data", "bufs", "what", "timeout_s")
+    transform = None
+
+    def __init__(
+        self, dest: ActorId, data: bytes, bufs: list[Any], what: str, timeout_s: float
+    ) -> None:
+        self.dest = dest
+        self.data = data
+        self.bufs = bufs
+        self.what = what
+        self.timeout_s = timeout_s
+
+    def envelope(self, mb: Mailbox, rank: int, reply_to: PortId) -> Envelope:
+        dest = self.dest
+        return Envelope(
+            mb.actor_id,
+            PortId(dest, ENDPOINT_CALL_TID),
+            ENDPOINT_CALL_TID,
+            ENC_PICKLE,
+            self.data,
+            reply_to,
+            None,
+            None,
+            self.bufs,
+        )
+
+    def go(self) -> Any:
+        mb = caller_mailbox()
+        _self_call_check(mb, self.dest)
+        p = mb.pending(self.dest, self.what, self.timeout_s)
+        mb.proc.post(self.envelope(mb, -1, p.id))
+        return p
+
+
+class _MeshCallOne:
+    """``mesh.x.call_one(...)`` on a one-actor selection (`palatine.fastpath.lane.Call`)."""
+
+    __slots__ = ("mesh", "dest", "rank", "data", "what", "timeout_s")
+    transform = None
+
+    def __init__(
+        self, mesh: ActorMesh, rank: int, data: bytes, what: str, timeout_s: float
+    ) -> None:
+        self.mesh = mesh
+        self.dest = mesh.gang.actor(rank)
+        self.rank = rank
+        self.data = data
+        self.what = what
+        self.timeout_s = timeout_s
+
+    def envelope(self, mb: Mailbox, rank: int, reply_to: PortId) -> Envelope:
+        return _direct_envelope(
+            mb.actor_id, mb.actor_text, self.dest, self.rank, self.mesh._size, self.data, reply_to
+        )
+
+    def go(self) -> Any:
+        mb = caller_mailbox()
+        _self_call_check(mb, self.dest)
+        p = mb.pending(self.dest, self.what, self.timeout_s)
+        self.mesh._cast(mb, self.data, p.id)
+        return p
+
+
+class _MeshCall:
+    """``mesh.x.call(...)``: one request per selected rank, replies gathered in rank order
+    (`palatine.fastpath.lane.Call`)."""
+
+    __slots__ = ("mesh", "ranks", "data", "what", "timeout_s")
+
+    def __init__(
+        self, mesh: ActorMesh, ranks: list[int], data: bytes, what: str, timeout_s: float
+    ) -> None:
+        self.mesh = mesh
+        self.ranks = ranks
+        self.data = data
+        self.what = what
+        self.timeout_s = timeout_s
+
+    def envelope(self, mb: Mailbox, rank: int, reply_to: PortId) -> Envelope:
+        m = self.mesh
+        return _direct_envelope(
+            mb.actor_id, mb.actor_text, m.gang.actor(rank), rank, m._size, self.data, reply_to
+        )
+
+    def go(self) -> Any:
+        m, ranks = self.mesh, self.ranks
+        mb = caller_mailbox()
+        g = mb.gather(
+            m.gang.actor(ranks[0]) if ranks else m.gang.actor(0),
+            self.what,
+            self.timeout_s,
+            m._procs(),
+        )
+        if not ranks:
+            g._complete()
+        else:
+            m._cast(mb, self.data, g.id)
+        return g
+
+    def transform(self, res: dict[int, Any]) -> ValueMesh:
+        return ValueMesh(self.mesh._dims, self.ranks, [res[r] for r in self.ranks])
+
+
+class Endpoint:
+    """``ref.<name>`` / ``mesh.<name>``: the ways to invoke one endpoint."""
+
+    __slots__ = ("_target", "_name")
+
+    def __init__(self, target: ActorRef | ActorMesh, name: str) -> None:
+        self._target = target
+        self._name = name
+
+    def _timeout(self) -> float:
+        info = self._target._endpoint_info(self._name)
+        if info is not None and info.timeout_s is not None:
+            return float(info.timeout_s)
+        return config.get().call_timeout_s
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Call exactly one actor; a Future of its reply."""
+        return self._target._call_one(self._name, args, kwargs, self._timeout())
+
+    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh]:
+        """Call every selected actor; a Future of a `ValueMesh` in rank order."""
+        return self._target._as_mesh()._call(self._name, args, kwargs, self._timeout())
+
+    def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Call one arbitrary actor of the selection."""
+        mesh = self._target._as_mesh()
+        r = random.choice(mesh._ranks)
+        return mesh._slice_ranks([r])._call_one(self._name, args, kwargs, self._timeout())
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        """One-way to every selected actor; handler errors go to supervision."""
+        if isinstance(self._target, ActorRef):
+            self._target._send(self._name, args, kwargs)
+        else:
+            self._target._broadcast(self._name, args, kwargs)
+
+    send = broadcast
+
+    def stream(self, *args: Any, **kwargs: Any) -> _Stream:
+        """Replies as ``(rank, reply)`` in arrival order (sync and async iterator)."""
+        return self._target._as_mesh()._stream(self._name, args, kwargs, self._timeout())
+
+
+class _Stream:
+    """Items ``(rank, value)``; a failed rank yields its exception as the value."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self._q: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._aq: asyncio.Queue[tuple[int, Any]] | None = None
+        self._seen = 0
+
+    def push(self, rank: int, value: Any, exc: BaseException | None) -> None:
+        self._q.put((rank, exc if exc is not None else value))
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        while self._seen < self.expected:
+            self._seen += 1
+            yield self._q.get(timeout=_stream_wait_s())
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
+        return self._agen()
+
+    async def _agen(self) -> AsyncIterator[tuple[int, Any]]:
+        while self._seen < self.expected:
+            self._seen += 1
+            try:
+                yield self._q.get_nowait()
+            except queue.Empty:
+                yield await asyncio.to_thread(self._q.get, True, _stream_wait_s())
+
+
+def _stream_wait_s() -> float | None:
+    """How long a stream's reader waits for the next item: past the call timeout (the
+    gather fails each missing rank by then); None (no bound) for an endless one."""
+    t = config.get().call_timeout_s
+    return None if math.isinf(t) else t + 5
+
+
+class ActorRef:
+    """A reference to one actor; behaves like a mesh of one but sends directly."""
+
+    __slots__ = ("actor_id", "_cls")
+
+    def __init__(self, actor_id: ActorId, cls: type[Actor] | None = None) -> None:
+        self.actor_id = actor_id
+        self._cls = cls
+
+    def __getattr__(self, name: str) -> Endpoint:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return Endpoint(self, name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ActorRef) and other.actor_id == self.actor_id
+
+    def __hash__(self) -> int:
+        return hash(self.actor_id)
+
+    def __repr__(self) -> str:
+        return f"ActorRef({str(self.actor_id)!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ActorRef, (self.actor_id, self._cls))
+
+    def _endpoint_info(self, name: str) -> Any:
+        return self._cls._palatine_endpoints.get(name) if self._cls is not None else None
+
+    def port(self, mtype: type[Any]) -> PortId:
+        return PortId(self.actor_id, mtype.__palatine_type_id__)
+
+    def ask(self, msg: Any, timeout: float | None = None) -> Future[Any]:
+        """Typed request/reply; a Future of the reply (deadline ``rpc_timeout`` by default)."""
+        t = timeout if timeout is not None else config.get().rpc_timeout_s
+        dest = self.actor_id
+
+        def go() -> asyncio.Future[Any]:
+            mb = caller_mailbox()
+            _self_call_check(mb, dest)
+            return mb.ask(dest, msg, t)
+
+        return runtime.call(go)
+
+    def tell(self, msg: Any) -> None:
+        """One-way typed message."""
+        dest = self.actor_id
+        data = encode_message(msg)
+        tid = type(msg).__palatine_type_id__
+
+        def go() -> None:
+            mb = caller_mailbox()
+            mb.proc.post(Envelope(mb.actor_id, PortId(dest, tid), tid, ENC_MSGPACK, data))
+
+        runtime.post(go)
+
+    def _call_one(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float
+    ) -> Future[Any]:
+        data, bufs = _encode_call(method, args, kwargs)
+        dest = self.actor_id
+        return _call_via(((-1, dest),), _RefCall(dest, data, bufs, f"call {method}", timeout_s))
+
+    def _send(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        data, bufs = _encode_call(method, args, kwargs)
+        dest = self.actor_id
+
+        def go() -> None:
+            mb = caller_mailbox()
+            env = Envelope(
+                mb.actor_id,
+                PortId(dest, ENDPOINT_CALL_TID),
+                ENDPOINT_CALL_TID,
+                ENC_PICKLE,
+                data,
+                None,
+                None,
+                None,
+                bufs,
+            )
+            mb.proc.post(env)
+
+        runtime.post(go)
+
+    def _as_mesh(self) -> ActorMesh:
+        if self.actor_id.pid != 0:
+            raise ValueError(f"{self.actor_id} is a child actor: only direct calls reach it")
+        gang = GangId(self.actor_id.proc.world, self.actor_id.name)
+        r = self.actor_id.rank
+        return ActorMesh(gang, [("rank", r + 1)], [r], self._cls)
+
+
+class ActorMesh:
+    """Actors of one gang over a mesh of procs; ``slice`` narrows the selection."""
+
+    def __init__(
+        self,
+        gang: GangId,
+        dims: Sequence[tuple[str, int]],
+        ranks: Sequence[int] | None = None,
+        cls: type[Actor] | None = None,
+    ) -> None:
+        self.gang = gang
+        self._dims = list(dims)
+        self._size = math.prod(s for _, s in self._dims)
+        self._ranks = list(range(self._size)) if ranks is None else sorted(ranks)
+        self._cls = cls
+
+    def __getattr__(self, name: str) -> Endpoint:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        ep = self.__dict__[name] = Endpoint(self, name)  # later lookups skip __getattr__
+        return ep
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def __repr__(self) -> str:
+        return f"ActorMesh({self.gang}, dims={self._dims}, ranks={self._ranks})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ActorMesh, (self.gang, self._dims, self._ranks, self._cls))
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self._dims)
+
+    def _endpoint_info(self, name: str) -> Any:
+        return self._cls._palatine_endpoints.get(name) if self._cls is not None else None
+
+    def _as_mesh(self) -> ActorMesh:
+        return self
+
+    def _coords(self, rank: int) -> dict[str, int]:
+        return ValueMesh(self._dims, [], [])._coords(rank)
+
+    def slice(self, **sel: int | slice) -> ActorMesh:
+        """Narrow the selection: ``mesh.slice(procs=2)`` or ``mesh.slice(procs=slice(0, 2))``."""
+        names = [n for n, _ in self._dims]
+        for k in sel:
+            if k not in names:
+                raise ValueError(f"unknown dimension {k!r}; this mesh has {names}")
+        keep = []
+        for r in self._ranks:
+            c = self._coords(r)
+            ok = True
+            for k, v in sel.items():
+                size = dict(self._dims)[k]
+                if isinstance(v, slice):
+                    ok = c[k] in range(size)[v]
+                else:
+                    if not 0 <= v < size:
+                        raise IndexError(
+                            f"index {v} out of range for dimension {k!r} of size {size}"
+                        )
+                    ok = c[k] == v
+                if not ok:
+                    break
+            if ok:
+                keep.append(r)
+        return self._slice_ranks(keep)
+
+    def _slice_ranks(self, ranks: list[int]) -> ActorMesh:
+        return ActorMesh(self.gang, self._dims, ranks, self._cls)
+
+    def _cast(self, mb: Mailbox, data: bytes, reply_to: PortId | None) -> None:
+        """Cast ``data`` (`_encode_in_band`) to the selection."""
+        fanout = config.get().cast_fanout
+        if self._size <= fanout:
+            # Root step of a tree whose blocks are all single ranks: direct deliveries.
+            sender = mb.actor_id
+            origin = mb.actor_text
+            post = mb.proc.post
+            world = self.gang.world
+            name = self.gang.name
+            for r in self._ranks:
+                dest = ActorId(ProcId(world, r), name, 0)
+                post(_direct_envelope(sender, origin, dest, r, self._size, data, reply_to))
+            return
+        cast = Cast(
+            origin=mb.actor_id,
+            gang=self.gang,
+            gang_size=self._size,
+            ranks=normalize(self._ranks, self._size),
+            fanout=fanout,
+            type_id=ENDPOINT_CALL_TID,
+            encoding=ENC_PICKLE,
+            data=data,
+            reply_to=reply_to,
+        )
+        cast_envelope(mb, cast)
+
+    def _procs(self) -> dict[int, ProcId]:
+        w = self.gang.world
+        return {r: w.proc(r) for r in self._ranks}
+
+    def _call(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float
+    ) -> Future[ValueMesh]:
+        ranks = list(self._ranks)
+        call = _MeshCall(
+            self, ranks, _encode_in_band(method, args, kwargs), f"call {method}", timeout_s
+        )
+        if not ranks or self._size > config.get().cast_fanout:  # the cast tree: never lanes
+            return runtime.call(call.go, call.transform)
+        gang = self.gang
+        return _call_via(tuple((r, gang.actor(r)) for r in ranks), call)
+
+    def _call_one(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float
+    ) -> Future[Any]:
+        if len(self._ranks) != 1:
+            raise ValueError(
+                f"call_one needs a selection of exactly one actor, this one has {len(self._ranks)}"
+            )
+        call = _MeshCallOne(
+            self, self._ranks[0], _encode_in_band(method, args, kwargs), f"call {method}", timeout_s
+        )
+        if self._size > config.get().cast_fanout:  # through the cast tree: never a lane
+            return runtime.call(call.go)
+        return _call_via(((-1, call.dest),), call)
+
+    def _broadcast(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        data = _encode_in_band(method, args, kwargs)
+
+        def go() -> None:
+            self._cast(caller_mailbox(), data, None)
+
+        runtime.post(go)
+
+    def _stream(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float
+    ) -> _Stream:
+        st = _Stream(len(self._ranks))
+        data = _encode_in_band(method, args, kwargs)
+
+        def go() -> None:
+            mb = caller_mailbox()
+            g = mb.gather(
+                self.gang.actor(self._ranks[0]),
+                f"stream {method}",
+                timeout_s,
+                self._procs(),
+                st.push,
+            )
+            self._cast(mb, data, g.id)
+
+        runtime.post(go)
+        return st
+
+
+_counter = itertools.count()

@@ -1,0 +1,179 @@
+"""Typed messages of the proc agent.
+
+Every proc runs an agent; these are the messages it answers (its state, spawning root
+actors, stopping, its ledger, its address, stack dumps) and the ones a host agent answers
+for its children (`SpawnProc`, `KillProcs`). The wire invariants of
+`palatine.protocol.system` hold here too; requests are answered with the reply named in
+their docstring or with `palatine.protocol.system.Rejected`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from palatine.ids import ActorId, ProcId, WorldId
+from palatine.protocol.system import (
+    ActorSnapshot,
+    AgentStateName,
+    ChildProc,
+    FailedProc,
+    ProcAssignment,
+    StartedProc,
+    WorldEnv,
+)
+from palatine.wire.codec import Message
+
+__all__ = [
+    "AgentState",
+    "AgentStateReply",
+    "Spawn",
+    "Spawned",
+    "SpawnProc",
+    "SpawnProcResult",
+    "KillProcs",
+    "KilledProcs",
+    "ProcStop",
+    "ProcStopResult",
+    "ProcSnapshotRequest",
+    "ProcSnapshot",
+    "LocalAddr",
+    "Addr",
+    "StackDump",
+    "StackTrace",
+]
+
+
+class AgentState(Message, kw_only=True):
+    """Ask a proc agent for its state; replies `AgentStateReply`."""
+
+
+class AgentStateReply(Message, kw_only=True):
+    """Reply to `AgentState`."""
+
+    state: AgentStateName
+    proc_id: ProcId
+    addr: str
+
+
+class Spawn(Message, kw_only=True):
+    """Spawn root actor ``actor_name`` of registered type ``actor_type``.
+
+    ``params`` is encoded per ``params_encoding`` (``msgpack``: the class's ``Params``
+    struct; ``pickle``: ``(args, kwargs)``); ``actor_class`` optionally ships the class
+    (cloudpickled). Replies `Spawned` or `Rejected`.
+    """
+
+    actor_type: str
+    actor_name: str
+    params: bytes = b""
+    params_encoding: Literal["msgpack", "pickle"] = "msgpack"
+    actor_class: bytes | None = None
+
+
+class Spawned(Message, kw_only=True):
+    """Reply to `Spawn`: ``<proc>.<actor_name>[0]`` and this proc's rank."""
+
+    actor_id: ActorId
+    rank: int
+
+
+class SpawnProc(Message, kw_only=True):
+    """System to host: create these procs of ``world_id``.
+
+    Replies `SpawnProcResult`, or `Rejected` when ``world_id`` is the host's own world
+    or a proc is not in ``world_id``.
+    """
+
+    world_id: WorldId
+    env: WorldEnv
+    procs: list[ProcAssignment]
+    world_size: int
+    local_world_size: int
+
+
+class SpawnProcResult(Message, kw_only=True):
+    """Reply to `SpawnProc`."""
+
+    started: list[StartedProc] = []
+    failed: list[FailedProc] = []
+
+
+class KillProcs(Message, kw_only=True):
+    """System to host: terminate this world's children and forget its assignment.
+
+    Replies `KilledProcs`.
+    """
+
+    world_id: WorldId
+    reason: str = ""
+
+
+class KilledProcs(Message, kw_only=True):
+    """Reply to `KillProcs`: the procs that were terminated."""
+
+    proc_ids: list[ProcId] = []
+
+
+class ProcStop(Message, kw_only=True):
+    """Stop this proc: hosts first kill their children; replies `ProcStopResult`,
+    then the proc stops. Also sent one-way (no ``reply_to``) to zombies and unknown
+    procs."""
+
+    timeout_s: float = 5.0
+    reason: str = ""
+
+
+class ProcStopResult(Message, kw_only=True):
+    """Reply to `ProcStop`: the agent is in neither list; ``comm`` counts as stopped."""
+
+    proc_id: ProcId
+    stopped: list[ActorId] = []
+    aborted: list[ActorId] = []
+
+
+class ProcSnapshotRequest(Message, kw_only=True):
+    """Ask a proc agent for its ledger; replies `ProcSnapshot`."""
+
+
+class ProcSnapshot(Message, kw_only=True):
+    """Reply to `ProcSnapshotRequest`; a host's snapshot also lists its children."""
+
+    proc_id: ProcId
+    state: AgentStateName
+    pid: int
+    host: str
+    addr: str
+    loop_lag_s: float = 0.0
+    actors: dict[str, ActorSnapshot] = {}
+    children: list[ChildProc] | None = None
+
+
+class LocalAddr(Message, kw_only=True):
+    """Ask a proc agent for its bound listen address; replies `Addr`."""
+
+
+class Addr(Message, kw_only=True):
+    """Reply to `LocalAddr`."""
+
+    addr: str
+
+
+class StackDump(Message, kw_only=True):
+    """Dump stacks of this proc, or of host child ``target``; replies `StackTrace`."""
+
+    target: ProcId | None = None
+    native: bool = False
+    timeout_s: float = 10.0
+
+
+class StackTrace(Message, kw_only=True):
+    """Reply to `StackDump`; problems go in ``error`` (the handler never raises).
+
+    ``method`` is ``in-process``, ``py-spy`` or ``faulthandler``.
+    """
+
+    proc_id: ProcId
+    pid: int | None = None
+    method: str = ""
+    text: str = ""
+    error: str | None = None

@@ -1,0 +1,173 @@
+"""Process groups and reductions from the client.
+
+The first of them in a session initialises collectives: rank 0 opens a TCPStore (an
+ordinary remote call + fetch), then ``BackendNetworkInit`` goes to every rank. Its Node
+defines the session's collective-context ref, which every later process group and
+reduce lists in its ``uses``: a failed initialisation fails them as dependents.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+from palatine.protocol.worker import (
+    REDUCE_OPS,
+    BackendNetworkInit,
+    CreateProcessGroup,
+    Factory,
+    Reduce,
+    ReduceOp,
+    Slice,
+)
+from palatine.tensor.client.context import active_stream
+from palatine.tensor.client.remote import fetch, remote
+from palatine.tensor.client.values import RemoteValue, capture_site
+
+if TYPE_CHECKING:
+    from palatine.tensor.client.mesh import DeviceMesh
+
+__all__ = ["ensure_collectives", "process_group", "reduce"]
+
+
+def ensure_collectives(mesh: DeviceMesh) -> int:
+    """The session's collective-context ref, initialising collectives on first use."""
+    session = mesh.session
+    with session.lock:
+        if session.collective_ref is not None:
+            return session.collective_ref
+        root = session.root_mesh
+        assert root is not None, "a session's root mesh is set when it connects"
+        first = root.slice(**{n: 0 for n in root.names})
+        with first.activate():
+            addr_value = remote("palatine.tensor.worker.collectives.open_store")()
+        store_addr = fetch(addr_value).result()
+        ctx = session.new_ref()
+        world = Slice(offset=0, sizes=[session.world_size], strides=[1])
+        main = root.stream("main")
+
+        def commands(seq: int) -> list[tuple[Slice, Any]]:
+            return [
+                (
+                    world,
+                    BackendNetworkInit(seq=seq, result=ctx, store_addr=store_addr, stream=main.id),
+                )
+            ]
+
+        session.issue(
+            "BackendNetworkInit", [ctx], [], [], site=capture_site(), make_commands=commands
+        )
+        session.collective_ref = ctx
+        return ctx
+
+
+def _dims(mesh: DeviceMesh, dims: str | tuple[str, ...] | None) -> list[str]:
+    if dims is None:
+        return list(mesh.names)
+    out = [dims] if isinstance(dims, str) else list(dims)
+    for d in out:
+        mesh._dim(d)
+    return out
+
+
+def process_group(mesh: DeviceMesh, dims: str | tuple[str, ...] | None = None) -> RemoteValue:
+    """A remote value that is a torch ProcessGroup over ``dims`` of ``mesh``."""
+    session = mesh.session
+    session.check_usable()
+    names = _dims(mesh, dims)
+    ctx = ensure_collectives(mesh)
+    handle = mesh.handle()
+    stream = active_stream(mesh)
+    pg = session.new_ref()
+
+    def commands(seq: int) -> list[tuple[Slice, Any]]:
+        return [
+            (
+                mesh.slice_spec,
+                CreateProcessGroup(
+                    seq=seq, result=pg, mesh=handle.ref, dims=names, stream=stream.id
+                ),
+            )
+        ]
+
+    seq = session.issue(
+        "process_group", [pg], [ctx, handle.ref], [], site=capture_site(), make_commands=commands
+    )
+    return RemoteValue(session, pg, mesh, stream, seq, "process_group")
+
+
+def _factory(like: Any) -> Factory | None:
+    if like is None:
+        return None
+    if isinstance(like, tuple) and len(like) == 2:
+        shape, dtype = like
+        return Factory(size=list(shape), dtype=str(dtype).removeprefix("torch."))
+    return Factory(
+        size=list(like.shape),
+        dtype=str(like.dtype).removeprefix("torch."),
+        layout=str(like.layout).removeprefix("torch."),
+        device=str(like.device),
+    )
+
+
+def reduce(
+    value: RemoteValue,
+    dims: str | tuple[str, ...],
+    op: str = "sum",
+    scatter: bool = False,
+    in_place: bool = False,
+    out: RemoteValue | None = None,
+    like: Any = None,
+) -> RemoteValue:
+    """A collective of ``value`` over ``dims`` of its mesh; validated before sending."""
+    mesh = value.mesh
+    session = value.session
+    session.check_usable()
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(REDUCE_OPS)}")
+    names = [dims] if isinstance(dims, str) else list(dims)
+    for d in names:
+        if d not in mesh.names:
+            raise ValueError(f"dimension {d!r} is not in the value's mesh {mesh.names}")
+    if op == "stack" and in_place:
+        raise ValueError("op 'stack' cannot be in_place")
+    if scatter and in_place:
+        raise ValueError("scatter and in_place cannot be combined: the result has another shape")
+    if op == "stack" and scatter and len(names) > 1:
+        raise ValueError("op 'stack' with scatter works over one dimension only")
+    if value.dropped_at is not None:
+        raise TypeError(f"{value!r} was dropped at {value.dropped_at.short()}")
+    if in_place:
+        value.check_mutable("value")
+    if out is not None:
+        out.check_mutable("out")
+    ctx = ensure_collectives(mesh)
+    handle = mesh.handle()
+    result = value.ref if in_place else session.new_ref()
+    uses = [value.ref, ctx, handle.ref] + ([out.ref] if out is not None else [])
+    defs = [result]
+    factory = _factory(like)
+
+    def commands(seq: int) -> list[tuple[Slice, Any]]:
+        return [
+            (
+                mesh.slice_spec,
+                Reduce(
+                    seq=seq,
+                    result=result,
+                    value=value.ref,
+                    factory=factory,
+                    mesh=handle.ref,
+                    dims=names,
+                    op=cast(ReduceOp, op),
+                    scatter=scatter,
+                    in_place=in_place,
+                    out=out.ref if out is not None else None,
+                    stream=value.stream.id,
+                ),
+            )
+        ]
+
+    seq = session.issue(f"reduce {op}", defs, uses, [], site=capture_site(), make_commands=commands)
+    if in_place:
+        return value
+    return RemoteValue(session, result, mesh, value.stream, seq, f"reduce {op}")

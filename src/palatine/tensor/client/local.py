@@ -1,0 +1,367 @@
+"""`local_mesh` and `connect`: start or attach to a mesh of workers.
+
+`local_mesh` starts ``palatine system``, ``hosts`` × ``palatine host`` and ``palatine
+controller`` as real processes (the same code paths as the CLI), each holding a
+lifeline pipe, then `connect`s. `connect` attaches a detached client proc to the
+system, finds the worker world and its controller by their labels, waits until both
+are Live (bounded), attaches, and builds the `DeviceMesh`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import sys
+import time
+from typing import Any
+
+from palatine import config
+from palatine.core import runtime
+from palatine.fastpath.direct_tx import open_direct
+from palatine.hosting.limits import check_open_files
+from palatine.ids import ActorId
+from palatine.output.console import ConsoleWriter
+from palatine.output.logs import LogSession
+from palatine.protocol.controller import Attach, AttachRejected, AttachReply
+from palatine.tensor.client.mesh import DeviceMesh
+from palatine.tensor.client.procs import RoleProcess
+from palatine.tensor.client.session import ClientActor, Session
+
+__all__ = ["LocalCluster", "connect", "local_mesh"]
+
+log = logging.getLogger("palatine")
+
+WORKER_LABEL = "world.palatine.dev/worker"
+CONTROLLER_LABEL = "world.palatine.dev/controllerActorId"
+
+_SYSTEM_OPTS = ("supervision_update_timeout_in_sec", "world_eviction_timeout_in_sec")
+_HOST_OPTS = ("supervision_update_interval_in_sec",)
+_CONTROLLER_OPTS = (
+    "supervision_query_interval_in_sec",
+    "supervision_update_interval_in_sec",
+    "worker_progress_check_interval_in_sec",
+    "operation_timeout_in_sec",
+    "operations_per_worker_progress_request",
+    "fail_on_worker_timeout",
+)
+_OURS = ("device", "transport", "log_dir", "startup_timeout_in_sec")
+
+
+def _flags(options: dict[str, Any], names: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        if name not in options or options[name] is None:
+            continue
+        value = options[name]
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                out.append(flag)
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+class LocalCluster:
+    """The processes a `local_mesh` started, their log directory and console, torn down on `stop`.
+
+    Every role's output is drained for as long as it runs (`RoleProcess`): into
+    ``<logs>/<role>.log``, and what is meant for a person (a program's output, warnings,
+    errors) onto this process's stderr through one `ConsoleWriter`, which never blocks a
+    role: a console that does not keep up loses lines, counted, never the log files.
+    """
+
+    def __init__(self, env: dict[str, str], logs: LogSession) -> None:
+        self.env = env
+        self.logs = logs
+        self.console = ConsoleWriter(
+            limit_bytes=config.get().console_buffer_bytes, complete_in=f"the logs in {logs.path}"
+        )
+        self.procs: list[RoleProcess] = []
+        self.system_addr = ""
+
+    def start(
+        self, role_args: list[str], timeout_s: float, name: str, wait: bool = True
+    ) -> RoleProcess:
+        """Start one role; with ``wait`` (else see `wait_ready`) return once it is ready."""
+        try:
+            rp = RoleProcess(
+                role_args,
+                self.env,
+                timeout_s,
+                die_with_parent=False,
+                log_path=self.logs.file(f"{name}.log"),
+                console=self.console,
+                wait=wait,
+            )
+        except RuntimeError as e:
+            self.stop(1.0, clean=False)
+            raise RuntimeError(f"local mesh failed to start: {e}") from None
+        self.procs.append(rp)
+        return rp
+
+    def wait_ready(self, procs: list[RoleProcess], timeout_s: float) -> None:
+        """Wait for the ready lines of roles started together (``start(wait=False)``)."""
+        deadline = time.monotonic() + timeout_s
+        for rp in procs:
+            try:
+                rp.wait_ready(max(0.1, deadline - time.monotonic()))
+            except RuntimeError as e:
+                self.stop(1.0, clean=False)
+                raise RuntimeError(f"local mesh failed to start: {e}") from None
+
+    def stop(self, grace_s: float = 5.0, *, clean: bool = True) -> None:
+        """Stop every role; remove the logs after a ``clean`` run, else keep them and say where."""
+        for rp in reversed(self.procs):
+            if rp.popen.poll() is None:
+                try:
+                    rp.popen.send_signal(15)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for rp in reversed(self.procs):
+            try:
+                rp.wait(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                pass
+            rp.kill()
+        self.procs.clear()
+        self.console.close(1.0)
+        if self.logs.owned and self.logs.path.exists():
+            if not clean:
+                log.warning("the logs of this mesh are kept in %s", self.logs.path)
+            self.logs.close(clean=clean)
+
+
+def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> DeviceMesh:
+    """Start system, hosts, controller and workers as real processes; a `DeviceMesh`.
+
+    What the workers print, and the roles' warnings and errors, appear on this process's
+    stderr; everything (palatine's own INFO lines too) is in the mesh's log directory:
+    ``log_dir`` when given (kept), else a fresh directory under ``PALATINE_LOG_DIR`` (by
+    default ``palatine-logs`` in the temp dir) that is removed when the mesh ends cleanly
+    and kept, with a warning naming it, when it fails (`palatine.output.logs`).
+    """
+    allowed = set(_SYSTEM_OPTS + _HOST_OPTS + _CONTROLLER_OPTS + _OURS)
+    for k in options:
+        if k not in allowed:
+            raise TypeError(f"local_mesh() got an unexpected keyword argument {k!r}")
+    device = options.get("device", "auto")
+    cuda = _want_cuda(device)
+    transport = options.get("transport", "unix")
+    startup = float(options.get("startup_timeout_in_sec", 60.0))
+    check_open_files(
+        hosts * procs_per_host + hosts + 2, f"a mesh of {hosts * procs_per_host} procs"
+    )
+    logs = LogSession.create("mesh", options.get("log_dir"))
+    # Every role and worker writes its logs there (roles: <role>.log; workers: see palatine.output.logs).
+    env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(32), "PALATINE_LOG_DIR": str(logs.path)}
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Several workers share this machine's cores: one intra-op thread pool per core.
+        env["OMP_NUM_THREADS"] = str(
+            max(1, (os.cpu_count() or 1) // max(1, hosts * procs_per_host))
+        )
+    # CPU workers import torch on first use, not before they join (PALATINE_PRELOAD=torch
+    # restores that); CUDA workers need it at once to pick their device.
+    if cuda:
+        import torch
+
+        if "PALATINE_PRELOAD" not in os.environ:
+            env["PALATINE_PRELOAD"] = "torch"
+        env["PALATINE_DEVICES_PER_HOST"] = str(torch.cuda.device_count())
+    if transport == "unix":
+        addr = f"unix:@palatine-{os.getpid()}-{secrets.token_hex(4)}"
+    elif transport == "tcp":
+        addr = "tcp:127.0.0.1:0"
+    else:
+        raise ValueError(f"transport must be 'unix' or 'tcp', not {transport!r}")
+    cluster = LocalCluster(env, logs)
+    try:
+        system = cluster.start(
+            ["system", "--system-addr", addr, *_flags(options, _SYSTEM_OPTS)], startup, "system"
+        )
+        cluster.system_addr = system.addr
+        # Hosts and the controller start together: the world the controller creates waits
+        # for its hosts, and their start-up (interpreter, imports, fork server) overlaps.
+        roles = [
+            cluster.start(
+                [
+                    "host",
+                    "--system-addr",
+                    system.addr,
+                    "--host-world",
+                    "hostworker",
+                    "--host-rank",
+                    str(h),
+                    *_flags(options, _HOST_OPTS),
+                ],
+                startup,
+                f"host-{h}",
+                wait=False,
+            )
+            for h in range(hosts)
+        ]
+        program = f"{sys.executable} -m palatine worker"
+        ctl = [
+            "controller",
+            "--worker-world",
+            "worker",
+            "--system-addr",
+            system.addr,
+            "--world-size",
+            str(hosts * procs_per_host),
+            "--num-procs-per-host",
+            str(procs_per_host),
+            "--program",
+            program,
+            *_flags(options, _CONTROLLER_OPTS),
+        ]
+        if not cuda:
+            ctl.append("--is-cpu-worker")
+        roles.append(cluster.start(ctl, startup, "controller", wait=False))
+        cluster.wait_ready(roles, startup)
+        return connect(
+            system.addr,
+            "worker",
+            timeout=startup,
+            _local=cluster,
+            _token=env["PALATINE_CLUSTER_TOKEN"],
+        )
+    except BaseException:
+        cluster.stop(1.0, clean=False)
+        raise
+
+
+def _want_cuda(device: str) -> bool:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', not {device!r}")
+    if device == "cpu":
+        return False
+    if device == "auto" and "torch" not in sys.modules and not _gpu_device_nodes():
+        return False  # no GPU driver here: spare the client the ~2 s torch import
+    try:
+        import torch
+
+        has = bool(torch.cuda.is_available())
+    except ImportError:
+        has = False
+    if device == "cuda" and not has:
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return has
+
+
+def _gpu_device_nodes() -> bool:
+    """Whether this machine exposes a GPU driver (NVIDIA or ROCm device nodes).
+
+    Without one ``torch.cuda.is_available()`` is False whatever torch build is installed.
+    """
+    return any(
+        os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+    )
+
+
+def connect(
+    system_addr: str,
+    worker_world: str | None = None,
+    *,
+    timeout: float = 60.0,
+    _local: LocalCluster | None = None,
+    _token: str | None = None,
+) -> DeviceMesh:
+    """Attach to the controller of a running worker world; its `DeviceMesh`."""
+    if _token is not None:
+        from palatine.channel import token as token_mod
+
+        token_mod.set_token(_token)
+    session = runtime.submit(lambda: _connect(system_addr, worker_world, timeout)).get()
+    if _local is not None:
+        session.controller_log = _local.logs.file("controller.log")
+    world = session.world_size
+    per = session.per_host if session.per_host and world % session.per_host == 0 else world
+    mesh = DeviceMesh(session, ["host", "proc"], [world // per, per], local=_local)
+    session.root_mesh = mesh
+    mesh.stream("main")
+    return mesh
+
+
+async def _connect(system_addr: str, worker_world: str | None, timeout: float) -> Session:
+    from palatine.system.service import System
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    client = await System(system_addr).attach(timeout_s=timeout)
+    session: Session | None = None
+    try:
+        _world, controller = await _find_worlds(
+            client, system_addr, worker_world, deadline, timeout
+        )
+        actor = ClientActor()
+        await client.proc.spawn_instance("client_actor", actor, internal=True)
+        reply = await client.mailbox.ask(
+            controller, Attach(client=actor.cx.actor_id), config.get().rpc_timeout_s
+        )
+        if isinstance(reply, AttachRejected):
+            raise RuntimeError(f"controller {controller} refused the attach: {reply.message}")
+        assert isinstance(reply, AttachReply)
+        session = Session(
+            controller=reply.controller_actor_id,
+            client_actor=actor,
+            world_size=reply.world_size,
+            per_host=reply.num_procs_per_host,
+            worker_world=str(reply.worker_world),
+            worker_name=reply.worker_name,
+            liveness_timeout_s=reply.client_liveness_timeout_s,
+            system_client=client,
+            loop=loop,
+        )
+        session.direct = await open_direct(client.proc, reply.controller_actor_id)
+        session.start_keepalive()
+        session.watch_controller(client.proc, reply.controller_actor_id.proc)
+        return session
+    except BaseException:
+        try:
+            if session is not None and session.direct is not None:
+                await session.direct.aclose(1.0)
+        except Exception as e:  # noqa: BLE001 - the attach error is the one to raise
+            log.debug("attach failed; closing its direct session: %s", e)
+        finally:
+            await client.close()
+        raise
+
+
+async def _find_worlds(
+    client: Any, addr: str, wanted: str | None, deadline: float, timeout: float
+) -> tuple[str, ActorId]:
+    loop = asyncio.get_running_loop()
+    last = "no worker world"
+    while True:
+        snap = await client.snapshot(world_labels={WORKER_LABEL: "1"})
+        names = [w for w in snap.worlds if wanted is None or w == wanted]
+        if wanted is None and len(names) > 1:
+            raise ValueError(
+                f"several worker worlds at {addr}: {sorted(names)}; pass worker_world="
+            )
+        if names:
+            name = names[0]
+            w = snap.worlds[name]
+            cid = w.labels.get(CONTROLLER_LABEL)
+            ctl_status = "absent"
+            if cid:
+                controller = ActorId.parse(cid)
+                csnap = await client.snapshot(worlds=[controller.proc.world.name])
+                cw = csnap.worlds.get(controller.proc.world.name)
+                ctl_status = cw.status if cw is not None else "absent"
+                if w.status == "Live" and ctl_status == "Live":
+                    return name, controller
+            joined = sum(1 for p in w.procs.values() if p.health == "Alive")
+            last = (
+                f"{name}: {w.status} {joined}/{len(w.procs) or '?'} procs; controller: {ctl_status}"
+            )
+        if loop.time() > deadline:
+            raise TimeoutError(
+                f"no Live worker world {wanted or '(any)'!r} with a Live controller at {addr} "
+                f"after {timeout:g} s ({last})"
+            )
+        await asyncio.sleep(0.02)

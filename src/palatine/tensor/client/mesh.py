@@ -1,0 +1,178 @@
+"""`DeviceMesh` and `Stream`: where remote calls run.
+
+A mesh covers worker-world ranks laid out row-major over named dims (``host``,
+``proc``); sub-meshes share the session. ``with mesh.activate():`` makes it the mesh
+remote calls run on (a context variable, so it nests and is per thread/task).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import TYPE_CHECKING, Any
+
+from palatine.protocol.worker import CreateDeviceMesh, CreateStream, Slice
+from palatine.tensor.client.collectives import process_group, reduce
+from palatine.tensor.client.context import Stream, activated
+from palatine.tensor.client.remote import remote
+from palatine.tensor.client.session import shutdown_session
+from palatine.tensor.client.values import Handle
+
+if TYPE_CHECKING:
+    from palatine.tensor.client.local import LocalCluster
+    from palatine.tensor.client.session import Session
+    from palatine.tensor.client.values import RemoteValue
+
+__all__ = ["DeviceMesh"]
+
+
+class _MeshHandle(Handle):
+    """The worker-side device-mesh view of a `DeviceMesh` (created on first use)."""
+
+    __slots__ = ()
+
+
+class DeviceMesh:
+    """Ranks of the worker world over named dims; a context manager that shuts down."""
+
+    def __init__(
+        self,
+        session: Session,
+        names: list[str],
+        sizes: list[int],
+        offset: int = 0,
+        strides: list[int] | None = None,
+        local: LocalCluster | None = None,
+    ) -> None:
+        self.session = session
+        self.names = list(names)
+        self.sizes = list(sizes)
+        self.offset = offset
+        if strides is None:
+            strides = [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
+        self.strides = list(strides)
+        self.slice_spec = Slice(offset=offset, sizes=self.sizes, strides=self.strides)
+        self.ranks = self.slice_spec.ranks()
+        self._local = local
+        self._handle: _MeshHandle | None = None
+        self._groups: dict[tuple[str, ...], Any] = {}
+
+    # ------------------------------------------------------------ shape
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def size(self, dim: str | None = None) -> int:
+        if dim is None:
+            return len(self)
+        return self.sizes[self._dim(dim)]
+
+    def _dim(self, dim: str) -> int:
+        try:
+            return self.names.index(dim)
+        except ValueError:
+            raise ValueError(f"unknown dimension {dim!r}; this mesh has {self.names}") from None
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes, strict=True))
+        return f"<DeviceMesh {self.session.worker_world} {dims} ranks {self.ranks}>"
+
+    def slice(self, **dims: int | slice) -> DeviceMesh:
+        """A sub-mesh: an int removes the dim, a Python slice keeps it."""
+        names, sizes, strides, offset = [], [], [], self.offset
+        for name in dims:
+            self._dim(name)
+        for i, name in enumerate(self.names):
+            size, stride = self.sizes[i], self.strides[i]
+            sel = dims.get(name)
+            if sel is None:
+                names.append(name)
+                sizes.append(size)
+                strides.append(stride)
+            elif isinstance(sel, slice):
+                start, stop, step = sel.indices(size)
+                count = len(range(start, stop, step))
+                if count == 0:
+                    raise IndexError(f"empty slice {sel} of dimension {name!r} (size {size})")
+                offset += start * stride
+                names.append(name)
+                sizes.append(count)
+                strides.append(stride * step)
+            else:
+                if not -size <= sel < size:
+                    raise IndexError(
+                        f"index {sel} out of range for dimension {name!r} of size {size}"
+                    )
+                offset += (sel % size) * stride
+        return DeviceMesh(self.session, names, sizes, offset, strides, self._local)
+
+    # ------------------------------------------------------------ activation
+    def activate(self) -> contextlib.AbstractContextManager[DeviceMesh]:
+        """Make this the mesh remote calls run on, for a ``with`` block."""
+        return activated(self)
+
+    def __enter__(self) -> DeviceMesh:
+        self._cm = self.activate()
+        self._cm.__enter__()
+        return self
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
+        self._cm.__exit__(et, ev, tb)
+        self.shutdown(error=ev)
+
+    # ------------------------------------------------------------ streams, handles
+    def stream(self, name: str) -> Stream:
+        """The session's stream ``name`` (created on every rank on first use)."""
+        s = self.session
+        with s.lock:
+            sid = s.streams.get(name)
+            if sid is None:
+                sid = 0 if name == "main" else next(s._stream_ids)
+                s.streams[name] = sid
+                whole = Slice(offset=0, sizes=[s.world_size], strides=[1])
+                s.send_commands([(whole, CreateStream(id=sid, name=name, default=name == "main"))])
+        return Stream(s, name, sid)
+
+    def handle(self) -> _MeshHandle:
+        """This mesh's device-mesh ref on its ranks (``CreateDeviceMesh`` on first use)."""
+        if self._handle is None:
+            s = self.session
+            ref = s.new_ref()
+            s.send_commands(
+                [
+                    (
+                        self.slice_spec,
+                        CreateDeviceMesh(result=ref, names=self.names, ranks=self.slice_spec),
+                    )
+                ]
+            )
+            self._handle = _MeshHandle(s, ref)
+        return self._handle
+
+    def rank(self, dim: str | tuple[str, ...]) -> RemoteValue:
+        """Each worker's coordinate along ``dim`` (a tuple: row-major index over them)."""
+        dims = (dim,) if isinstance(dim, str) else tuple(dim)
+        for d in dims:
+            self._dim(d)
+        with self.activate():
+            return remote("palatine.tensor.worker.functions.coordinate")(self.handle(), dims)  # type: ignore[no-any-return]
+
+    def process_group(self, dims: str | tuple[str, ...] | None = None) -> Any:
+        """A remote value that is a torch ProcessGroup over ``dims`` (all dims: the mesh)."""
+        return process_group(self, dims)
+
+    def _reduce(
+        self,
+        value: RemoteValue,
+        dims: str | tuple[str, ...],
+        op: str,
+        scatter: bool,
+        in_place: bool,
+        out: RemoteValue | None,
+        like: Any,
+    ) -> RemoteValue:
+        """`RemoteValue.reduce` of a value on this mesh."""
+        return reduce(value, dims, op, scatter, in_place, out, like)
+
+    # ------------------------------------------------------------ shutdown
+    def shutdown(self, timeout: float = 30.0, error: BaseException | None = None) -> None:
+        shutdown_session(self.session, self._local, timeout, error)

@@ -1,0 +1,694 @@
+"""The client session: one attachment to a controller.
+
+The session is a *program generator*: each remote call takes the next seq and fresh
+refs under one lock (so seq order is send order across user threads), and hands
+``Node`` + ``Send`` to the runtime loop, which sends them to the controller in order.
+Results come back to the `ClientActor` (``user[R].client_actor[0]``): each ``Result``
+completes its seq's future; ``Log`` goes to the ``palatine`` logger; the first
+``Failure`` marks the session failed — pending futures and every later call raise it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Final
+
+from palatine.core import runtime
+from palatine.core.actor import Actor, handler
+from palatine.core.future import Future
+from palatine.errors import DeviceException, RemoteException, StuckWorkersException
+from palatine.fastpath.blocking import LinkLost
+from palatine.fastpath.direct_tx import DirectTx
+from palatine.ids import ActorId, ProcId
+from palatine.protocol.controller import (
+    Batch,
+    Detach,
+    Error,
+    Failure,
+    KeepAlive,
+    Log,
+    Node,
+    Result,
+    Results,
+    Send,
+    Serialized,
+)
+from palatine.protocol.worker import (
+    BorrowDrop,
+    BorrowLastUse,
+    CommandGroup,
+    DeleteRefs,
+    Err,
+    Exit,
+    Ok,
+    RequestStatus,
+    Slice,
+    WorkerError,
+)
+from palatine.wire.codec import Message, loads
+
+if TYPE_CHECKING:
+    from palatine.tensor.client.local import LocalCluster
+    from palatine.tensor.client.mesh import DeviceMesh
+    from palatine.tensor.client.values import IssueSite
+
+__all__ = ["ClientActor", "Session", "device_exception", "shutdown_session"]
+
+log = logging.getLogger("palatine")
+
+_LEVELS = {"info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
+
+
+def device_exception(failure: Any) -> DeviceException:
+    """The user-facing exception for a controller ``DeviceFailure``."""
+    details = {
+        k: getattr(failure, k)
+        for k in (
+            "world",
+            "rank",
+            "proc_id",
+            "host",
+            "addr",
+            "pid",
+            "exit_code",
+            "exit_signal",
+            "reason",
+            "actor_id",
+            "actor_error",
+            "ranks",
+            "expected_seq",
+            "ops",
+            "stacks",
+        )
+    }
+    cls = StuckWorkersException if failure.kind == "stuck" else DeviceException
+    exc = cls(failure.message, failure.kind, **details)
+    for k, v in details.items():
+        setattr(exc, k, v)
+    return exc
+
+
+class ClientActor(Actor):
+    """Receives the controller's ``Result``, ``Log`` and ``Failure`` for the session."""
+
+    __palatine_name__ = "palatine.tensor.client.ClientActor"
+
+    def __init__(self) -> None:
+        self.session: Session | None = None
+
+    @handler
+    def on_result(self, msg: Result) -> None:
+        if self.session is not None:
+            self.session.on_result(msg)
+
+    @handler
+    def on_results(self, msg: Results) -> None:
+        if self.session is not None:
+            for r in msg.results:
+                self.session.on_result(r)
+
+    @handler
+    def on_log(self, msg: Log) -> None:
+        log.log(
+            _LEVELS.get(msg.level, logging.INFO), "%s", msg.message, extra={"details": msg.details}
+        )
+
+    @handler
+    def on_failure(self, msg: Failure) -> None:
+        if self.session is not None:
+            self.session.fail(device_exception(msg.failure))
+
+    def handle_undeliverable(self, returned: Any) -> None:
+        s = self.session
+        if s is not None and (s.detached or s.closed or s.failure is not None):
+            return  # the controller going away after Detach (or a failure) is expected
+        super().handle_undeliverable(returned)
+
+
+def _slice_key(sl: Slice) -> tuple[Any, ...]:
+    return (sl.offset, tuple(sl.sizes), tuple(sl.strides))
+
+
+_UNFETCHED_KEPT: Final = 1000  # root errors waiting for a fetch before the oldest is warned of
+SWEEP_S: Final = 0.002  # calls not followed by a fetch leave on the direct session within this
+DIRECT_BATCH: Final = 256  # ... or once this many are queued
+_PER_RANK_LIMIT = 4096  # world size × commands up to which a flush is grouped per rank
+
+
+def _encoded(cmds: list[Message]) -> Serialized:
+    return Serialized.of(cmds[0] if len(cmds) == 1 else CommandGroup(commands=cmds))  # type: ignore[arg-type]
+
+
+def _rank_slices(ranks: list[int]) -> list[Slice]:
+    """Sorted distinct ranks as contiguous slices."""
+    out: list[Slice] = []
+    start = prev = ranks[0]
+    for r in ranks[1:]:
+        if r != prev + 1:
+            out.append(Slice(offset=start, sizes=[prev - start + 1], strides=[1]))
+            start = r
+        prev = r
+    out.append(Slice(offset=start, sizes=[prev - start + 1], strides=[1]))
+    return out
+
+
+def _group_sends(cmds: list[tuple[Slice, Message]]) -> list[Send]:
+    """The `Send`s for one flush's commands, each command encoded once, here.
+
+    Consecutive commands for the same slice become one `CommandGroup`. When the flush
+    addresses several slices (a call, then a fetch from one rank and a barrier on all),
+    the commands are regrouped per rank instead, so each worker gets exactly one
+    envelope: ranks with the same command list share one Send. Per-rank order is kept;
+    different Sends reach disjoint ranks, so their relative order does not matter.
+    """
+    runs: list[tuple[Slice, list[Message]]] = []
+    last_key: tuple[Any, ...] | None = None
+    for sl, cmd in cmds:
+        key = _slice_key(sl)
+        if runs and key == last_key:
+            runs[-1][1].append(cmd)
+        else:
+            runs.append((sl, [cmd]))
+            last_key = key
+    if len(runs) > 1:
+        try:
+            rank_sets = [sorted(set(sl.ranks())) for sl, _ in runs]
+        except ValueError:  # a malformed slice: the controller reports it
+            rank_sets = []
+        total = sum(len(rs) for rs in rank_sets) * len(runs)
+        if rank_sets and total <= _PER_RANK_LIMIT:
+            per_rank: dict[int, list[int]] = {}
+            for i, rs in enumerate(rank_sets):
+                for r in rs:
+                    per_rank.setdefault(r, []).append(i)
+            groups: dict[tuple[int, ...], list[int]] = {}
+            for r in sorted(per_rank):
+                groups.setdefault(tuple(per_rank[r]), []).append(r)
+            return [
+                Send(
+                    ranks=_rank_slices(ranks),
+                    message=_encoded([c for i in idxs for c in runs[i][1]]),
+                )
+                for idxs, ranks in groups.items()
+            ]
+    return [Send(ranks=[sl], message=_encoded(cs)) for sl, cs in runs]
+
+
+class _Pending:
+    __slots__ = ("future", "site", "label")
+
+    def __init__(self, future: Future[Any] | None, site: IssueSite | None, label: str) -> None:
+        self.future = future
+        self.site = site
+        self.label = label
+
+
+class Session:
+    """One client's attachment: seqs, refs, pending results, failure state."""
+
+    def __init__(
+        self,
+        *,
+        controller: ActorId,
+        client_actor: ClientActor,
+        world_size: int,
+        per_host: int,
+        worker_world: str,
+        worker_name: str,
+        liveness_timeout_s: float,
+        system_client: Any,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.controller = controller
+        self.actor = client_actor
+        self.mailbox = client_actor.cx.mailbox
+        self.world_size = world_size
+        self.per_host = per_host
+        self.worker_world = worker_world
+        self.worker_name = worker_name
+        self.liveness_timeout_s = liveness_timeout_s
+        self.system_client = system_client
+        self.loop = loop
+        self.lock = threading.RLock()
+        self._seq = itertools.count(1)
+        self._ref = itertools.count(1)
+        self._stream_ids = itertools.count(1)
+        self._borrow_ids = itertools.count(1)
+        self.streams: dict[str, int] = {}
+        self.pending: dict[int, _Pending] = {}
+        self.root_sites: OrderedDict[int, tuple[IssueSite | None, str]] = OrderedDict()
+        # Root errors no fetch has raised yet, with their warning text: a fetch of this
+        # value (or of one computed from it) usually follows its Result, so the warning
+        # waits for the end of the session (or for the oldest to leave a full table).
+        self.unfetched: OrderedDict[int, str] = OrderedDict()
+        #: Where the controller's own output goes, when this process started it (local_mesh).
+        self.controller_log: str | None = None
+        self.failure: DeviceException | None = None
+        self.closed = False
+        self.detached = False
+        self._drops: list[tuple[int, Slice, int | None]] = []
+        self._out_nodes: list[Node] = []
+        self._out_cmds: list[tuple[Slice, Message]] = []
+        self._flush_posted = False
+        self._out_lock = threading.Lock()  # the outbox above; never held while waiting
+        self.direct: DirectTx | None = None  # the session to the controller's proc, if local
+        self._sweep_armed = False
+        self._deferred = 0  # calls left for the sweep so far (only compared between sweeps)
+        self._deferred_at_sweep = 0
+        self._drop_lock = threading.Lock()
+        self.collective_ref: int | None = None
+        #: The whole mesh of the session (set by `connect`): collectives start on its rank 0.
+        self.root_mesh: DeviceMesh | None = None
+        self._keepalive: asyncio.TimerHandle | None = None
+        self._result_event = threading.Condition()
+        self._drain_waiters = 0  # threads in `wait_drained` (only they need a Result's notify)
+        client_actor.session = self
+
+    # ------------------------------------------------------------ allocation
+    def new_ref(self) -> int:
+        return next(self._ref)
+
+    def new_borrow(self) -> int:
+        return next(self._borrow_ids)
+
+    def check_usable(self) -> None:
+        if self.closed:
+            raise RuntimeError("mesh was shut down")
+        if self.failure is not None:
+            raise self.failure
+
+    def issue(
+        self,
+        label: str,
+        defs: list[int],
+        uses: list[int],
+        commands: list[tuple[Slice, Message]],
+        *,
+        future: Future[Any] | None = None,
+        site: IssueSite | None = None,
+        make_commands: Any = None,
+    ) -> int:
+        """Allocate a seq and queue its Node and commands, in seq order (any thread)."""
+        with self.lock:
+            self.check_usable()
+            seq = next(self._seq)
+            cmds = make_commands(seq) if make_commands is not None else commands
+            self.pending[seq] = _Pending(future, site, label)
+            with self._out_lock:
+                self._out_nodes.append(Node(seq=seq, defs=defs, uses=uses, label=label))
+                self._out_cmds += cmds
+                if self.direct is not None:
+                    # A fetch (somebody will wait) goes out now, with the calls before it;
+                    # plain calls wait for one, for the sweep, or for a full batch.
+                    if future is not None or len(self._out_nodes) >= DIRECT_BATCH:
+                        self._send_direct()
+                        return seq
+                    self._deferred += 1
+                    if self._sweep_armed:
+                        return seq
+                    self._sweep_armed = True
+                    post = False
+                else:
+                    post = self._claim_flush()
+            if post:
+                runtime.post(self._flush)
+            elif self.direct is not None:
+                try:
+                    self.loop.call_soon_threadsafe(self.loop.call_later, SWEEP_S, self._sweep)
+                except RuntimeError:  # the loop is closed: nothing will sweep
+                    with self._out_lock:
+                        self._sweep_armed = False
+                    raise
+            return seq
+
+    def send_commands(self, commands: list[tuple[Slice, Message]]) -> None:
+        """Commands without a seq of their own (CreateStream, DeleteRefs, Exit): sent now."""
+        with self.lock:
+            with self._out_lock:
+                self._out_cmds += commands
+                post = self._send_or_claim()
+            if post:
+                runtime.post(self._flush)
+
+    def _send_or_claim(self) -> bool:
+        """Send the outbox now: on the direct session from this thread, else by claiming
+        the loop's flush (True: the caller posts it; see `_claim_flush`). ``_out_lock``
+        held."""
+        if self.direct is not None:
+            self._send_direct()
+            return False
+        return self._claim_flush()
+
+    def _send_direct(self) -> None:
+        """Send the outbox as one `Batch` on the direct session, from this thread
+        (``_out_lock`` held: batches leave in the order they were taken)."""
+        batch = self._take_batch()
+        if batch is not None:
+            assert self.direct is not None
+            self.direct.send([self.mailbox.envelope(self.controller, batch)])
+
+    def _sweep(self) -> None:
+        """Send calls nobody fetched yet (loop thread, every `SWEEP_S` while calls come)."""
+        with self._out_lock:
+            if self.direct is None or self.closed:
+                self._sweep_armed = False
+                return
+            self._send_direct()
+            busy = self._deferred != self._deferred_at_sweep
+            self._deferred_at_sweep = self._deferred
+            if not busy:
+                self._sweep_armed = False
+                return
+        self.loop.call_later(SWEEP_S, self._sweep)
+
+    def _claim_flush(self) -> bool:
+        """Whether the caller must post the flush (``_out_lock`` held; post after
+        releasing it: on the loop thread `runtime.post` runs the flush at once).
+        One loop wake-up sends everything queued until then as one `Batch`."""
+        if self._flush_posted:
+            return False
+        self._flush_posted = True
+        return True
+
+    def _flush(self) -> None:
+        """Send the queued Nodes, commands and drops as one `Batch` (loop thread).
+
+        Consecutive commands for the same ranks travel as one `CommandGroup`, so each
+        worker gets one envelope per flush instead of one per command. Only the outbox
+        lock is taken here: a user thread may hold ``self.lock`` while it waits for the
+        loop (`ensure_collectives`).
+        """
+        with self._out_lock:
+            self._flush_posted = False
+            if self.direct is not None:
+                self._send_direct()
+                return
+            batch = self._take_batch()
+        if batch is not None:
+            self.mailbox.tell(self.controller, batch)
+
+    def _take_batch(self) -> Batch | None:
+        """The queued Nodes, commands and drops as one `Batch` (``_out_lock`` held)."""
+        nodes, self._out_nodes = self._out_nodes, []
+        cmds, self._out_cmds = self._out_cmds, []
+        drops = self._take_drops() if not (self.closed or self.failure is not None) else []
+        drop_refs: list[int] = []
+        if drops:
+            cmds += self._drop_commands(drops)
+            drop_refs = [r for r, _, _ in drops]
+        if not (nodes or cmds or drop_refs):
+            return None
+        return Batch(nodes=nodes, sends=_group_sends(cmds), drop_refs=drop_refs)
+
+    def tell(self, msg: Any) -> None:
+        """A message for the controller after every Batch sent so far (any thread)."""
+        if self.direct is not None:
+            with self._out_lock:
+                self._send_direct()
+                self.direct.send([self.mailbox.envelope(self.controller, msg)])
+            return
+        runtime.post(lambda: self.mailbox.tell(self.controller, msg))
+
+    # ------------------------------------------------------------ refs lifetime
+    def drop_later(self, ref: int, ranks: Slice, borrow: int | None = None) -> None:
+        """Called from finalizers: no I/O here, just queue (sent with the next flush).
+
+        ``borrow`` (a borrowed handle's borrow id) releases the borrow instead of
+        deleting the ref: ``BorrowLastUse`` then ``BorrowDrop``.
+        """
+        with self._drop_lock:
+            self._drops.append((ref, ranks, borrow))
+
+    def _take_drops(self) -> list[tuple[int, Slice, int | None]]:
+        with self._drop_lock:
+            drops, self._drops = self._drops, []
+        return drops
+
+    @staticmethod
+    def _drop_commands(drops: list[tuple[int, Slice, int | None]]) -> list[tuple[Slice, Message]]:
+        """One ``DeleteRefs`` per slice for the dropped refs; borrows are released instead."""
+        by_slice: dict[tuple[Any, ...], tuple[Slice, list[int]]] = {}
+        out: list[tuple[Slice, Message]] = []
+        for ref, sl, borrow in drops:
+            if borrow is not None:
+                # the worker unbinds the borrowed ref itself (BorrowLastUse): no DeleteRefs
+                out.append((sl, BorrowLastUse(borrow=borrow)))
+                out.append((sl, BorrowDrop(borrow=borrow)))
+                continue
+            by_slice.setdefault(_slice_key(sl), (sl, []))[1].append(ref)
+        for sl, refs in by_slice.values():
+            out.append((sl, DeleteRefs(refs=refs)))
+        return out
+
+    def flush_drops(self) -> None:
+        """Send the queued drops now (idle keep-alive, shutdown)."""
+        if self.closed or self.failure is not None:
+            return
+        with self._drop_lock:
+            if not self._drops:
+                return
+        with self._out_lock:
+            post = self._send_or_claim()
+        if post:
+            runtime.post(self._flush)
+
+    # ------------------------------------------------------------ results (loop thread)
+    def on_result(self, msg: Result) -> None:
+        entry = self.pending.pop(msg.seq, None)
+        if self._drain_waiters:  # read after the pop: a waiter that counts itself later sees it
+            with self._result_event:
+                self._result_event.notify_all()
+        if entry is None:
+            log.warning("protocol error: Result for unknown seq s%d", msg.seq)
+            return
+        res = msg.result
+        if isinstance(res, Err):
+            err: Error[WorkerError] = res.error
+            if err.caused_by == msg.seq:
+                self.root_sites[msg.seq] = (entry.site, entry.label)
+                while len(self.root_sites) > 1000:
+                    self.root_sites.popitem(last=False)
+            exc = self.remote_exception(msg.seq, err, entry)
+            if entry.future is not None:
+                self.unfetched.pop(err.caused_by, None)
+                entry.future.set_exception(exc)
+            elif err.caused_by == msg.seq:
+                w = err.error
+                self.unfetched[msg.seq] = (
+                    f"remote function {w.function} failed at s{msg.seq} on rank {w.rank} "
+                    f"(not fetched): {w.exc_type.rsplit('.', 1)[-1]}: {w.message}"
+                )
+                while len(self.unfetched) > _UNFETCHED_KEPT:
+                    log.warning("%s", self.unfetched.popitem(last=False)[1])
+            return
+        if entry.future is None:
+            return
+        if isinstance(res, Ok):
+            try:
+                value = loads(res.value.data, list(res.value.buffers))
+            except Exception as e:  # noqa: BLE001 - surfaced to the waiter
+                entry.future.set_exception(e)
+                return
+            entry.future.set_result(value)
+        else:
+            entry.future.set_result(None)
+
+    def remote_exception(
+        self, seq: int, err: Error[WorkerError], entry: _Pending
+    ) -> RemoteException:
+        w = err.error
+        root_site, _root_label = self.root_sites.get(err.caused_by, (entry.site, entry.label))
+        head = (
+            f"remote function '{w.function}' failed at s{err.caused_by} on rank {w.rank} of "
+            f"world {w.world} ({w.proc_id}, pid {w.pid}, host {w.host})"
+        )
+        original: BaseException | None = None
+        if w.exception:
+            try:
+                original = loads(w.exception)
+            except Exception:  # noqa: BLE001 - the text is enough
+                original = None
+        exc = RemoteException(
+            w.exc_type,
+            w.message,
+            w.traceback,
+            f"{w.proc_id}.{self.worker_name}[0]",
+            root_site.format() if root_site is not None else "",
+            headline=head,
+        )
+        exc.seq = seq
+        exc.caused_by = err.caused_by
+        exc.function = w.function
+        exc.rank = w.rank
+        exc.world = w.world
+        exc.proc_id = w.proc_id
+        exc.host = w.host
+        exc.pid = w.pid
+        exc.exc_type = w.exc_type
+        exc.original = original
+        if original is not None:
+            exc.__cause__ = original
+        if err.caused_by != seq:
+            where = f" (issued at {entry.site.short()})" if entry.site is not None else ""
+            exc.add_note(f"while fetching s{seq}{where}, which depends on s{err.caused_by}")
+        return exc
+
+    def fail(self, exc: DeviceException) -> None:
+        """The first Failure marks the session failed: every pending future raises it."""
+        if self.failure is None:
+            self.failure = exc
+            log.error("%s", exc)
+            # What the session sends from now on may come back: expected, not news.
+            self.system_client.client.quiet_returns = True
+        for entry in list(self.pending.values()):
+            if entry.future is not None:
+                entry.future.set_exception(self.failure)
+        self.pending.clear()
+        with self._result_event:
+            self._result_event.notify_all()
+
+    # ------------------------------------------------------------ liveness (loop thread)
+    def start_keepalive(self) -> None:
+        interval = min(5.0, self.liveness_timeout_s / 3)
+
+        def beat() -> None:
+            if self.closed or self.detached:
+                return
+            self.flush_drops()
+            self.tell(KeepAlive())
+            self._keepalive = self.loop.call_later(interval, beat)
+
+        self._keepalive = self.loop.call_later(interval, beat)
+
+    def watch_controller(self, proc: Any, controller_proc: ProcId) -> None:
+        fut = proc.watch(controller_proc)
+
+        def gone(f: asyncio.Future[Any]) -> None:
+            if f.cancelled() or self.detached or self.closed:
+                return
+            notice = f.result()
+            where = f" (its log: {self.controller_log})" if self.controller_log else ""
+            self.fail(
+                DeviceException(
+                    f"controller {self.controller} ({controller_proc}) is gone: {notice.reason}{where}",
+                    "controller_lost",
+                    proc_id=str(controller_proc),
+                    reason=notice.reason,
+                    pid=notice.pid,
+                    host=notice.host,
+                )
+            )
+
+        fut.add_done_callback(gone)
+
+    def detach(self) -> None:
+        self.detached = True
+        keepalive = self._keepalive
+        if keepalive is not None:
+            self.loop.call_soon_threadsafe(keepalive.cancel)  # a loop timer: cancel it there
+        self.tell(Detach())
+
+    def wait_drained(self, timeout_s: float) -> int:
+        """Wait until no seq is pending (the timeout restarts on each Result)."""
+        with self._out_lock:
+            post = self._send_or_claim()  # calls still waiting for the sweep
+        if post:
+            runtime.post(self._flush)
+        with self._result_event:
+            self._drain_waiters += 1
+            try:
+                last = len(self.pending)
+                while self.pending and self.failure is None:
+                    if not self._result_event.wait(timeout_s) and len(self.pending) == last:
+                        return len(self.pending)
+                    last = len(self.pending)
+            finally:
+                self._drain_waiters -= 1
+        return 0
+
+    def warn_unfetched(self) -> None:
+        """One WARNING per root error that no fetch raised during the session."""
+        while self.unfetched:
+            log.warning("%s", self.unfetched.popitem(last=False)[1])
+
+    def shutdown_pending(self) -> None:
+        exc = DeviceException("mesh was shut down with this operation pending", "shutdown")
+        for entry in list(self.pending.values()):
+            if entry.future is not None:
+                entry.future.set_exception(exc)
+        self.pending.clear()
+
+
+_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+def shutdown_session(
+    session: Session, local: LocalCluster | None, timeout: float, error: BaseException | None = None
+) -> None:
+    """Drain, Exit, Detach, stop the worlds (and a local mesh's processes)."""
+    if session.closed:
+        return
+    healthy = session.failure is None
+    whole = Slice(offset=0, sizes=[session.world_size], strides=[1])
+    try:
+        if healthy:
+            session.flush_drops()
+            with session.lock:
+                last = max(session.pending) if session.pending else None
+            if last is not None:
+                session.send_commands([(whole, RequestStatus(seq=last, controller=False))])
+                left = session.wait_drained(timeout)
+                if left:
+                    log.warning(
+                        "shutdown: %d operations still pending after %g s; stopping anyway",
+                        left,
+                        timeout,
+                    )
+            session.send_commands([(whole, Exit(error=str(error) if error is not None else None))])
+        session.detach()
+        client = session.system_client
+        client.client.quiet_returns = True
+
+        async def stop_worlds() -> None:
+            worlds = [session.worker_world, session.controller.proc.world.name]
+            direct = session.direct
+            if direct is not None:  # Detach and all before it are written: let it go
+                try:
+                    await direct.aclose(2.0)
+                except LinkLost as e:
+                    log.warning("shutdown: %s", e.reason)
+            try:
+                await client.stop(worlds, 5.0)
+                end = asyncio.get_running_loop().time() + 10
+                while asyncio.get_running_loop().time() < end:
+                    snap = await client.snapshot(worlds=worlds)
+                    if not any(w in snap.worlds and snap.worlds[w].procs for w in worlds):
+                        break
+                    await asyncio.sleep(0.05)
+            except Exception as e:  # noqa: BLE001 - best effort
+                log.debug("stopping worlds: %s", e)
+            if local is not None:
+                try:
+                    await client.stop(None, 2.0)
+                except Exception:  # noqa: BLE001
+                    pass
+            try:
+                await client.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+        try:
+            runtime.submit(stop_worlds).get(30)
+        except Exception as e:  # noqa: BLE001
+            log.debug("shutdown: %s", e)
+    finally:
+        session.closed = True
+        session.shutdown_pending()
+        session.warn_unfetched()
+        if local is not None:
+            local.stop(5.0, clean=healthy and error is None)
