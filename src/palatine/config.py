@@ -25,6 +25,8 @@ __all__ = [
     "override",
     "reload",
     "env_var",
+    "Setting",
+    "describe",
     "format_seconds",
     "parse_seconds",
     "parse_size",
@@ -86,6 +88,22 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # long before sleeping (palatine.channel.spin); 0: off
     idle_spin_us: int = 100
     log_dir: str | None = None
+    # tensor workers: how long Exit drains; the bound of every collective's setup and op;
+    # the backend (None: NCCL when every rank has a GPU of its own, else gloo); modules a
+    # worker imports before it joins (comma separated, e.g. "torch")
+    worker_exit_timeout_s: float = 30.0
+    collective_timeout_s: float = 600.0
+    collective_backend: str | None = None
+    preload: str | None = None
+    # the controller: its worker world Live, its worker actors spawned, one stall report,
+    # silence from the client before it is lost; the worker actor type (tests swap it)
+    controller_world_ready_timeout_s: float = 300.0
+    controller_spawn_timeout_s: float = 120.0
+    stall_report_timeout_s: float = 5.0
+    client_liveness_timeout_s: float = 30.0
+    controller_worker_actor_type: str | None = None
+    # the client records where each call was issued, for its errors
+    client_tracebacks: bool = True
     # log directories of jobs started here (palatine.output.logs) kept after they end, newest first
     keep_logs: int = 10
     # text a console writer queues before it drops output with a count (palatine.output.console)
@@ -227,6 +245,30 @@ def system_loss_timeout_s(cfg: Config | None = None, interval_s: float | None = 
     if c.system_loss_timeout_s is not None:
         return c.system_loss_timeout_s
     return 5.0 * (interval_s if interval_s is not None else c.supervision_update_interval_s)
+
+
+class Setting(msgspec.Struct, frozen=True):
+    """One key of the configuration as `describe` reports it."""
+
+    key: str
+    variable: str
+    value: Any
+    source: str  # "default", or the variable that set it
+
+
+def describe(environ: Mapping[str, str] | None = None) -> list[Setting]:
+    """Every key with its variable, its effective value and where that value came from.
+
+    Raises `ConfigError` (naming the variable) for a value that cannot be used.
+    """
+    environ = os.environ if environ is None else environ
+    cfg = from_env(environ)
+    out = []
+    for key in _FIELDS:
+        var = env_var(key)
+        source = var if environ.get(var) else "default"
+        out.append(Setting(key, var, getattr(cfg, key), source))
+    return out
 
 
 def get() -> Config:

@@ -725,3 +725,21 @@ async def test_pyspy_dump_of_a_busy_child(tmp_path: Path, reaper: Reaper) -> Non
     # py-spy may lack ptrace permission here; then the faulthandler fallback answers.
     assert method in ("py-spy", "faulthandler")
     assert "spin_forever_here" in text
+
+
+def test_handoff_variables_round_trip_and_a_bad_number_reads_as_not_handed() -> None:
+    from palatine.hosting.child_env import Handoff
+
+    handed = Handoff(proc_id="w[3]", bootstrap_addr="unix:@x", rank=3, parent_pid=42, lifeline_fd=7)
+    env = handed.to_env()
+    assert env == {
+        "PALATINE_PROC_ID": "w[3]",
+        "PALATINE_BOOTSTRAP_ADDR": "unix:@x",
+        "PALATINE_RANK": "3",
+        "PALATINE_PARENT_PID": "42",
+        "PALATINE_LIFELINE_FD": "7",
+    }
+    assert Handoff.from_env(env) == handed
+    assert Handoff.from_env({"PALATINE_PARENT_PID": "me", "PALATINE_WORLD_ID": " w "}) == Handoff(
+        world_id="w"
+    )

@@ -27,6 +27,7 @@ import msgspec
 import pytest
 import torch
 
+from palatine import config
 from palatine.channel.addr import any_addr
 from palatine.channel.token import resolve_token, token_env
 from palatine.core.actor import SupervisionEvent
@@ -1378,7 +1379,6 @@ async def test_a_stream_abandoned_while_waiting_for_an_init_reports_nothing(
 ) -> None:
     """Exit gives up on busy streams after its timeout; a stream that was waiting for a
     collective init on another stream unwinds quietly, not as a user error."""
-    monkeypatch.setenv("PALATINE_WORKER_EXIT_TIMEOUT", "0.5")
 
     async def body(ctl: Ctl) -> None:
         inst = ctl.procs[0].instance(ctl.workers[0])
@@ -1395,14 +1395,13 @@ async def test_a_stream_abandoned_while_waiting_for_an_init_reports_nothing(
         assert ctl.rec.of(RemoteFunctionFailed) == []
         assert ctl.failures == []
 
-    await with_workers(1, body, streams=((0, "main"), (1, "side")))
+    with config.override(worker_exit_timeout_s=0.5):
+        await with_workers(1, body, streams=((0, "main"), (1, "side")))
 
 
 async def test_failed_collective_init_makes_later_groups_dependent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("PALATINE_COLLECTIVE_TIMEOUT", "0.5")
-
     async def body(ctl: Ctl) -> None:
         ctl.send(
             CreateDeviceMesh(result=1, names=["x"], ranks=Slice(0, [1], [1])),
@@ -1418,4 +1417,5 @@ async def test_failed_collective_init_makes_later_groups_dependent(
             got = await ctl.get_ref(ref)
             assert got.error is not None and got.error.startswith("s0 failed"), got
 
-    await with_workers(1, body)
+    with config.override(collective_timeout_s=0.5):
+        await with_workers(1, body)

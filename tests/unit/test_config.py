@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from palatine import config
+from palatine.config import Config
 from palatine.errors import ConfigError
 
 
@@ -59,3 +60,50 @@ def test_a_period_must_be_finite_while_a_timeout_may_be_endless() -> None:
         with pytest.raises(ConfigError, match=f"{var}: expected a finite number of seconds > 0"):
             config.from_env({var: "inf"})
     assert config.from_env({"PALATINE_CALL_TIMEOUT": "inf"}).call_timeout_s == float("inf")
+
+
+def test_describe_says_where_each_value_came_from() -> None:
+    from palatine.config import describe
+
+    rows = {s.key: s for s in describe({"PALATINE_KEEP_LOGS": "3", "PALATINE_RPC_TIMEOUT": ""})}
+    assert set(rows) == set(Config.__struct_fields__)
+    assert (rows["keep_logs"].value, rows["keep_logs"].source) == (3, "PALATINE_KEEP_LOGS")
+    assert (rows["rpc_timeout_s"].value, rows["rpc_timeout_s"].source) == (30.0, "default")
+    assert rows["collective_timeout_s"].variable == "PALATINE_COLLECTIVE_TIMEOUT"
+
+
+def test_palatine_config_prints_every_key_and_refuses_a_bad_value() -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PALATINE_WORKER_EXIT_TIMEOUT": "7"}
+    out = subprocess.run(
+        [sys.executable, "-m", "palatine", "config", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    doc = json.loads(out)
+    assert doc["worker_exit_timeout_s"] == {
+        "variable": "PALATINE_WORKER_EXIT_TIMEOUT",
+        "value": 7.0,
+        "source": "PALATINE_WORKER_EXIT_TIMEOUT",
+    }
+    assert len(doc) == len(Config.__struct_fields__)
+    bad = subprocess.run(
+        [sys.executable, "-m", "palatine", "config"],
+        env={**os.environ, "PALATINE_COLLECTIVE_TIMEOUT": "soon"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert (
+        bad.stderr.strip()
+        == "palatine config: PALATINE_COLLECTIVE_TIMEOUT: expected seconds > 0, got 'soon'"
+    )

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from palatine import config
 from palatine.tensor.worker.collectives import _choose_backend
 
 
@@ -34,8 +35,8 @@ def test_nccl_iff_every_rank_has_a_gpu_of_its_own(
 
 
 def test_palatine_collective_backend_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PALATINE_COLLECTIVE_BACKEND", "gloo")
-    assert _choose_backend([info("a", "cuda", "GPU-1"), info("a", "cuda", "GPU-2")]) == "gloo"
+    with config.override(collective_backend="gloo"):
+        assert _choose_backend([info("a", "cuda", "GPU-1"), info("a", "cuda", "GPU-2")]) == "gloo"
 
 
 def test_reduce_header_codes_are_the_same_in_every_process() -> None:

@@ -22,6 +22,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "snapshot": ("palatine.cli.snapshot", "print the worlds and procs of a running system"),
     "stop": ("palatine.cli.stop", "stop worlds (or everything) of a running system"),
     "demo": ("palatine.cli.demo", "train a small model data-parallel on a local mesh"),
+    "config": ("palatine.cli.config", "print the effective configuration and where it came from"),
 }
 
 

@@ -20,6 +20,7 @@ from palatine import config
 from palatine.core import runtime
 from palatine.core.supervision_hook import set_unhandled_fault_hook
 from palatine.errors import ConfigError
+from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import raise_open_files_limit
 from palatine.output.console import LineFormatter
 
@@ -58,7 +59,7 @@ def add_seconds_flag(p: Any, flag: str, default: float | None, help_text: str) -
 
 def _watch_lifeline(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
     """Stop as on SIGTERM when the launcher's lifeline pipe reaches EOF (launcher gone)."""
-    text = os.environ.pop("PALATINE_LIFELINE_FD", None)
+    text = os.environ.pop(Handoff.variable("lifeline_fd"), None)
     if not text:
         return
     try:

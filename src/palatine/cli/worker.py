@@ -8,7 +8,10 @@ import os
 import sys
 from collections.abc import MutableMapping
 
+from palatine import config
 from palatine.cli.role import ready_line, run_role
+from palatine.errors import ConfigError
+from palatine.hosting.child_env import Handoff
 
 __all__ = ["add_arguments", "narrow_visible_devices", "run"]
 
@@ -29,9 +32,15 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"palatine worker: {problem}", file=sys.stderr)
         return 2
-    _preload(os.environ.get("PALATINE_PRELOAD", ""))
-    proc_text = args.proc_id or os.environ.get("PALATINE_PROC_ID")
-    addr = args.bootstrap_addr or os.environ.get("PALATINE_BOOTSTRAP_ADDR")
+    try:  # this process's own variables (a forked worker inherits its server's memory)
+        cfg = config.reload()
+    except ConfigError as e:
+        print(f"palatine worker: {e}", file=sys.stderr)
+        return 2
+    _preload(cfg.preload or "")
+    handed = Handoff.from_env()
+    proc_text = args.proc_id or handed.proc_id
+    addr = args.bootstrap_addr or handed.bootstrap_addr
     if not proc_text or not addr:
         print(
             "palatine worker: need --proc-id and --bootstrap-addr (or PALATINE_PROC_ID and "
@@ -39,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    world = args.world_id or os.environ.get("PALATINE_WORLD_ID")
+    world = args.world_id or handed.world_id
     if world and not proc_text.startswith(world + "["):
         print(
             f"palatine worker: --proc-id {proc_text!r} is not in --world-id {world!r}",
@@ -122,7 +131,7 @@ async def serve_worker(proc_text: str, addr: str, stop: asyncio.Event) -> int:
         ChannelAddr.parse(addr)
     except ValueError as e:
         raise ConfigError(f"--bootstrap-addr {addr!r}: {e}") from None
-    host = os.environ.get("PALATINE_HOST_PROC_ID")
+    host = Handoff.from_env().host_proc_id
     try:
         handle = await unless_stopped(
             bootstrap_proc(

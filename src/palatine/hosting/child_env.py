@@ -17,12 +17,16 @@ import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from palatine import config
 from palatine.config import format_seconds
 from palatine.output.logs import default_log_dir
 
 __all__ = [
+    "Handoff",
     "arm_parent_death_signal",
     "child_env",
     "describe_exit",
@@ -79,6 +83,61 @@ def stack_path_for(log_path: Path) -> Path:
     return log_path.with_suffix(".stack")
 
 
+class Handoff(msgspec.Struct, frozen=True, kw_only=True):
+    """What a parent hands a process it starts, in ``PALATINE_*`` variables, typed.
+
+    The one place that names them: a host writes them for each proc (`child_env`), the
+    proc reads them back (`from_env`); a launcher hands a role its lifeline pipe and a
+    host its fork server their socket the same way. Empty text and ``None`` mean "not
+    handed"; a number that does not parse reads as ``None``.
+    """
+
+    world_id: str = ""
+    proc_id: str = ""
+    bootstrap_addr: str = ""
+    world_size: int | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    execution_id: str = ""
+    host_proc_id: str = ""
+    parent_pid: int | None = None
+    stack_file: str = ""
+    lifeline_fd: int | None = None
+    fork_server_fd: int | None = None
+
+    @staticmethod
+    def variable(field: str) -> str:
+        """``PALATINE_`` and the upper-cased field: ``proc_id`` -> ``PALATINE_PROC_ID``."""
+        return "PALATINE_" + field.upper()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Handoff:
+        """What this process was handed (``os.environ`` by default)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field, default in zip(cls.__struct_fields__, cls.__struct_defaults__, strict=True):
+            text = environ.get(cls.variable(field), "").strip()
+            if not text:
+                continue
+            if default is None:
+                try:
+                    values[field] = int(text)
+                except ValueError:
+                    continue
+            else:
+                values[field] = text
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        """The variables for what is handed (fields left empty are not set)."""
+        out = {}
+        for field in self.__struct_fields__:
+            value = getattr(self, field)
+            if value is not None and value != "":
+                out[self.variable(field)] = str(value)
+        return out
+
+
 def child_env(
     *,
     world_id: object,
@@ -105,22 +164,25 @@ def child_env(
     ``PALATINE_CLUSTER_TOKEN`` is set when a token is given.
     """
     inherited = os.environ if inherited is None else inherited
-    env = {
-        "PALATINE_WORLD_ID": str(world_id),
-        "PALATINE_PROC_ID": str(proc_id),
-        "PALATINE_BOOTSTRAP_ADDR": bootstrap_addr,
-        "PALATINE_WORLD_SIZE": str(world_size),
-        "PALATINE_RANK": str(rank),
-        "PALATINE_LOCAL_RANK": str(local_rank),
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(local_world_size),
-        "PALATINE_EXECUTION_ID": execution_id,
-        "PALATINE_HOST_PROC_ID": str(host_proc_id),
-        "PALATINE_PARENT_PID": str(os.getpid() if parent_pid is None else parent_pid),
-        "PALATINE_STACK_FILE": str(stack_file),
-    }
+    env = Handoff(
+        world_id=str(world_id),
+        proc_id=str(proc_id),
+        bootstrap_addr=bootstrap_addr,
+        world_size=world_size,
+        rank=rank,
+        local_rank=local_rank,
+        execution_id=execution_id,
+        host_proc_id=str(host_proc_id),
+        parent_pid=os.getpid() if parent_pid is None else parent_pid,
+        stack_file=str(stack_file),
+    ).to_env()
+    # torch.distributed's own names for the same facts
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(local_world_size),
+    )
     if cluster_token is not None:
         env["PALATINE_CLUSTER_TOKEN"] = cluster_token
     if not inherited.get("PALATINE_SUPERVISION_UPDATE_INTERVAL"):
@@ -142,12 +204,11 @@ def arm_parent_death_signal() -> bool:
     with status 1 instead of running orphaned. Returns whether the signal was armed;
     without the variable, or off Linux, it does nothing.
     """
-    text = os.environ.get("PALATINE_PARENT_PID", "").strip()
+    text = os.environ.get(Handoff.variable("parent_pid"), "").strip()
     if not text:
         return False
-    try:
-        expected = int(text)
-    except ValueError:
+    expected = Handoff.from_env().parent_pid
+    if expected is None:
         log.warning("ignoring PALATINE_PARENT_PID=%r: not a pid", text)
         return False
     armed = False

@@ -59,6 +59,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from palatine import config
+from palatine.hosting.child_env import Handoff
 
 __all__ = ["PRELOAD", "ForkServer", "ForkServerError", "ForkedProcess", "fork_server_supported"]
 
@@ -87,8 +88,8 @@ PRELOAD: tuple[str, ...] = (
 )
 
 #: The server's end of the socket pair (an inherited fd) and the pid it dies with.
-FD_VAR = "PALATINE_FORK_SERVER_FD"
-PARENT_VAR = "PALATINE_PARENT_PID"
+FD_VAR = Handoff.variable("fork_server_fd")
+PARENT_VAR = Handoff.variable("parent_pid")
 #: Largest message either side reads (a spawn request carries a whole environment).
 MAX_MESSAGE_BYTES = 1024 * 1024
 _READY_TIMEOUT_S = 30.0

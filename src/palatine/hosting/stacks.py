@@ -35,6 +35,7 @@ from typing import TextIO
 
 from palatine import config
 from palatine.errors import StackDumpError
+from palatine.hosting.child_env import Handoff
 
 __all__ = [
     "PYSPY_VAR",
@@ -49,7 +50,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: The variable naming a proc's stack-dump file (set by hosts).
-STACK_FILE_VAR = "PALATINE_STACK_FILE"
+STACK_FILE_VAR = Handoff.variable("stack_file")
 #: The variable naming the py-spy executable.
 PYSPY_VAR = "PALATINE_PYSPY"
 

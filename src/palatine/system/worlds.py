@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import Final
 
+from palatine.hosting.child_env import Handoff
 from palatine.ids import HOST_WORLD_PREFIX, RESERVED_WORLDS, ProcId, WorldId
 from palatine.protocol.supervision import ProcRecord
 from palatine.protocol.system import Exec, UpsertWorld, WorldEnv, WorldStatus, WorldStatusName
@@ -217,7 +218,7 @@ def execution_id_from_env(
 ) -> str:
     """``PALATINE_EXECUTION_ID``, or a new ``<user>-<YYYYmmdd-HHMMSS>-<4 hex>``."""
     environ = os.environ if environ is None else environ
-    given = environ.get("PALATINE_EXECUTION_ID")
+    given = Handoff.from_env(environ).execution_id
     if given:
         return given
     try:

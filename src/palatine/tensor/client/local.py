@@ -168,7 +168,7 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
     if cuda:
         import torch
 
-        if "PALATINE_PRELOAD" not in os.environ:
+        if config.get().preload is None:
             env["PALATINE_PRELOAD"] = "torch"
         env["PALATINE_DEVICES_PER_HOST"] = str(torch.cuda.device_count())
     if transport == "unix":

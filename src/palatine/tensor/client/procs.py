@@ -23,6 +23,7 @@ import threading
 import time
 from typing import IO, Any
 
+from palatine.hosting.child_env import Handoff
 from palatine.output.console import ConsoleWriter
 
 __all__ = ["RoleProcess", "palatine_cmd"]
@@ -87,7 +88,7 @@ class RoleProcess:
         full_env = dict(os.environ)
         full_env.update(env or {})
         lifeline_r, self._lifeline_w = os.pipe()
-        full_env["PALATINE_LIFELINE_FD"] = str(lifeline_r)
+        full_env.update(Handoff(lifeline_fd=lifeline_r).to_env())
         log_file = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - the pump's
         try:
             self.popen = subprocess.Popen(

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from palatine import config
 from palatine.protocol.worker import (
     BorrowCreate,
     BorrowFirstUse,
@@ -33,8 +34,6 @@ if TYPE_CHECKING:
     from palatine.tensor.client.session import Session
 
 __all__ = ["RemoteValue", "Handle", "IssueSite", "pickle_args", "function_ref", "capture_site"]
-
-_CAPTURE = os.environ.get("PALATINE_CLIENT_TRACEBACKS", "1") != "0"
 
 
 class IssueSite:
@@ -68,7 +67,7 @@ def _is_ours(filename: str) -> bool:
 
 def capture_site() -> IssueSite | None:
     """The caller's stack without palatine frames (None when capture is off)."""
-    if not _CAPTURE:
+    if not config.get().client_tracebacks:
         return None
     frames: list[tuple[str, int, str]] = []
     f = sys._getframe(1)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -288,7 +287,7 @@ async def run_controller(
     actor_id = ActorId.parse(cmd.controller_actor_id)
     x_world = str(actor_id.world)
     addr = ChannelAddr.parse(cmd.system_addr)
-    actor_type = os.environ.get("PALATINE_CONTROLLER_WORKER_ACTOR_TYPE") or WORKER_ACTOR_TYPE
+    actor_type = cfg.controller_worker_actor_type or WORKER_ACTOR_TYPE
 
     # 1. attach
     try:

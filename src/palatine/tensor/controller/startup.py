@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 from collections.abc import Mapping
 
@@ -103,19 +102,15 @@ class ControllerTimeouts(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ControllerTimeouts:
-        """Read the variables; a malformed value raises `ConfigError` (a usage error)."""
-        env = os.environ if environ is None else environ
-        values: dict[str, float] = {}
-        for field, var in (
-            ("world_ready_s", "PALATINE_CONTROLLER_WORLD_READY_TIMEOUT"),
-            ("spawn_s", "PALATINE_CONTROLLER_SPAWN_TIMEOUT"),
-            ("stall_report_s", "PALATINE_STALL_REPORT_TIMEOUT"),
-            ("client_liveness_s", "PALATINE_CLIENT_LIVENESS_TIMEOUT"),
-        ):
-            text = env.get(var)
-            if text:
-                values[field] = config.parse_seconds(text, name=var)
-        return cls(**values)
+        """The configured bounds (``environ``: read those variables instead of the
+        process's configuration); a malformed value raises `ConfigError` (a usage error)."""
+        c = config.get() if environ is None else config.from_env(environ)
+        return cls(
+            world_ready_s=c.controller_world_ready_timeout_s,
+            spawn_s=c.controller_spawn_timeout_s,
+            stall_report_s=c.stall_report_timeout_s,
+            client_liveness_s=c.client_liveness_timeout_s,
+        )
 
 
 # --------------------------------------------------------------------------- validation

@@ -30,10 +30,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from palatine import config
 from palatine.core.actor import Actor, handler
 from palatine.core.mailbox import HandlerPort
 from palatine.fastpath.blocking import LinkLost
 from palatine.fastpath.direct_tx import open_direct
+from palatine.hosting.child_env import Handoff
 from palatine.ids import PortId
 from palatine.protocol.worker import (
     BackendNetworkInit,
@@ -77,11 +79,8 @@ _STOP_JOIN_S = 2.0
 
 
 def exit_timeout_s() -> float:
-    """``PALATINE_WORKER_EXIT_TIMEOUT`` (seconds, default 30): how long `Exit` drains."""
-    from palatine.config import parse_seconds
-
-    text = os.environ.get("PALATINE_WORKER_EXIT_TIMEOUT")
-    return parse_seconds(text, name="PALATINE_WORKER_EXIT_TIMEOUT") if text else 30.0
+    """How long `Exit` drains (``worker_exit_timeout_s``, ``PALATINE_WORKER_EXIT_TIMEOUT``)."""
+    return config.get().worker_exit_timeout_s
 
 
 class _CommandPort(HandlerPort):
@@ -174,7 +173,8 @@ class WorkerActor(Actor):
             and addr.host not in ("", "0.0.0.0", "::")
         ):
             store_host = addr.host
-        local_rank = os.environ.get("LOCAL_RANK") or os.environ.get("PALATINE_LOCAL_RANK")
+        torch_local = os.environ.get("LOCAL_RANK", "")
+        local_rank = int(torch_local) if torch_local.isdigit() else Handoff.from_env().local_rank
         self.state = WorkerState(
             rank=p.rank,
             world_size=p.world_size,
@@ -184,7 +184,7 @@ class WorkerActor(Actor):
             pid=os.getpid(),
             device=device,
             device_index=p.device_index if device != "cpu" else None,
-            local_rank=int(local_rank) if local_rank and local_rank.isdigit() else p.rank,
+            local_rank=local_rank if local_rank is not None else p.rank,
             store_host=store_host,
             controller=p.controller_actor,
             emit=self.outbox.emit,

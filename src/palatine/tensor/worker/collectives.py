@@ -23,12 +23,12 @@ import datetime
 import itertools
 import json
 import logging
-import os
 import socket
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from palatine import config
 from palatine.errors import InfrastructureError
 from palatine.protocol.worker import (
     BackendNetworkInit,
@@ -167,11 +167,8 @@ def mesh_rank(mesh: DeviceMeshView, dims: str | Sequence[str]) -> int | tuple[in
 
 
 def collective_timeout_s() -> float:
-    """``PALATINE_COLLECTIVE_TIMEOUT`` (seconds, default 600)."""
-    from palatine.config import parse_seconds
-
-    text = os.environ.get("PALATINE_COLLECTIVE_TIMEOUT")
-    return parse_seconds(text, name="PALATINE_COLLECTIVE_TIMEOUT") if text else 600.0
+    """The bound of a collective (``collective_timeout_s``, ``PALATINE_COLLECTIVE_TIMEOUT``)."""
+    return config.get().collective_timeout_s
 
 
 class CollectiveContext:
@@ -247,7 +244,7 @@ def _device_info(w: WorkerState) -> tuple[str, str]:
 
 
 def _choose_backend(infos: list[list[str]]) -> str:
-    override = os.environ.get("PALATINE_COLLECTIVE_BACKEND")
+    override = config.get().collective_backend
     if override:
         return override
     if all(kind == "cuda" for _h, kind, _u in infos):

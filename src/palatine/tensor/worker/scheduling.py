@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from palatine.hosting.child_env import Handoff
+
 __all__ = ["batch_scheduling", "default_scheduling", "gil_switching"]
 
 log = logging.getLogger(__name__)
@@ -15,7 +17,7 @@ log = logging.getLogger(__name__)
 def _own_process(proc_id: str) -> bool:
     """Whether this process was started for the proc (``PALATINE_PROC_ID``), not a
     program that hosts it among other things (a test, an in-process mesh)."""
-    return os.environ.get("PALATINE_PROC_ID") == proc_id
+    return Handoff.from_env().proc_id == proc_id
 
 
 def batch_scheduling(proc_id: str) -> None:
