@@ -820,7 +820,7 @@ WHERE_TIME_GOES: dict[str, list[str]] = {
         "requests leave only when the caller waits), and frame header decoding (≈ 1.3 µs "
         "per message on each side).",
         "Measured 2026-12-03, night: a batch's requests now leave in chunks of 16, 32, … "
-        "up to 256 as they are encoded (`palatine/fastpath/lane_calls.py`), so the actor's proc starts "
+        "up to 256 as they are encoded (`palatine/fastpath/lane.py`), so the actor's proc starts "
         "on the first ones while the caller encodes the rest, and the proc writes a lane's "
         "replies every 32 instead of once per read, so the caller decodes the first replies "
         "while later requests are still being handled. Interleaved runs of this program: "

@@ -460,7 +460,7 @@ def test_a_batch_larger_than_the_socket_buffer_waits_for_the_peer_to_read() -> N
 
 
 def test_a_batch_member_over_the_frame_limit_fails_alone_and_the_rest_keep_their_order() -> None:
-    # A batch goes out in chunks (`palatine.fastpath.lane_calls`): the first chunk has left when
+    # A batch goes out in chunks (`palatine.fastpath.lane`): the first chunk has left when
     # member 20 (in the second) turns out to be over the frame limit. That member gets
     # the ordinary path's size error; every other member its own reply, in call order.
     out = run(
@@ -613,7 +613,7 @@ def test_a_lane_whose_caller_stops_reading_is_not_served_further_until_it_reads(
     out = run(
         """
         from palatine.mesh import actor_mesh as M
-        from palatine.fastpath.lane_conn import LaneConn
+        from palatine.fastpath.lane import LaneConn
         from palatine.wire.codec import dumps
 
         class Big(Acc):

@@ -30,7 +30,7 @@ leaves the call to the loop path too.
 
 ``call_one`` futures that a thread creates one after another for the same actor, without
 waiting in between, form a *batch* (up to `BATCH_MAX`): waiting on any of them writes
-their requests in a few growing chunks (`palatine.fastpath.lane_calls`) and reads until every one
+their requests in a few growing chunks (`run_batch`) and reads until every one
 of them has its outcome, so a thousand calls in flight cost a few writes and reads, not
 a loop hop each, and the peer starts on the first requests while the rest are encoded.
 Any other use of a member sends the whole batch through the loop, in order, as above.
@@ -57,15 +57,594 @@ from palatine import config
 from palatine.channel.addr import ChannelAddr
 from palatine.core import runtime
 from palatine.core.future import _FINISHED, Future, _state_lock, on_loop_thread
-from palatine.fastpath import lane_calls
-from palatine.fastpath.lane_conn import LaneConn, NotSent
 from palatine.ids import ActorId, PortId, ProcId
 from palatine.wire.envelope import Envelope
 
 if TYPE_CHECKING:
     from palatine.core.mailbox import Mailbox
 
-__all__ = ["SWEEP_S", "BATCH_MAX", "Call", "LaneFuture", "note_call", "try_call"]
+
+import collections
+import functools
+import heapq
+import itertools
+import select
+import socket
+from typing import TYPE_CHECKING
+
+from palatine.channel.spin import poll_ms, poll_spinning, spin_seconds
+from palatine.fastpath.direct_tx import drop_sent
+
+if TYPE_CHECKING:
+    from palatine.wire.envelope import Envelope
+
+
+import struct
+
+from palatine.channel.spin import MAX_WAIT_S, recv_spinning
+from palatine.core.mailbox import Undeliverable
+from palatine.core.proc import Proc, peer_gone_error
+from palatine.errors import CallTimeout, DeliveryError
+from palatine.fastpath.blocking import BlockingConn
+from palatine.wire.codec import decode_payload
+from palatine.wire.envelope import Envelope
+from palatine.wire.frames import Ack, FrameError, FrameParser, Message, Reject, encode_message
+
+__all__ = [
+    "SWEEP_S",
+    "BATCH_MAX",
+    "Call",
+    "LaneFuture",
+    "note_call",
+    "try_call",
+    "FIRST_CHUNK",
+    "MAX_CHUNK",
+    "call",
+    "gather",
+    "run_batch",
+    "LaneConn",
+    "Failed",
+    "Broken",
+    "NotSent",
+    "WriteTimeout",
+    "timeout_error",
+    "broken_errors",
+    "GONE_WAIT_S",
+]
+
+
+# --------------------------------------------------------------------------- one lane's connection
+
+GONE_WAIT_S: Final = 2.0  # after a broken lane: how long to wait for the peer's verdict
+_RECV_BYTES: Final = 262144
+_timeval = struct.Struct("ll")
+_lane_ids = itertools.count(1)
+
+
+class Failed:
+    """A reply that is an error (kept apart from values)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class Broken(Exception):
+    """The lane's connection ended or misbehaved; ``why`` says how."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+class NotSent(Exception):
+    """The request never left (connect or write failed): the loop path may still send it."""
+
+
+class WriteTimeout(Exception):
+    """The peer read nothing more of a request before its call's deadline."""
+
+
+def timeout_error(what: str, dest: ActorId, timeout_s: float) -> CallTimeout:
+    """As `palatine.core.mailbox.Pending` words it."""
+    return CallTimeout(f"{what} to {dest} timed out: no reply within {timeout_s:g} s")
+
+
+def broken_errors(client: Proc, calls: list[tuple[str, ActorId]], why: str) -> list[BaseException]:
+    """The error for each ``(what, dest)`` call whose lane broke after its request left:
+    the peer's `PeerGoneError` once the system declares the proc dead (waiting up to
+    `GONE_WAIT_S` once per proc), else a `DeliveryError` (whether it ran is unknown)."""
+    notices: dict[ProcId, Any] = {}
+    out: list[BaseException] = []
+    for what, dest in calls:
+        proc = dest.proc
+        if proc not in notices:
+            try:
+                notices[proc] = runtime.call(functools.partial(client.watch, proc)).get(
+                    timeout=GONE_WAIT_S
+                )
+            except Exception:  # noqa: BLE001 - no verdict in time: say what we know
+                notices[proc] = None
+        notice = notices[proc]
+        if notice is not None:
+            out.append(peer_gone_error(proc, notice))
+        else:
+            out.append(DeliveryError(f"broken link: {why} before the reply to {what} from {dest}"))
+    return out
+
+
+def _reply_value(reply: Envelope) -> Any:
+    try:
+        value = decode_payload(reply)
+    except Exception as e:  # noqa: BLE001 - as the loop path says it
+        return Failed(DeliveryError(f"mailbox error: cannot decode reply for {reply.dest}: {e}"))
+    if type(value) is Undeliverable:  # the request came back (`Proc.return_envelope`)
+        returned = value.envelope
+        return Failed(DeliveryError("; ".join(returned.errors or ()) or "returned", returned))
+    to_exc = getattr(type(value), "to_error", None)
+    if to_exc is not None:
+        return Failed(to_exc(value))
+    return value
+
+
+class LaneConn:
+    """One thread's connection to one proc's unix address; replies come back on it,
+    addressed to the lane's own actor (``<client proc>.lane[n]``)."""
+
+    __slots__ = (
+        "addr",
+        "actor",
+        "sock",
+        "parser",
+        "seq",
+        "ports",
+        "broken",
+        "spin_s",
+        "_rcvtimeo",
+        "ended",
+    )
+
+    def __init__(
+        self, addr: ChannelAddr, actor: ActorId, sock: socket.socket, parser: FrameParser
+    ) -> None:
+        self.addr = addr
+        self.actor = actor
+        self.sock = sock
+        self.parser = parser
+        self.seq = 0
+        self.ports = itertools.count()
+        self.broken = False
+        self.spin_s = spin_seconds()
+        self._rcvtimeo = -1.0
+        self.ended: str | None = None  # why it broke, once replies read before that are out
+
+    @classmethod
+    def open(cls, addr: ChannelAddr, client: ProcId) -> LaneConn:
+        actor = ActorId(client, "lane", next(_lane_ids))
+        conn = BlockingConn.connect_configured(addr, lane=actor)
+        sock = conn.sock
+        sock.setblocking(True)  # waits are bounded by SO_RCVTIMEO (`read`) or poll
+        return cls(addr, actor, sock, conn.parser)
+
+    def close(self) -> None:
+        self.broken = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    # -- writing -------------------------------------------------------------------------
+
+    def send(self, make_env: Callable[[PortId], Envelope], deadline: float) -> PortId:
+        """Write one request ``make_env(reply_to)``; its reply port. Raises `NotSent` when
+        it may not be counted as sent (over the frame limit, or a failed write: the lane
+        is closed then), and `WriteTimeout` when the peer reads nothing more before
+        ``deadline`` (a request cut short closes the lane)."""
+        reply_to = PortId(self.actor, next(self.ports))
+        head, bufs, size = encode_message(self.seq, False, make_env(reply_to))
+        if size > config.get().max_frame_bytes:
+            raise NotSent  # the loop path reports the size error as usual
+        sock = self.sock
+        try:
+            if not bufs:
+                try:
+                    n = sock.send(head, socket.MSG_DONTWAIT)  # the usual case: all at once
+                except BlockingIOError:
+                    n = 0
+                if n < len(head):
+                    self._write_rest(collections.deque([memoryview(head)[n:]]), n > 0, deadline)
+            else:
+                views = collections.deque(
+                    v for v in (memoryview(head), *bufs) if v
+                )  # (no empty one)
+                self._write_rest(views, False, deadline)
+        except (NotSent, WriteTimeout):
+            raise
+        except OSError:
+            self.close()
+            raise NotSent from None
+        except BaseException:  # an interrupt mid-write: a frame may be cut short
+            self.close()
+            raise
+        self.seq += 1
+        return reply_to
+
+    def _write_rest(
+        self, views: collections.deque[memoryview], started: bool, deadline: float
+    ) -> None:
+        """Write ``views`` without blocking past ``deadline`` (``started``: part of the
+        frame is out already). Replies that come meanwhile are read and dropped: they can
+        only be late ones to calls that timed out (this request's own reply cannot come
+        before it is whole), and a peer whose replies back up stops reading the lane."""
+        sock = self.sock
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLOUT | select.POLLIN)
+        while views:
+            try:
+                n = sock.sendmsg(list(itertools.islice(views, 512)), [], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                n = 0
+            except OSError:
+                self.close()
+                raise NotSent from None
+            started = started or n > 0
+            drop_sent(views, n)
+            while views:
+                left = deadline - time.monotonic()
+                events = poller.poll(poll_ms(left)) if left > 0 else []
+                if not events:
+                    if started:
+                        self.close()  # nothing may follow a cut frame
+                    raise WriteTimeout
+                if not any(ev & select.POLLIN for _, ev in events):
+                    break  # writable
+                try:
+                    self.read(None)  # late replies: drop them
+                except Broken:
+                    raise NotSent from None  # the lane is closed; the request did not arrive whole
+                if any(ev & select.POLLOUT for _, ev in events):
+                    break
+
+    def encode(
+        self, count: int, make_env: Callable[[int, PortId], Envelope]
+    ) -> tuple[bytes, list[PortId]]:
+        """Requests ``make_env(i, reply_to)`` for a batch as one buffer (buffers copied
+        in) and their reply ports; the caller writes it (the sequence numbers are taken).
+        Raises `NotSent` for a request over the frame limit (nothing taken then)."""
+        limit = config.get().max_frame_bytes
+        parts: list[Any] = []
+        ports: list[PortId] = []
+        seq = self.seq
+        for i in range(count):
+            reply_to = PortId(self.actor, next(self.ports))
+            head, bufs, size = encode_message(seq, False, make_env(i, reply_to))
+            if size > limit:
+                raise NotSent
+            seq += 1
+            ports.append(reply_to)
+            parts.append(head)
+            parts.extend(bufs)
+        self.seq = seq
+        return b"".join(parts), ports
+
+    # -- reading -------------------------------------------------------------------------
+
+    def read(self, deadline: float | None) -> list[tuple[int, Any]]:
+        """The replies one read brings, as ``(reply port index, value or Failed)``; [] when
+        ``deadline`` passes first (no deadline: data is known to be there). Raises `Broken`
+        once the connection has ended, after the replies that came before the end."""
+        out: list[tuple[int, Any]] = []
+        for frame in self._recv(deadline):
+            if type(frame) is Message:
+                reply = frame.envelope
+                out.append((reply.dest.port, _reply_value(reply)))
+            elif type(frame) is not Ack:
+                why = (
+                    f"the peer rejected the lane: {frame.reason}"
+                    if type(frame) is Reject
+                    else f"unexpected {type(frame).__name__} frame on the lane"
+                )
+                self._end(why)
+                if not out:
+                    raise Broken(why)
+                break
+        return out
+
+    def take(self, reply_to: PortId, deadline: float | None) -> tuple[bool, Any]:
+        """Read once; ``(True, value or Failed)`` once the reply to ``reply_to`` is in,
+        else ``(False, None)``. Other replies are late ones to calls that timed out."""
+        port = reply_to.port
+        for index, value in self.read(deadline):
+            if index == port:
+                return True, value
+        return False, None
+
+    def _end(self, why: str) -> None:
+        self.close()
+        self.ended = why
+
+    def _recv(self, deadline: float | None) -> list[Any]:
+        """The frames one read brings ([] on a timeout); raises `Broken` when it ends."""
+        if self.ended is not None:
+            raise Broken(self.ended)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            # Keep the kernel's timeout unless it would overshoot the deadline by > 5 %.
+            if self._rcvtimeo < 0 or self._rcvtimeo - left > 0.05 * left:
+                self._set_rcvtimeo(left)
+        parser = self.parser
+        # Mid-way through a big frame: receive straight into its buffer (no copy, no
+        # allocation per read); the rest of a frame follows at once, so no spin either.
+        window = parser.big_window()
+        try:
+            if window is not None:
+                n = self.sock.recv_into(window)
+                data = None
+            else:
+                data = recv_spinning(self.sock, _RECV_BYTES, self.spin_s) if self.spin_s else None
+                if data is None:
+                    data = self.sock.recv(_RECV_BYTES)
+                n = len(data)
+        except BlockingIOError:  # SO_RCVTIMEO expired: the caller checks its deadline
+            self._rcvtimeo = -1.0
+            return []
+        except OSError as e:
+            self.close()
+            raise Broken(e.strerror or str(e)) from None
+        if not n:
+            self.close()
+            raise Broken("the lane's connection was closed by the peer")
+        try:
+            return parser.feed(data) if data is not None else parser.big_filled(n)
+        except FrameError as e:
+            self.close()
+            raise Broken(f"protocol error: {e.reason}") from None
+
+    def _set_rcvtimeo(self, seconds: float) -> None:
+        seconds = min(seconds, MAX_WAIT_S)  # (the caller reads again until its deadline)
+        whole = int(seconds)
+        micros = int((seconds - whole) * 1e6)
+        if whole == 0 and micros == 0:
+            micros = 1  # zero would mean "no timeout"
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval.pack(whole, micros))
+        self._rcvtimeo = seconds
+
+
+# --------------------------------------------------------------------------- calls over lanes (the calling thread's I/O)
+
+FIRST_CHUNK: Final = 16  # requests of a batch encoded before its first write ...
+MAX_CHUNK: Final = 256  # ... then twice as many each time, up to this
+_IOV_MAX: Final = 512  # buffers per sendmsg
+_DRAIN_S: Final = 0.5  # after a failed write: how long to read what the peer sent before its end
+
+Outcomes = dict[int, tuple[Any, BaseException | None]]  # member index -> (value, error)
+
+
+def _member_envelope(futs: list[Any], base: int, i: int, reply_to: PortId) -> Envelope:
+    """The request of batch member ``base + i`` (a ``call_one``: rank -1)."""
+    env: Envelope = futs[base + i]._envelope(-1, reply_to)
+    return env
+
+
+def _dest(fut: LaneFuture, leg: int) -> ActorId:
+    return fut._legs[leg][1]
+
+
+def call(lane: LaneConn, fut: LaneFuture) -> Any:
+    """Send ``fut``'s one request and read until its reply; the reply's value."""
+    deadline = time.monotonic() + fut._timeout_s
+    try:
+        reply_to = lane.send(lambda rt: fut._envelope(-1, rt), deadline)
+    except WriteTimeout:
+        raise timeout_error(fut._what, _dest(fut, 0), fut._timeout_s) from None
+    while True:
+        if deadline - time.monotonic() <= 0:
+            raise timeout_error(fut._what, _dest(fut, 0), fut._timeout_s)
+        try:
+            got, value = lane.take(reply_to, deadline)
+        except Broken as b:
+            raise broken_errors(fut._proc, [(fut._what, _dest(fut, 0))], b.why)[0] from None
+        if got:
+            if isinstance(value, Failed):
+                raise value.error
+            return value
+
+
+def run_batch(lane: LaneConn, futs: list[LaneFuture]) -> int:
+    """Write the members' requests (in order) and read until each has its reply, its
+    timeout or the lane's end; then complete them (so no callback runs while the lane is
+    mid-batch). Returns how many members went over the lane: a member over the frame
+    limit stops the batch there, and the caller sends it and the rest the ordinary way.
+    Raises `NotSent` if nothing was sent. Any other exception (an interrupt) completes
+    every member still open with it."""
+    outcomes: Outcomes = {}
+    try:
+        sent = _batch_io(lane, futs, outcomes)
+    except NotSent:
+        raise
+    except BaseException as e:
+        lane.close()  # a request may be cut short on the wire
+        for i in range(len(futs)):
+            outcomes.setdefault(i, (None, e))
+        _finish_all(futs, outcomes)
+        raise
+    _finish_all(futs[:sent], outcomes)
+    return sent
+
+
+def _finish_all(futs: list[LaneFuture], outcomes: Outcomes) -> None:
+    for i, f in enumerate(futs):
+        value, exc = outcomes[i]
+        f._finish(value, exc)
+
+
+def _write_some(sock: socket.socket, out: collections.deque[memoryview]) -> None:
+    """Write what the peer takes of ``out`` now, without blocking."""
+    try:
+        n = sock.sendmsg(list(itertools.islice(out, _IOV_MAX)), [], socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return
+    drop_sent(out, n)
+
+
+def _batch_io(lane: LaneConn, futs: list[LaneFuture], outcomes: Outcomes) -> int:
+    """The writes and reads of `run_batch`; how many members were sent. Writes never
+    block: while the peer is not reading, replies are read meanwhile, and a write left
+    unfinished when no member waits any more closes the lane (nothing may follow a cut
+    frame)."""
+    n = len(futs)
+    made = 0  # members encoded (their requests written or queued in ``out``)
+    waiting: dict[int, int] = {}  # reply port -> member index
+    due: list[tuple[float, int, int]] = []  # heap of (deadline, reply port, member index)
+    out: collections.deque[memoryview] = collections.deque()
+    sock = lane.sock
+    chunk = FIRST_CHUNK
+    poller: select.poll | None = None
+    try:
+        while made < n:  # encode a chunk, write what the peer takes, encode the next
+            base, end = made, min(n, made + chunk)
+            try:
+                # encode calls the function before the loop goes on: `base` is this chunk's
+                data, ports = lane.encode(
+                    end - base, functools.partial(_member_envelope, futs, base)
+                )
+            except NotSent:
+                if made == 0:
+                    raise
+                break  # over the frame limit: this member and the rest go the ordinary way
+            now = time.monotonic()
+            for i, p in enumerate(ports, base):
+                waiting[p.port] = i
+                heapq.heappush(due, (now + futs[i]._timeout_s, p.port, i))
+            out.append(memoryview(data))
+            made = end
+            chunk = min(2 * chunk, MAX_CHUNK)
+            _write_some(sock, out)
+        while waiting:
+            now = time.monotonic()
+            while due and due[0][0] <= now:
+                _, port, i = heapq.heappop(due)
+                if waiting.pop(port, None) is not None:
+                    f = futs[i]
+                    outcomes[i] = (None, timeout_error(f._what, _dest(f, 0), f._timeout_s))
+            if not waiting:
+                break
+            deadline: float | None = due[0][0]
+            if out:
+                _write_some(sock, out)
+                if out:  # the peer is not reading: wait to write or read, whichever first
+                    if poller is None:
+                        poller = select.poll()
+                        poller.register(sock.fileno(), select.POLLIN | select.POLLOUT)
+                    ms = poll_ms(due[0][0] - time.monotonic())
+                    if not any(ev & select.POLLIN for _, ev in poller.poll(ms)):
+                        continue
+                    deadline = None  # something to read: do not wait
+            _take_replies(lane.read(deadline), waiting, outcomes)
+    except (Broken, OSError) as e:  # the lane ended (or a write failed: it is gone)
+        if not isinstance(e, Broken):
+            _read_to_end(lane, waiting, outcomes)
+        lane.close()
+        why = e.why if isinstance(e, Broken) else lane.ended or e.strerror or str(e)
+        left = list(waiting.values())
+        errors = broken_errors(
+            futs[0]._proc, [(futs[i]._what, _dest(futs[i], 0)) for i in left], why
+        )
+        for i, err in zip(left, errors, strict=True):
+            outcomes[i] = (None, err)
+        return made
+    if out:
+        lane.close()  # part of a request may be on the wire: nothing may follow it
+    return made
+
+
+def _take_replies(
+    replies: list[tuple[int, Any]], waiting: dict[int, int], outcomes: Outcomes
+) -> None:
+    for index, value in replies:
+        i = waiting.pop(index, -1)
+        if i < 0:
+            continue  # a late reply to an earlier call that timed out
+        outcomes[i] = (None, value.error) if isinstance(value, Failed) else (value, None)
+
+
+def _read_to_end(lane: LaneConn, waiting: dict[int, int], outcomes: Outcomes) -> None:
+    """After a failed write (the peer closed): the replies it sent before it ended are
+    still to be read; take them, so those members keep their outcome."""
+    deadline = time.monotonic() + _DRAIN_S
+    try:
+        while waiting and not lane.broken:
+            replies = lane.read(deadline)
+            if not replies:
+                return
+            _take_replies(replies, waiting, outcomes)
+    except Broken:
+        pass  # (ECONNRESET once what came before the end is read)
+
+
+def gather(fut: LaneFuture, lanes: list[LaneConn]) -> dict[int, Any]:
+    """Send one request per leg over its lane, then read every reply: {rank: value}.
+
+    Errors follow `palatine.core.mailbox.Gather`: the lowest failed rank's error is raised,
+    with a note naming every failed rank when there are several.
+    """
+    results: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+    waiting: dict[int, tuple[int, LaneConn, PortId, int]] = {}  # fd -> (rank, lane, port, leg)
+    deadline = time.monotonic() + fut._timeout_s
+    for i, ((rank, dest, _addr), lane) in enumerate(zip(fut._legs, lanes, strict=True)):
+        try:
+            reply_to = lane.send(functools.partial(fut._envelope, rank), deadline)
+        except NotSent:
+            if i == 0:
+                raise  # nothing left yet: the loop path sends it all
+            errors[rank] = broken_errors(
+                fut._proc, [(fut._what, dest)], "the request could not be written"
+            )[0]
+            continue
+        except WriteTimeout:
+            errors[rank] = timeout_error(fut._what, _dest(fut, 0), fut._timeout_s)
+            continue
+        waiting[lane.sock.fileno()] = (rank, lane, reply_to, i)
+    spin_s = spin_seconds()
+    poller = select.poll()
+    for fd in waiting:
+        poller.register(fd, select.POLLIN)
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            for rank, _lane, _port, _i in waiting.values():
+                errors[rank] = timeout_error(fut._what, _dest(fut, 0), fut._timeout_s)
+            break
+        for fd, _ev in poll_spinning(poller, poll_ms(left), spin_s):
+            rank, lane, reply_to, i = waiting[fd]
+            try:
+                got, value = lane.take(reply_to, None)
+            except Broken as b:
+                got, value = (
+                    True,
+                    Failed(broken_errors(fut._proc, [(fut._what, _dest(fut, i))], b.why)[0]),
+                )
+            if got:
+                del waiting[fd]
+                poller.unregister(fd)
+                if isinstance(value, Failed):
+                    errors[rank] = value.error
+                else:
+                    results[rank] = value
+    if errors:
+        first = errors[min(errors)]
+        if len(errors) > 1:
+            ranks = ", ".join(str(r) for r in sorted(errors))
+            first.add_note(f"{fut._what} failed on ranks {ranks}")
+        raise first
+    return results
+
+
+# --------------------------------------------------------------------------- futures, batches and the sweep
 
 SWEEP_S: Final = 0.005  # an untouched lane future is sent through the loop after this
 BATCH_AGE_S: Final = 0.1  # ... and a batch still growing, once it is this old
@@ -329,14 +908,14 @@ class LaneFuture(Future[Any]):
         try:
             futs = batch.futs
             if len(futs) > 1:
-                sent = lane_calls.run_batch(lanes[0], futs)
+                sent = run_batch(lanes[0], futs)
                 if sent < len(futs):
                     _post_in_order(batch.st, futs[sent:])
                 return True
             if self._legs[0][0] < 0:
-                value = lane_calls.call(lanes[0], self)
+                value = call(lanes[0], self)
             else:
-                value = lane_calls.gather(self, lanes)
+                value = gather(self, lanes)
                 transform = self._call.transform
                 if transform is not None:
                     value = transform(value)
