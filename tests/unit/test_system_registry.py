@@ -63,7 +63,6 @@ from palatine.protocol.system import (
     WorldStatusChanged,
     WorldUpserted,
 )
-from palatine.system.detection import PROBE_AGAIN_S
 from palatine.system.instructions import (
     Ask,
     Bind,
@@ -78,7 +77,7 @@ from palatine.system.instructions import (
     Timer,
     Unbind,
 )
-from palatine.system.registry import SystemRegistry, agent_of
+from palatine.system.registry import PROBE_AGAIN_S, SystemRegistry, agent_of
 from palatine.system.worlds import execution_id_from_env, host_ranks
 
 # --------------------------------------------------------------------------- plumbing

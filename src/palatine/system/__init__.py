@@ -7,11 +7,9 @@ Layering inside this package, bottom up:
   agent's messages;
 * `palatine.system.worlds` — world records, host placement and request validation;
 * `palatine.system.instructions` — what the sans-IO core asks its actor shell to do;
-* `palatine.system.state`, `palatine.system.detection`, `palatine.system.stopping` —
-  the parts of the sans-IO core: shared tables and helpers, the failure-detection
-  paths, stop and eviction;
 * `palatine.system.registry` — `SystemRegistry`, the whole sans-IO state machine
-  (every stimulus in, ``(reply, instructions)`` out, clock injected);
+  (every stimulus in, ``(reply, instructions)`` out, clock injected): its tables,
+  failure detection, stop and eviction, joins, worlds and queries;
 * `palatine.system.actor` — the SystemActor, a thin asyncio shell around the registry.
 
 Per-proc liveness records and failure texts live one layer down, in

@@ -7,9 +7,15 @@ a timer, a probe result, a returned message, a closed connection) and returning
 does with them. Time comes from the injected ``clock`` (monotonic seconds), so tests
 drive every timeout by advancing a fake clock.
 
-This module has joins, upserts and host assignment, snapshots and
-supervision queries, subscriptions and resolution. Failure detection
-is in `palatine.system.detection`, stop and eviction in `palatine.system.stopping`.
+One class, in four parts: the tables and the helpers every part uses; failure
+detection (silence: heartbeats and the health tick expire procs silent for
+``supervision_update_timeout_s``; death: a host's `ProcExited`; connection: a lost
+connection waits ``exit_report_grace_s`` for an exit report, then probes; failed actors
+and returned messages; `_declare` is the one place a health failure takes effect); stop
+and eviction (``ProcStop`` asks, a stopping set per world, a fallback timer, a
+``generation`` per operation so late answers never touch a re-created world); and joins,
+upserts and host assignment, snapshots, supervision queries, subscriptions and
+resolution.
 
 Bookkeeping errors are replies (`Rejected`), never exceptions.
 """
@@ -17,19 +23,35 @@ Bookkeeping errors are replies (`Rejected`), never exceptions.
 from __future__ import annotations
 
 import logging
+import math
+import time
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 from palatine.channel.addr import ChannelAddr
-from palatine.ids import HOST_WORLD_PREFIX, ProcId, WorldId
-from palatine.protocol.agent import ProcStop, SpawnProc
+from palatine.config import format_seconds
+from palatine.ids import HOST_WORLD_PREFIX, ActorId, PortId, ProcId, WorldId
+from palatine.protocol.agent import (
+    KillProcs,
+    ProcStop,
+    ProcStopResult,
+    SpawnProc,
+    SpawnProcResult,
+)
 from palatine.protocol.supervision import (
+    ALIVE,
+    CONNECTION_FAILURE,
     DETACHED,
     EXITED,
+    EXPIRED,
     MANAGED_BY_SYSTEM,
     MANAGING_SYSTEM,
     PROC_MODES,
+    Health,
     ProcRecord,
     RecordKind,
+    clock_text,
+    expiry_reason,
 )
 from palatine.protocol.system import (
     AddressChanged,
@@ -38,62 +60,114 @@ from palatine.protocol.system import (
     Joined,
     Leave,
     Ok,
+    PeerGone,
     ProcAssignment,
     ProcEntry,
     ProcExited,
+    ProcFailed,
     RejectCode,
+    Rejected,
     Resolve,
     Resolved,
     Snapshot,
     Stop,
+    StopAck,
     Subscribe,
     Subscribed,
     SupervisionUpdate,
     SystemSnapshot,
+    SystemStopping,
     Unsubscribe,
     UpsertWorld,
+    WorldGone,
     WorldSnapshot,
     WorldState,
     WorldStateReply,
     WorldStatus,
     WorldStatusChanged,
+    WorldStatusName,
     WorldSupervisionState,
     WorldUpserted,
 )
-from palatine.system.detection import DetectionMixin
 from palatine.system.instructions import (
     Ask,
     Bind,
+    ExitReportGrace,
     Instruction,
     JoinProbeNeeded,
     Log,
+    ManagingStopFallback,
     Probe,
+    ProbeAgain,
     ProbeOutcome,
     Send,
     SpawnToken,
+    StopFallback,
+    StopSystem,
+    StopToken,
+    Timer,
     Unbind,
 )
-from palatine.system.state import Result, agent_of
-from palatine.system.stopping import StoppingMixin
 from palatine.system.worlds import (
     ACTIVE,
+    EVICTING,
     STOPPING,
     WorldRecord,
     check_upsert_spec,
     check_world_name,
+    execution_id_from_env,
     host_ranks,
     hosts_needed,
     served_name,
 )
 
-__all__ = ["Result", "SystemRegistry", "agent_of"]
+__all__ = ["PROBE_AGAIN_S", "Result", "SystemRegistry", "agent_of"]
+
+Result = tuple[Any, list[Instruction]]
+
+"""``(reply or None, instructions)``: what every handler returns."""
 
 
-class SystemRegistry(DetectionMixin, StoppingMixin):
+def agent_of(proc_id: ProcId) -> ActorId:
+    """The proc agent ``P.proc[0]`` that receives the system's messages for ``proc_id``."""
+    return ActorId(proc_id, "proc", 0)
+
+
+#: How long after a probe that found a lost connection's address answering it is probed
+#: once more (`ProbeAgain`): a dying process has released everything well before.
+PROBE_AGAIN_S = 0.1
+
+
+def _proc_of(dest: Any) -> ProcId | None:
+    if isinstance(dest, PortId):
+        return dest.actor.proc
+    if isinstance(dest, ActorId):
+        return dest.proc
+    if isinstance(dest, ProcId):
+        return dest
+    return None
+
+
+class SystemRegistry:
     """Worlds, procs, hosts, supervision, subscriptions, resolution, eviction and stop.
 
     Every handler returns ``(reply, instructions)``; the reply is ``None`` for one-way
-    stimuli. Constructor arguments are those of `RegistryState` (clock injected).
+    stimuli.
+
+    Args:
+        clock: monotonic seconds; every timeout is measured on it.
+        supervision_update_timeout_s: silence after which an Alive proc is ``Expired``.
+        world_eviction_timeout_s: how long a world may have a failed proc before eviction.
+        execution_id: reported in ``Joined`` and snapshots (default: `execution_id_from_env`).
+        health_tick_interval_s: how often the shell must call `handle_health_tick`
+            (default ``min(1, supervision_update_timeout_s / 4)``); the registry only
+            reports it.
+        liveness_probe_timeout_s, exit_report_grace_s, proc_stop_timeout_s,
+        stop_fallback_margin_s, rpc_timeout_s: see `palatine.config.Config`.
+        unknown_proc_stop_interval_s: at most one ``ProcStop`` per unknown heartbeating
+            proc (and per zombie) in this interval.
+        wall_clock: wall-clock seconds, only for texts humans read (``declared Expired
+            at 12:03:04``) and ``Joined.system_time``.
 
     Shell contract (what to call when):
 
@@ -106,6 +180,900 @@ class SystemRegistry(DetectionMixin, StoppingMixin):
     * an `Ask` answered or failed: `handle_reply`;
     * a message the SystemActor sent came back: `handle_returned`.
     """
+
+    # ------------------------------------------------------------ tables and shared helpers
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        supervision_update_timeout_s: float = 20.0,
+        world_eviction_timeout_s: float = 10.0,
+        *,
+        execution_id: str | None = None,
+        health_tick_interval_s: float | None = None,
+        liveness_probe_timeout_s: float = 1.0,
+        exit_report_grace_s: float = 0.5,
+        proc_stop_timeout_s: float = 5.0,
+        stop_fallback_margin_s: float = 3.0,
+        rpc_timeout_s: float = 30.0,
+        unknown_proc_stop_interval_s: float = 10.0,
+        wall_clock: Callable[[], float] | None = None,
+    ) -> None:
+        self._clock = clock
+        self._wall = wall_clock if wall_clock is not None else time.time
+        self.supervision_update_timeout_s = supervision_update_timeout_s
+        self.world_eviction_timeout_s = world_eviction_timeout_s
+        self.execution_id = execution_id if execution_id else execution_id_from_env()
+        self.health_tick_interval_s = (
+            health_tick_interval_s
+            if health_tick_interval_s is not None
+            else min(1.0, supervision_update_timeout_s / 4)
+        )
+        self.liveness_probe_timeout_s = liveness_probe_timeout_s
+        self.exit_report_grace_s = exit_report_grace_s
+        self.proc_stop_timeout_s = proc_stop_timeout_s
+        self.stop_fallback_margin_s = stop_fallback_margin_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self.unknown_proc_stop_interval_s = unknown_proc_stop_interval_s
+
+        self._records: dict[ProcId, ProcRecord] = {}
+        self._worlds: dict[str, WorldRecord] = {}
+        self._managing: dict[ProcId, ProcRecord] = {}
+        # world name -> subscriber ports (a dict as an insertion-ordered set)
+        self._subs: dict[str, dict[PortId, None]] = {}
+        self._unknown_told: dict[ProcId, float] = {}
+        self._generation = 0
+        self._shutting_down = False
+        self._starting_shutdown = False
+        self._stopped = False
+        self._managing_pending: set[ProcId] = set()
+        self._managing_generation = 0
+
+    @property
+    def shutting_down(self) -> bool:
+        """``Stop{None}`` has begun; joins and upserts are refused."""
+        return self._shutting_down
+
+    @property
+    def stopped(self) -> bool:
+        """`StopSystem` has been issued."""
+        return self._stopped
+
+    def record(self, proc_id: ProcId) -> ProcRecord | None:
+        """The current record of ``proc_id`` (for the shell's diagnostics and tests)."""
+        return self._records.get(proc_id)
+
+    def world(self, name: str) -> WorldRecord | None:
+        """The record of world ``name`` (including host-only worlds)."""
+        return self._worlds.get(name)
+
+    def subscribers(self, world: str) -> list[PortId]:
+        """The ports subscribed to ``world``, in subscription order."""
+        return list(self._subs.get(world, ()))
+
+    def _reject(
+        self,
+        msg: Any,
+        requester: ProcId | None,
+        code: RejectCode,
+        text: str,
+        out: list[Instruction],
+    ) -> Result:
+        who = f" from {requester}" if requester is not None else ""
+        out.append(Log(logging.WARNING, f"rejected {type(msg).__name__}{who}: {code}: {text}"))
+        return Rejected(code=code, message=text), out
+
+    def _world_for(self, name: str) -> WorldRecord:
+        world = self._worlds.get(name)
+        if world is None:
+            world = self._worlds[name] = WorldRecord(name)
+        return world
+
+    def _world_of(self, rec: ProcRecord) -> WorldRecord | None:
+        if rec.kind == "proc":
+            return self._worlds.get(rec.proc_id.world.name)
+        if rec.kind == "host":
+            return self._worlds.get(served_name(rec.proc_id.world.name))
+        return None
+
+    def _drop_record(self, rec: ProcRecord, out: list[Instruction]) -> None:
+        """Remove ``rec`` from every table (its replacement, if any, is added after)."""
+        pid = rec.proc_id
+        if self._records.get(pid) is rec:
+            del self._records[pid]
+        if rec.kind == "managing":
+            self._managing.pop(pid, None)
+            self._managing_pending.discard(pid)
+            return
+        world = self._world_of(rec)
+        if world is None:
+            return
+        table = world.procs if rec.kind == "proc" else world.hosts
+        if table.get(pid.rank) is rec:
+            del table[pid.rank]
+            if rec.kind == "proc":
+                world.failed.discard(pid.rank)
+        if rec.kind == "host" and not world.created and not world.hosts:
+            del self._worlds[world.name]
+
+    def _push(self, world: str, event: Any, out: list[Instruction]) -> None:
+        subs = self._subs.get(world)
+        if subs:
+            for port in subs:
+                out.append(Send(port, event))
+
+    def _drop_subscriptions_of(self, proc_id: ProcId) -> None:
+        """The subscriber's proc is gone: end its subscriptions."""
+        for name in list(self._subs):
+            subs = self._subs[name]
+            for port in [p for p in subs if p.actor.proc == proc_id]:
+                del subs[port]
+            if not subs:
+                del self._subs[name]
+
+    def _peer_gone(self, rec: ProcRecord, out: list[Instruction], reason: str = "") -> None:
+        """Tell every resolver of ``rec`` that it is gone (once: the set is cleared)."""
+        if not rec.resolvers:
+            return
+        notice = PeerGone(
+            proc_id=rec.proc_id,
+            health=rec.health if not rec.alive else EXITED,
+            reason=rec.reason if not rec.alive else reason,
+            exit_code=rec.exit_code,
+            exit_signal=rec.exit_signal,
+            pid=rec.pid,
+            host=rec.host,
+        )
+        for resolver in sorted(rec.resolvers):
+            out.append(Send(agent_of(resolver), notice))
+        rec.resolvers = set()
+
+    def _report(self, rec: ProcRecord, out: list[Instruction]) -> None:
+        """Push `ProcFailed` once per incarnation (hosts go to ``hostW`` subscribers)."""
+        if rec.reported:
+            return
+        rec.reported = True
+        world = rec.proc_id.world
+        event = ProcFailed(world=world, rank=rec.proc_id.rank, state=rec.to_state())
+        self._push(world.name, event, out)
+
+    def _expected(self, rec: ProcRecord) -> bool:
+        """Exits of procs told to stop, or in a world being stopped/evicted, are expected."""
+        if rec.stop_sent or rec.left:
+            return True
+        if rec.kind == "proc":
+            world = self._worlds.get(rec.proc_id.world.name)
+            return world is not None and world.phase != ACTIVE
+        if rec.kind == "host":
+            world = self._worlds.get(served_name(rec.proc_id.world.name))
+            return world is not None and world.phase == STOPPING
+        return False
+
+    def _forget(self, rec: ProcRecord, reason: str, out: list[Instruction]) -> None:
+        """Drop ``rec`` for good: resolvers hear `PeerGone`, its subscriptions end."""
+        self._peer_gone(rec, out, f"removed: {reason}")
+        self._drop_subscriptions_of(rec.proc_id)
+        self._drop_record(rec, out)
+
+    def _evaluate(self, world: WorldRecord, now: float, out: list[Instruction]) -> None:
+        """Re-derive the world's status and push a change."""
+        if world.size is None or world.phase != ACTIVE:
+            return
+        status: WorldStatusName
+        if world.failed:
+            first = min(
+                (world.procs[r] for r in world.failed),
+                key=lambda rec: (rec.failed_at or 0.0, rec.proc_id.rank),
+            )
+            status, reason, failing = "Unhealthy", first.describe(), True
+        else:
+            joined = len(world.procs)
+            if joined < world.size:
+                status, failing = "Unhealthy", False
+                reason = f"waiting for procs: {joined}/{world.size} joined"
+            else:
+                status, reason, failing = "Live", f"all {world.size} procs joined", False
+        was_status = world.status
+        was_failing = world.failing_since is not None
+        if failing and world.failing_since is None:
+            world.failing_since = now
+        elif not failing:
+            world.failing_since = None
+        if status == "Unhealthy":
+            if was_status != "Unhealthy" or world.since is None:
+                world.since = now
+        else:
+            world.since = None
+        world.status = status
+        world.reason = reason
+        if status != was_status or failing != was_failing:
+            out.append(Log(logging.INFO, f"world {world.name} is {status}: {reason}"))
+            event = WorldStatusChanged(world=world.world_id, status=status, reason=reason)
+            self._push(world.name, event, out)
+
+    # ------------------------------------------------------------ failure detection: heartbeats, probes, exit reports, health ticks
+
+    def handle_supervision_update(
+        self, msg: SupervisionUpdate, arrived_at: float | None = None
+    ) -> Result:
+        """A heartbeat or failure report (one-way: the reply is always ``None``).
+
+        ``arrived_at`` is when the mailbox server received it (system clock); a backlog
+        in the SystemActor therefore never causes a false expiry.
+        """
+        out: list[Instruction] = []
+        state = msg.state
+        pid = state.proc_id
+        now = self._clock() if arrived_at is None else arrived_at
+        rec = self._records.get(pid)
+        if rec is None:
+            self._tell_unknown(pid, "unknown to the system", now, out)
+            return None, out
+        if rec.kind == "detached":
+            return None, out
+        if state.incarnation and rec.incarnation and state.incarnation != rec.incarnation:
+            self._tell_unknown(
+                pid, f"unknown to the system: {pid} has joined again since", now, out
+            )
+            return None, out
+        if not rec.alive:
+            # Sticky health: a zombie's heartbeat is ignored and the zombie told to stop.
+            if state.failed_actors:
+                rec.add_failed_actors(state.failed_actors)
+            told = rec.zombie_told_at
+            if told is None or now - told >= self.unknown_proc_stop_interval_s:
+                rec.zombie_told_at = now
+                at = clock_text(rec.declared_wall) if rec.declared_wall is not None else "?"
+                reason = f"declared {rec.health} at {at}: {rec.reason}"
+                out.append(
+                    Send(agent_of(pid), ProcStop(timeout_s=self.proc_stop_timeout_s, reason=reason))
+                )
+            return None, out
+        lh = rec.last_heartbeat
+        if lh is None or now > lh:
+            rec.last_heartbeat = now
+        rec.loop_lag_s = state.loop_lag_s
+        if state.failed_actors and rec.add_failed_actors(state.failed_actors):
+            self._actor_failed(rec, out)
+        return None, out
+
+    def _tell_unknown(self, pid: ProcId, reason: str, now: float, out: list[Instruction]) -> None:
+        told = self._unknown_told.get(pid)
+        if told is not None and now - told < self.unknown_proc_stop_interval_s:
+            return
+        self._unknown_told[pid] = now
+        out.append(
+            Log(logging.WARNING, f"heartbeat from {pid}, which is {reason}; telling it to stop")
+        )
+        out.append(Send(agent_of(pid), ProcStop(timeout_s=self.proc_stop_timeout_s, reason=reason)))
+
+    def _actor_failed(self, rec: ProcRecord, out: list[Instruction]) -> None:
+        now = self._clock()
+        first = rec.failed_at is None
+        if first:
+            rec.failed_at = now
+            rec.declared_wall = self._wall()
+        out.append(Log(logging.WARNING, rec.describe()))
+        if self._expected(rec) or not first:
+            return
+        world = self._world_of(rec)
+        if rec.kind == "proc" and world is not None:
+            world.failed.add(rec.proc_id.rank)
+        self._report(rec, out)
+        if rec.kind == "proc" and world is not None:
+            self._evaluate(world, now, out)
+        if rec.kind == "managing":
+            self._managing_failed(rec, out)
+
+    def _declare(
+        self,
+        rec: ProcRecord,
+        health: Health,
+        reason: str,
+        out: list[Instruction],
+        *,
+        exit_code: int | None = None,
+        exit_signal: int | None = None,
+        stderr_tail: list[str] | None = None,
+    ) -> None:
+        """First health failure of an Alive record: the one place failures take effect."""
+        now = self._clock()
+        if health == EXITED:
+            rec.set_exit(exit_code, exit_signal, reason, stderr_tail)
+        else:
+            rec.health = health
+            rec.reason = reason
+        rec.checking = False
+        if rec.failed_at is None:
+            rec.failed_at = now
+        rec.declared_wall = self._wall()
+        out.append(Log(logging.WARNING, rec.describe()))
+        self._peer_gone(rec, out)
+        self._drop_subscriptions_of(rec.proc_id)
+        world = self._world_of(rec)
+        if rec.kind == "proc" and world is not None:
+            world.failed.add(rec.proc_id.rank)
+        self._report(rec, out)
+        if rec.kind == "proc" and world is not None:
+            self._evaluate(world, now, out)
+        if rec.kind == "managing":
+            self._managing_failed(rec, out)
+
+    def _managing_failed(self, rec: ProcRecord, out: list[Instruction]) -> None:
+        if not self._shutting_down:
+            self._begin_shutdown(
+                self.proc_stop_timeout_s, f"ManagingSystem proc failed: {rec.describe()}", out
+            )
+
+    def _expire(self, now: float, out: list[Instruction]) -> None:
+        """Silence path: Alive supervised procs past the timeout become ``Expired``."""
+        limit = self.supervision_update_timeout_s
+        expired = [
+            rec
+            for rec in self._records.values()
+            if rec.health == ALIVE
+            and rec.kind != "detached"
+            and rec.last_heartbeat is not None
+            and now - rec.last_heartbeat > limit
+        ]
+        for rec in expired:
+            if rec.health != ALIVE or self._records.get(rec.proc_id) is not rec:
+                continue
+            if self._expected(rec):
+                continue
+            assert rec.last_heartbeat is not None
+            self._declare(rec, EXPIRED, expiry_reason(now - rec.last_heartbeat, limit), out)
+
+    def handle_health_tick(self) -> Result:
+        """The periodic health tick (every `health_tick_interval_s`)."""
+        out: list[Instruction] = []
+        now = self._clock()
+        self._expire(now, out)
+        for world in list(self._worlds.values()):
+            if self._worlds.get(world.name) is not world:
+                continue
+            self._evaluate(world, now, out)
+            if (
+                world.phase == ACTIVE
+                and world.failing_since is not None
+                and now - world.failing_since >= self.world_eviction_timeout_s
+            ):
+                self._evict(world, now, out)
+        if not self._shutting_down:
+            for rec in list(self._managing.values()):
+                if rec.failed:
+                    self._managing_failed(rec, out)
+                    break
+        if self._unknown_told:
+            interval = self.unknown_proc_stop_interval_s
+            for pid in [p for p, t in self._unknown_told.items() if now - t >= interval]:
+                del self._unknown_told[pid]
+        return None, out
+
+    def handle_proc_exited(self, msg: ProcExited, requester: ProcId | None = None) -> Result:
+        """A host's exit report: always `Ok`."""
+        out: list[Instruction] = []
+        pid = msg.proc_id
+        rec = self._records.get(pid)
+        if rec is None or rec.kind == "detached":
+            self._exit_before_join(msg, out)
+            return Ok(), out
+        if rec.joined and msg.pid and rec.pid and msg.pid != rec.pid:
+            out.append(
+                Log(
+                    logging.DEBUG,
+                    f"ignoring exit report of {pid} pid {msg.pid}: it is pid {rec.pid}",
+                )
+            )
+            return Ok(), out
+        if rec.alive and not self._expected(rec):
+            self._declare(
+                rec,
+                EXITED,
+                msg.reason,
+                out,
+                exit_code=msg.exit_code,
+                exit_signal=msg.exit_signal,
+                stderr_tail=msg.stderr_tail,
+            )
+            return Ok(), out
+        # Expected, or more precise information about a proc already declared failed:
+        # refine the record without a second report.
+        was_alive = rec.alive
+        precise = msg.exit_code is not None or msg.exit_signal is not None
+        known = rec.exit_code is not None or rec.exit_signal is not None
+        if rec.health != EXITED or (precise and not known):
+            rec.set_exit(msg.exit_code, msg.exit_signal, msg.reason, msg.stderr_tail)
+        elif msg.stderr_tail and not rec.stderr_tail:
+            rec.stderr_tail = list(msg.stderr_tail)
+        rec.checking = False
+        if was_alive:
+            rec.left = True
+        world = self._world_of(rec)
+        if rec.kind == "proc" and world is not None and rec.proc_id.rank in world.failed:
+            self._evaluate(world, self._clock(), out)
+        self._stop_done(rec, out)
+        return Ok(), out
+
+    def _exit_before_join(self, msg: ProcExited, out: list[Instruction]) -> None:
+        """A rank that died before it ever joined counts as failed."""
+        pid = msg.proc_id
+        world = self._worlds.get(pid.world.name)
+        if (
+            world is None
+            or world.size is None
+            or world.phase != ACTIVE
+            or pid.rank >= world.size
+            or pid in self._records
+        ):
+            out.append(
+                Log(logging.DEBUG, f"ignoring exit report of {pid}: no such rank is expected")
+            )
+            return
+        host = self._records.get(msg.host_proc) if msg.host_proc is not None else None
+        rec = ProcRecord(
+            pid,
+            "proc",
+            pid=msg.pid,
+            host=host.host if host is not None else "",
+            host_proc=msg.host_proc,
+            joined=False,
+        )
+        rec.set_exit(msg.exit_code, msg.exit_signal, msg.reason, msg.stderr_tail)
+        now = self._clock()
+        rec.failed_at = now
+        rec.declared_wall = self._wall()
+        self._records[pid] = rec
+        world.procs[pid.rank] = rec
+        world.failed.add(pid.rank)
+        out.append(Log(logging.WARNING, f"{rec.describe()} before joining"))
+        self._report(rec, out)
+        self._evaluate(world, now, out)
+
+    def handle_connection_lost(self, proc_id: ProcId) -> Result:
+        """An inbound connection from ``proc_id`` closed without a prior `Leave`.
+
+        Procs with a host wait ``exit_report_grace_s`` for the host's exit report
+        (a `Timer`); others are probed at once (a `Probe`).
+        """
+        out: list[Instruction] = []
+        rec = self._records.get(proc_id)
+        if rec is None or rec.kind == "detached" or not rec.joined:
+            return None, out
+        if not rec.alive or rec.left:
+            return None, out
+        if self._expected(rec):
+            self._stop_done(rec, out)
+            return None, out
+        if rec.checking:
+            return None, out
+        rec.checking = True
+        host = self._records.get(rec.host_proc) if rec.host_proc is not None else None
+        if host is not None and host.alive and self.exit_report_grace_s > 0:
+            token = ExitReportGrace(proc_id, rec.incarnation)
+            out.append(Timer(self.exit_report_grace_s, token))
+        else:
+            out.append(Probe(proc_id, rec.addr, rec.incarnation, self.liveness_probe_timeout_s))
+        return None, out
+
+    def handle_probe_result(self, probe: Probe, outcome: ProbeOutcome) -> Result:
+        """Outcome of a liveness `Probe`: refused means ``ConnectionFailure``."""
+        out: list[Instruction] = []
+        rec = self._records.get(probe.proc_id)
+        if rec is None or rec.incarnation != probe.incarnation or rec.addr != probe.addr:
+            return None, out
+        rec.checking = False
+        if not rec.alive:
+            return None, out
+        if outcome == "connected":
+            out.append(
+                Log(logging.DEBUG, f"{probe.proc_id}: connection dropped but its address answers")
+            )
+            if not probe.recheck:  # perhaps a dying process whose listener goes last
+                token = ProbeAgain(probe.proc_id, probe.incarnation, probe.addr)
+                out.append(Timer(PROBE_AGAIN_S, token))
+            return None, out
+        host = self._records.get(rec.host_proc) if rec.host_proc is not None else None
+        host_lost = host is not None and not host.alive
+        if outcome != "refused" and not host_lost:
+            return None, out  # no verdict: the silence path decides
+        # A timeout while its host is lost is a verdict too: children die with their host.
+        if self._expected(rec):
+            self._stop_done(rec, out)
+            return None, out
+        if host is not None and not host.alive:
+            on = f" on {host.host}" if host.host else ""
+            reason = f"connection lost (its host {host.proc_id}{on} was lost at the same time)"
+        else:
+            reason = f"connection lost; its address {rec.addr} refuses connections"
+        self._declare(rec, CONNECTION_FAILURE, reason, out)
+        if rec.kind == "host":
+            self._probe_children_of(rec, out)
+        return None, out
+
+    def _probe_again(self, token: ProbeAgain, out: list[Instruction]) -> None:
+        """The `ProbeAgain` delay has passed: probe that incarnation once more (recheck)."""
+        rec = self._records.get(token.proc_id)
+        if (
+            rec is None
+            or rec.incarnation != token.incarnation
+            or rec.addr != token.addr
+            or not rec.alive
+            or rec.checking
+        ):
+            return
+        rec.checking = True
+        timeout = self.liveness_probe_timeout_s
+        out.append(Probe(rec.proc_id, rec.addr, rec.incarnation, timeout, recheck=True))
+
+    def _probe_children_of(self, host: ProcRecord, out: list[Instruction]) -> None:
+        """A lost host took its children with it (parent-death signal): probe each one now.
+
+        Their own connection-lost signals normally arrive too; this makes the verdict
+        independent of the order (and of a probe that was inconclusive a moment earlier).
+        """
+        for child in list(self._records.values()):
+            if child.host_proc == host.proc_id and child.alive and not child.checking:
+                child.checking = True
+                out.append(
+                    Probe(
+                        child.proc_id, child.addr, child.incarnation, self.liveness_probe_timeout_s
+                    )
+                )
+
+    def handle_returned(
+        self, dest: ActorId | PortId | ProcId, errors: Iterable[str], message: Any = None
+    ) -> Result:
+        """A message the SystemActor sent came back undeliverable (its undeliverable hook).
+
+        A returned push ends that subscription; ``broken link`` / ``peer gone`` marks
+        the destination proc ``ConnectionFailure`` if it was Alive.
+        """
+        out: list[Instruction] = []
+        errors = list(errors)
+        if isinstance(dest, PortId):
+            for name in list(self._subs):
+                subs = self._subs[name]
+                if dest in subs:
+                    del subs[dest]
+                    out.append(
+                        Log(logging.INFO, f"subscription of {dest} to {name} ended: push returned")
+                    )
+                    if not subs:
+                        del self._subs[name]
+        pid = _proc_of(dest)
+        rec = self._records.get(pid) if pid is not None else None
+        if rec is None or not rec.supervised or not rec.joined or not rec.alive:
+            return None, out
+        cause = next((e for e in errors if e.startswith(("broken link", "peer gone"))), None)
+        if cause is None:
+            return None, out
+        if self._expected(rec):
+            self._stop_done(rec, out)
+            return None, out
+        reason = f"connection lost: a message from the system was returned: {cause}"
+        self._declare(rec, CONNECTION_FAILURE, reason, out)
+        return None, out
+
+    # ------------------------------------------------------------ stop and eviction
+
+    def handle_stop(self, msg: Stop, requester: ProcId | None = None) -> Result:
+        """`Stop`: `StopAck` at once; completion is tracked after."""
+        out: list[Instruction] = []
+        t = msg.proc_timeout_s
+        if t is None or not (t >= 0 and math.isfinite(t)):
+            return self._reject(
+                msg,
+                requester,
+                "invalid_argument",
+                f"invalid proc_timeout_s {msg.proc_timeout_s}: expected a finite number >= 0",
+                out,
+            )
+        if msg.worlds is None:
+            if self._shutting_down:
+                busy = [w.world_id for _, w in sorted(self._worlds.items())]
+                return StopAck(already_stopping=busy), out
+            ack = self._begin_shutdown(msg.proc_timeout_s, "stop requested", out)
+            return ack, out
+        stopping: list[WorldId] = []
+        already: list[WorldId] = []
+        unknown: list[WorldId] = []
+        seen: set[str] = set()
+        for wid in msg.worlds:
+            name = wid.name
+            if name in seen:
+                continue
+            seen.add(name)
+            world = self._worlds.get(name)
+            if world is None:
+                unknown.append(wid)
+            elif world.phase != ACTIVE:
+                already.append(wid)
+            else:
+                stopping.append(wid)
+        for wid in stopping:
+            self._stop_world(
+                self._worlds[wid.name], msg.proc_timeout_s, f"world {wid} stopped", out
+            )
+        if unknown:
+            names = ", ".join(str(w) for w in unknown)
+            out.append(Log(logging.INFO, f"stop: unknown worlds {names}"))
+        return StopAck(stopping=stopping, already_stopping=already, unknown=unknown), out
+
+    def _fallback_delay(self, proc_timeout_s: float) -> float:
+        return proc_timeout_s + self.stop_fallback_margin_s
+
+    def _send_stop(
+        self,
+        rec: ProcRecord,
+        proc_timeout_s: float,
+        reason: str,
+        token: StopToken,
+        out: list[Instruction],
+    ) -> None:
+        rec.stop_sent = True
+        stop = ProcStop(timeout_s=proc_timeout_s, reason=reason)
+        out.append(Ask(agent_of(rec.proc_id), stop, proc_timeout_s + self.rpc_timeout_s, token))
+
+    def _begin_shutdown(
+        self, proc_timeout_s: float, reason: str, out: list[Instruction]
+    ) -> StopAck:
+        """``Stop{None}``: refuse joins, tell subscribers, stop every world and managing proc."""
+        self._shutting_down = True
+        # Worlds with nothing to wait for are removed while this runs; the system must
+        # not be declared stopped before the managing procs have been told too.
+        self._starting_shutdown = True
+        # A requested stop is routine (INFO); any other reason (signal, fault) is news.
+        level = logging.INFO if reason == "stop requested" else logging.WARNING
+        out.append(Log(level, f"system shutting down: {reason}"))
+        event = SystemStopping(reason=reason)
+        for name in list(self._subs):
+            self._push(name, event, out)
+        stopping: list[WorldId] = []
+        already: list[WorldId] = []
+        for name in sorted(self._worlds):
+            world = self._worlds.get(name)
+            if world is None:
+                continue
+            if world.phase == ACTIVE:
+                stopping.append(world.world_id)
+                self._stop_world(world, proc_timeout_s, "system is shutting down", out)
+            else:
+                already.append(world.world_id)
+        self._managing_generation += 1
+        token = StopToken(None, self._managing_generation)
+        for pid in sorted(self._managing):
+            rec = self._managing[pid]
+            if rec.stop_sent:
+                continue
+            if rec.health == ALIVE:
+                self._managing_pending.add(pid)
+                self._send_stop(rec, proc_timeout_s, "system is shutting down", token, out)
+            elif rec.health == EXPIRED:
+                # Maybe frozen rather than dead: told to stop, but nobody waits for it.
+                rec.stop_sent = True
+                stop = ProcStop(timeout_s=proc_timeout_s, reason="system is shutting down")
+                out.append(Send(agent_of(pid), stop))
+        if self._managing_pending:
+            fallback = ManagingStopFallback(self._managing_generation)
+            out.append(Timer(self._fallback_delay(proc_timeout_s), fallback))
+        self._starting_shutdown = False
+        self._maybe_stop_system(out)
+        return StopAck(stopping=stopping, already_stopping=already)
+
+    def _stop_world(
+        self, world: WorldRecord, proc_timeout_s: float, reason: str, out: list[Instruction]
+    ) -> None:
+        """Send `ProcStop` to every proc and host of ``world`` and track the answers."""
+        world.phase = STOPPING
+        world.gone_reason = "stopped"
+        self._generation += 1
+        world.generation = self._generation
+        token = StopToken(world.name, world.generation)
+        out.append(Log(logging.INFO, f"stopping world {world.name}: {reason}"))
+        for table in (world.procs, world.hosts):
+            for rank in sorted(table):
+                rec = table[rank]
+                # Expired procs may be frozen, not dead: they are asked too, and the
+                # fallback timer removes them if they never answer.
+                if rec.joined and rec.health in (ALIVE, EXPIRED):
+                    world.pending.add(rec.proc_id)
+                    self._send_stop(rec, proc_timeout_s, reason, token, out)
+        if world.pending:
+            delay = self._fallback_delay(proc_timeout_s)
+            out.append(Timer(delay, StopFallback(world.name, world.generation, delay)))
+        else:
+            self._remove_world(world, out)
+
+    def _evict(self, world: WorldRecord, now: float, out: list[Instruction]) -> None:
+        """Evict a world that has had a failed proc for ``world_eviction_timeout_s``."""
+        assert world.failing_since is not None
+        unhealthy_for = f"unhealthy for {now - world.failing_since:.1f} s ({world.reason})"
+        out.append(Log(logging.WARNING, f"evicting world {world.name}: {unhealthy_for}"))
+        world.phase = EVICTING
+        world.gone_reason = f"evicted: {unhealthy_for}"
+        self._generation += 1
+        world.generation = self._generation
+        token = StopToken(world.name, world.generation)
+        reason = f"world {world.name} evicted: {world.reason}"
+        for rank in sorted(world.procs):
+            rec = world.procs[rank]
+            if rec.joined and rec.alive:
+                world.pending.add(rec.proc_id)
+                self._send_stop(rec, self.proc_stop_timeout_s, reason, token, out)
+        for rank in sorted(world.hosts):
+            host = world.hosts[rank]
+            if host.alive:
+                kill = KillProcs(world_id=world.world_id, reason=reason)
+                out.append(Ask(agent_of(host.proc_id), kill, self.rpc_timeout_s))
+        if world.pending:
+            delay = self._fallback_delay(self.proc_stop_timeout_s)
+            out.append(Timer(delay, StopFallback(world.name, world.generation, delay)))
+        else:
+            self._remove_world(world, out)
+
+    def _stop_done(self, rec: ProcRecord, out: list[Instruction]) -> None:
+        """``rec`` answered its stop, or can no longer answer; complete what waits on it."""
+        pid = rec.proc_id
+        if rec.kind == "managing":
+            if pid in self._managing_pending:
+                self._managing_pending.discard(pid)
+                self._forget(rec, "stopped", out)
+                out.append(Unbind(pid))
+                self._maybe_stop_system(out)
+            return
+        world = self._world_of(rec)
+        if world is None or world.phase == ACTIVE or pid not in world.pending:
+            return
+        world.pending.discard(pid)
+        if not world.pending:
+            self._remove_world(world, out)
+
+    def _remove_world(self, world: WorldRecord, out: list[Instruction]) -> None:
+        """The last step of a stop: drop the procs, unbind, `PeerGone`, `WorldGone`; hosts stay
+        after an eviction (the world is listed ``AwaitingCreation`` again)."""
+        name = world.name
+        stopped = world.phase == STOPPING
+        gone = world.gone_reason or "stopped"
+        what = "stopped" if stopped else "evicted"
+        for rank in sorted(world.procs):
+            rec = world.procs[rank]
+            self._forget(rec, f"world {name} {what}", out)
+        out.append(Unbind(world.world_id))
+        self._push(name, WorldGone(world=world.world_id, reason=gone), out)
+        self._subs.pop(name, None)
+        if stopped and world.hosts:
+            host_world = world.hosts[next(iter(world.hosts))].proc_id.world
+            for rank in sorted(world.hosts):
+                self._forget(world.hosts[rank], f"world {name} {what}", out)
+            out.append(Unbind(host_world))
+            self._push(host_world.name, WorldGone(world=host_world, reason=gone), out)
+            self._subs.pop(host_world.name, None)
+        out.append(Log(logging.INFO, f"world {name} removed: {gone}"))
+        if world.hosts and not stopped:
+            world.reset_to_hosts_only()
+            if self._shutting_down:
+                # Evicted during a shutdown: its hosts must be stopped too.
+                self._stop_world(world, self.proc_stop_timeout_s, "system is shutting down", out)
+                return
+        elif self._worlds.get(name) is world:
+            del self._worlds[name]
+        self._maybe_stop_system(out)
+
+    def _maybe_stop_system(self, out: list[Instruction]) -> None:
+        if (
+            self._shutting_down
+            and not self._starting_shutdown
+            and not self._stopped
+            and not self._managing_pending
+            and not any(w.phase != ACTIVE or w.procs or w.hosts for w in self._worlds.values())
+        ):
+            self._stopped = True
+            out.append(
+                Log(logging.INFO, "system stopped: every world and managed proc has stopped")
+            )
+            out.append(StopSystem("shutdown complete"))
+
+    def handle_reply(self, ask: Ask, reply: Any, error: str | None = None) -> Result:
+        """The outcome of an `Ask`: ``reply``, or ``None`` and ``error`` (returned,
+        deadline passed, peer gone)."""
+        out: list[Instruction] = []
+        msg = ask.message
+        pid = ask.dest.proc
+        if isinstance(msg, ProcStop):
+            if isinstance(reply, ProcStopResult):
+                aborted = f" ({len(reply.aborted)} aborted)" if reply.aborted else ""
+                out.append(Log(logging.INFO, f"{pid}: proc stopped{aborted}"))
+            else:
+                why = error if error is not None else f"unexpected reply {reply!r}"
+                out.append(Log(logging.WARNING, f"{pid}: stop not confirmed: {why}"))
+            token = ask.token
+            rec = self._records.get(pid)
+            if isinstance(token, StopToken) and rec is not None:
+                if token.world is None:
+                    if pid in self._managing_pending:
+                        self._stop_done(rec, out)
+                else:
+                    world = self._worlds.get(token.world)
+                    if world is not None and world.generation == token.generation:
+                        self._stop_done(rec, out)
+        elif isinstance(msg, SpawnProc):
+            self._spawn_reply(ask, reply, error, out)
+        elif isinstance(msg, KillProcs) and (error is not None or isinstance(reply, Rejected)):
+            why = error if error is not None else reply.message
+            text = f"{pid}: KillProcs for {msg.world_id} failed: {why}"
+            out.append(Log(logging.WARNING, text))
+        return None, out
+
+    def _spawn_reply(self, ask: Ask, reply: Any, error: str | None, out: list[Instruction]) -> None:
+        token = ask.token
+        if not isinstance(token, SpawnToken):
+            return
+        world = self._worlds.get(token.world)
+        if world is None or world.incarnation != token.world_incarnation or world.phase != ACTIVE:
+            return
+        failures: list[tuple[ProcId, str]] = []
+        if isinstance(reply, SpawnProcResult):
+            failures = [(f.proc_id, f.reason) for f in reply.failed]
+        elif isinstance(reply, Rejected):
+            why = f"host {token.host} refused to spawn: {reply.message}"
+            failures = [(world.world_id.proc(r), why) for r in token.ranks]
+        else:
+            out.append(
+                Log(logging.WARNING, f"SpawnProc to {token.host} for {world.name} failed: {error}")
+            )
+            return
+        for pid, reason in failures:
+            if pid.world != world.world_id or pid in self._records:
+                continue
+            exit_msg = ProcExited(proc_id=pid, host_proc=token.host, reason=reason)
+            self._exit_before_join(exit_msg, out)
+
+    def handle_timer(self, token: Any) -> Result:
+        """A `Timer` the shell scheduled has fired."""
+        out: list[Instruction] = []
+        if isinstance(token, ExitReportGrace):
+            rec = self._records.get(token.proc_id)
+            if rec is not None and rec.incarnation == token.incarnation and rec.alive:
+                if self._expected(rec):
+                    rec.checking = False
+                    self._stop_done(rec, out)
+                else:
+                    out.append(
+                        Probe(rec.proc_id, rec.addr, rec.incarnation, self.liveness_probe_timeout_s)
+                    )
+        elif isinstance(token, ProbeAgain):
+            self._probe_again(token, out)
+        elif isinstance(token, StopFallback):
+            world = self._worlds.get(token.world)
+            if world is not None and world.generation == token.generation and world.phase != ACTIVE:
+                what = "stop" if world.phase == STOPPING else "eviction"
+                silent = ", ".join(str(p) for p in sorted(world.pending))
+                wait = format_seconds(token.delay_s)
+                out.append(
+                    Log(
+                        logging.WARNING,
+                        f"{what} of world {world.name}: no answer from {silent} "
+                        f"within the fallback timeout ({wait} s); removing it",
+                    )
+                )
+                self._remove_world(world, out)
+        elif (
+            isinstance(token, ManagingStopFallback)
+            and token.generation == self._managing_generation
+            and self._managing_pending
+        ):
+            silent = ", ".join(str(p) for p in sorted(self._managing_pending))
+            out.append(Log(logging.WARNING, f"shutdown: no answer from {silent}; forgetting them"))
+            for pid in sorted(self._managing_pending):
+                rec = self._records.get(pid)
+                if rec is not None:
+                    self._stop_done(rec, out)
+            self._managing_pending.clear()
+            self._maybe_stop_system(out)
+        return None, out
+
+    # ------------------------------------------------------------ joins, worlds, queries and subscriptions
 
     # Request type -> handler method name (`handle` dispatches on the exact type).
     _HANDLERS: ClassVar[dict[type, str]] = {
