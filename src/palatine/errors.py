@@ -131,6 +131,8 @@ class RemoteException(PalatineError):
         headline: str = "",
     ) -> None:
         self.type_name = type_name
+        # the qualified type when the client knows it (``builtins.ZeroDivisionError``);
+        # `type_name` is as given
         self.exc_type = type_name
         self.message = message
         self.traceback = traceback

@@ -898,7 +898,7 @@ def test_sends_to_alternating_subsets_arrive_in_order(cluster: Cluster) -> None:
 
 
 def test_history_through_the_actor(cluster: Cluster) -> None:
-    """Item 23: the test client also plays the workers' replies (Status, failures, fetches)."""
+    """The test client also plays the workers' replies (Status, failures, fetches)."""
     from palatine.protocol.controller import Introspect
     from palatine.protocol.worker import (
         FetchResult,

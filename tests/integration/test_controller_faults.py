@@ -1,9 +1,9 @@
 """Faults seen by a controller started through the CLI.
 
-Items 20 (late attach), 50 (a stack dump that never answers), 56 (a whole host lost),
-58 (a SIGSTOPped worker), 61 (two workers killed together) and 63 (the worker world
-evicted), plus the plain "was stopped" text Item 38 (randomized History) is a
-unit test (tests/unit/test_history.py), not repeated here.
+A late attach, a stack dump that never answers, a whole host lost, a SIGSTOPped worker,
+two workers killed together, the worker world evicted, and the plain "was stopped" text.
+The randomized History test is a unit test (tests/unit/test_history.py), not repeated
+here.
 
 Everything runs real processes with the `Cluster` of test_controller.py: ``palatine
 system`` (update timeout 3 s, eviction after 2 s), two ``palatine host`` of
@@ -99,7 +99,7 @@ def stopped() -> Iterator[list[int]]:
 
 @pytest.mark.timeout(60)
 def test_late_attach_works_normally(cluster: Cluster) -> None:
-    """Item 20, shortened: the client attaches 3 s (3 liveness timeouts) after ready."""
+    """Shortened: the client attaches 3 s (3 liveness timeouts) after ready."""
     ctl = cluster.start_controller(env={"PALATINE_CLIENT_LIVENESS_TIMEOUT": "1"})
     client = cluster.client()
     time.sleep(3.0)
@@ -123,7 +123,7 @@ def test_late_attach_works_normally(cluster: Cluster) -> None:
 
 @pytest.mark.timeout(60)
 def test_failures_queued_before_a_late_attach_arrive_right_after_it(cluster: Cluster) -> None:
-    """Items 19/20: a worker dies and its world is evicted long before the client attaches;
+    """a worker dies and its world is evicted long before the client attaches;
     both Failures come, in order, right after the AttachReply, and the controller waited."""
     ctl = cluster.start_controller(env={"PALATINE_CLIENT_LIVENESS_TIMEOUT": "1"})
     client = cluster.client()
@@ -157,7 +157,7 @@ def test_failures_queued_before_a_late_attach_arrive_right_after_it(cluster: Clu
 def test_sigkill_of_a_whole_host_reports_each_of_its_workers_once(
     slow_silence_cluster: Cluster,
 ) -> None:
-    """Item 56: the host and its worker procs die together (SIGKILL); each worker of that
+    """the host and its worker procs die together (SIGKILL); each worker of that
     host gets one Failure naming the host loss; the other host's workers none; then the
     world is evicted and one world_gone follows."""
     cluster = slow_silence_cluster
@@ -208,7 +208,7 @@ def test_sigkill_of_a_whole_host_reports_each_of_its_workers_once(
 def test_sigstopped_worker_is_reported_as_heartbeat_timeout(
     cluster: Cluster, stopped: list[int]
 ) -> None:
-    """Item 58: no heartbeat for the update timeout (3 s) → one Failure saying `stopped
+    """no heartbeat for the update timeout (3 s) → one Failure saying `stopped
     sending heartbeats` within update timeout + 2 query intervals; SIGCONT does not
     revive it or report it again."""
     cluster.start_controller()
@@ -244,7 +244,7 @@ def test_sigstopped_worker_is_reported_as_heartbeat_timeout(
 def test_two_workers_killed_together_are_each_reported_once(
     slow_silence_cluster: Cluster,
 ) -> None:
-    """Item 61: one Failure per proc, none twice (also not by the polls, nor after the
+    """one Failure per proc, none twice (also not by the polls, nor after the
     eviction). Order: each death is pushed on its own, so rank order is only guaranteed
     within one batch; the test checks the set."""
     cluster = slow_silence_cluster
@@ -274,7 +274,7 @@ def test_two_workers_killed_together_are_each_reported_once(
 
 @pytest.mark.timeout(60)
 def test_evicted_worker_world_gives_one_world_gone(cluster: Cluster) -> None:
-    """Item 63: a failed worker makes the system evict the world after 2 s; the client
+    """a failed worker makes the system evict the world after 2 s; the client
     gets exactly one `world_gone` with the stopped-world text, after the proc's Failure, and the
     controller stays up."""
     ctl = cluster.start_controller()
@@ -321,7 +321,7 @@ def test_worker_world_stopped_by_someone_else_is_world_gone_stopped(cluster: Clu
 def test_stall_report_completes_when_the_stack_dump_never_answers(
     env: dict[str, str], tmp_path: Path, stopped: list[int]
 ) -> None:
-    """Item 50: rank 0 is SIGSTOPped, so neither its progress query nor its in-process
+    """rank 0 is SIGSTOPped, so neither its progress query nor its in-process
     dump answers, and the host's outside dump hangs ("py-spy" that sleeps; faulthandler's
     signal stays pending). The warning still comes within the stall-report bound (2 s)
     + 1 s of the report's start, saying `stack unavailable`."""

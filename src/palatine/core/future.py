@@ -166,7 +166,7 @@ class Future(Generic[T]):
             raise self._exc
         return self._value  # type: ignore[no-any-return]
 
-    result = get
+    result = get  # concurrent.futures' name for Monarch's get
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._wait(timeout)

@@ -935,7 +935,7 @@ class LaneFuture(Future[Any]):
             self._demote()
         return super().get(timeout)
 
-    result = get
+    result = get  # concurrent.futures' name, as on every palatine Future
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self._state and not self._lane_wait(timeout):

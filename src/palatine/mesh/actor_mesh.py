@@ -296,7 +296,7 @@ class Endpoint:
         else:
             self._target._broadcast(self._name, args, kwargs)
 
-    send = broadcast
+    send = broadcast  # Monarch's earlier name for a one-way call to every actor
 
     def stream(self, *args: Any, **kwargs: Any) -> _Stream:
         """Replies as ``(rank, reply)`` in arrival order (sync and async iterator)."""

@@ -280,7 +280,7 @@ class RoleProcess:
             self._stop_pump = True
             self._pump.join(_PUMP_JOIN_S)
 
-    close = kill
+    close = kill  # what fixtures and `contextlib.closing` call
 
     def cut_lifeline(self) -> None:
         """Close the launcher's end of the lifeline (idempotent): the role then stops
