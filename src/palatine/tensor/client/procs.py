@@ -69,7 +69,8 @@ class RoleProcess:
     however long it runs. Every line goes to ``log_path`` when given (in full), the last
     ones are kept for `stderr`, and the lines meant for a person (see
     `palatine.output.console.classify`) go to ``console`` when given. The JSON ready line on
-    stdout is taken by `wait_ready`.
+    stdout is taken by `wait_ready`. ``prefix`` runs the command through another
+    (``ip netns exec NODE``: a role on a test bed's node).
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class RoleProcess:
         log_path: str | None = None,
         console: ConsoleWriter | None = None,
         wait: bool = True,
+        prefix: list[str] | None = None,
     ) -> None:
         self.args = args
         self.log_path = log_path
@@ -92,7 +94,7 @@ class RoleProcess:
         log_file = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - the pump's
         try:
             self.popen = subprocess.Popen(
-                [*palatine_cmd(), *args],
+                [*(prefix or []), *palatine_cmd(), *args],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

@@ -23,6 +23,7 @@ import datetime
 import itertools
 import json
 import logging
+import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -254,6 +255,32 @@ def _choose_backend(infos: list[list[str]]) -> str:
     return "gloo"
 
 
+def interface_of(host: str) -> str | None:
+    """The name of the network interface that holds address ``host`` (None: none does)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%", 1)[0] == host for a in addrs):
+            return str(name)
+    return None
+
+
+def bind_to_interface_of(host: str) -> None:
+    """Make gloo and NCCL use the interface the worker is reached on.
+
+    Left alone, both pick the address the machine's hostname resolves to, which is often
+    a loopback address: ranks on other machines then dial themselves, and the error
+    comes only after the collective timeout. The worker's own address (``host``) is the
+    one the rest of the job reaches it on. A user's ``GLOO_SOCKET_IFNAME`` or
+    ``NCCL_SOCKET_IFNAME`` wins.
+    """
+    name = interface_of(host)
+    if name is None:
+        return
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(var, name)
+
+
 def _backend_network_init(stream: Stream, cmd: BackendNetworkInit) -> None:
     import torch
     import torch.distributed as dist
@@ -277,6 +304,7 @@ def _backend_network_init(stream: Stream, cmd: BackendNetworkInit) -> None:
     if backend == "nccl" and w.device_index is not None:
         device = torch.device("cuda", w.device_index)
         kwargs["device_id"] = device
+    bind_to_interface_of(w.store_host)
     prefixed = dist.PrefixStore("palatine/pg/", store)  # type: ignore[attr-defined]
     dist.init_process_group(
         backend,
