@@ -43,6 +43,7 @@ __all__ = [
     "DeviceException",
     "StuckWorkersException",
     "TooManyOpenFiles",
+    "SchedulerError",
     "CallTimeout",
     "HostMesh",
     "ProcMesh",
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
         DeviceException,
         PalatineError,
         RemoteException,
+        SchedulerError,
         StuckWorkersException,
         TooManyOpenFiles,
     )
@@ -97,6 +99,7 @@ _WHERE = {
     "DeviceException": "palatine.errors",
     "StuckWorkersException": "palatine.errors",
     "TooManyOpenFiles": "palatine.errors",
+    "SchedulerError": "palatine.errors",
     "CallTimeout": "palatine.errors",
     "HostMesh": "palatine.job.hostmesh",
     "ProcMesh": "palatine.job.hostmesh",

@@ -31,6 +31,7 @@ __all__ = [
     "StackDumpError",
     "InfrastructureError",
     "TooManyOpenFiles",
+    "SchedulerError",
     "error_text",
 ]
 
@@ -261,6 +262,12 @@ class TooManyOpenFiles(PalatineError, OSError):
     ``local_mesh``, ``this_host().spawn_procs`` and ``palatine controller``), instead of
     the job failing later, in another process, with ``EMFILE`` seen nowhere.
     """
+
+
+class SchedulerError(PalatineError):
+    """A scheduler refused or ended a job: ``sbatch`` said no (its words are in the
+    message), the job failed or was cancelled before its hosts joined, or they did not
+    join within the start timeout. Raised by `palatine.job` at the client."""
 
 
 def error_text(exc: BaseException) -> str:

@@ -360,3 +360,18 @@ def test_a_lost_controller_is_reported_with_its_log_file() -> None:
         text = str(ei.value)
         assert text.startswith("controller controller[0].root[0] (controller[0]) is gone: ")
         assert text.endswith(f" (its log: {log_file})")
+
+
+def test_a_local_job_has_the_job_lifecycle_and_the_mesh_of_local_mesh() -> None:
+    from palatine.job import LocalJob
+
+    with LocalJob(hosts=1, procs_per_host=2) as job:
+        assert job.state() == "Live"
+        mesh = job.mesh()
+        assert (mesh.names, mesh.sizes) == (["host", "proc"], [1, 2])
+        with mesh.activate():
+            assert (
+                fetch(remote(plus_one)(mesh.rank("proc")), shard={"host": 0, "proc": 1}).result()
+                == 2
+            )
+    assert job._mesh is None

@@ -25,8 +25,8 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (6, ("protocol",)),
     (7, ("hosting",)),
     (8, ("system",)),
-    (9, ("job",)),
-    (10, ("tensor",)),
+    (9, ("tensor",)),
+    (10, ("job",)),
     (11, ("cli", "__main__")),
 ]
 

@@ -30,8 +30,8 @@ def unavailable() -> str | None:
     """Why no test bed can be made on this machine (None: one can)."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "the ip tool (iproute2) is not installed"
+    if shutil.which("ip") is None or shutil.which("nsenter") is None:
+        return "the ip tool (iproute2) or nsenter (util-linux) is not installed"
     return None
 
 
@@ -64,8 +64,12 @@ class TestBed:
         return f"{self.subnet}.{10 + i}"
 
     def prefix(self, i: int) -> list[str]:
-        """The command prefix that runs a program inside node ``i``'s namespace."""
-        return ["ip", "netns", "exec", self.namespaces[i]]
+        """The command prefix that runs a program inside node ``i``'s network namespace.
+
+        Only the network namespace: ``ip netns exec`` would also mount a fresh ``/sys``,
+        without the cgroup tree that daemons such as ``slurmd`` need.
+        """
+        return ["nsenter", f"--net=/run/netns/{self.namespaces[i]}", "--"]
 
     def start(self) -> Self:
         """Make the bridge and the nodes (undone by `close` if anything fails)."""

@@ -136,6 +136,10 @@ class RoleProcess:
         assert self.ready is not None
         return str(self.ready["addr"])
 
+    def ready_within(self, timeout_s: float) -> bool:
+        """Whether the ready line has come, waiting at most ``timeout_s`` for it."""
+        return self._ready_event.wait(timeout_s)
+
     def wait_ready(self, timeout_s: float) -> dict[str, Any]:
         """Wait (bounded) for the ready line; raise with the stderr tail if it never comes."""
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,305 @@
+"""Jobs on a Slurm cluster: hosts allocated by ``sbatch``, a mesh over them.
+
+``SlurmJob(hosts=2, procs_per_host=4, partition="gpu")`` is declarative: `apply` submits
+it, `state` waits until every allocated host has joined, `mesh` gives the same
+`DeviceMesh` that ``local_mesh`` gives, `cancel` (or leaving ``with``) tears it all down.
+
+Where things run, and why:
+
+* **The system and the controller run with the client**, on the submitting machine.
+  The client is the one long-lived process of a single-controller job, and the nodes
+  only have to reach one address (the system's), which exists before ``sbatch`` is
+  called, so the batch script can name it. They listen on ``PALATINE_HOST_IP`` (the
+  address the nodes reach this machine on; else the address of this machine's
+  hostname) on a free port.
+* **One ``palatine host`` per node**, started by ``srun`` inside the allocation; it takes
+  its identity from the scheduler (``--host-rank $SLURM_NODEID``), joins the system over
+  TCP or TLS and starts that node's worker procs when the controller's world is placed.
+  Its output goes to ``<log dir>/slurm-<job id>.out``.
+
+``sbatch``'s refusals arrive as `SchedulerError` with its own words (``sbatch: error:
+invalid partition specified``); a job that fails, is cancelled or times out in the queue
+before its hosts joined is reported by name and state. `cancel` runs ``scancel``, stops
+the controller and the system, and waits until Slurm no longer lists the job.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
+
+from palatine import config
+from palatine.errors import SchedulerError
+from palatine.hosting.limits import check_open_files
+from palatine.output.logs import LogSession
+from palatine.tensor.client.local import LocalCluster, connect
+
+if TYPE_CHECKING:
+    from palatine.tensor.client.mesh import DeviceMesh
+
+__all__ = ["SlurmJob"]
+
+_SCHEDULER_TIMEOUT_S = 60.0  # one sbatch / squeue / scancel call
+_GONE_TIMEOUT_S = 30.0  # a cancelled job leaving squeue
+_ENDED = (
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+    "COMPLETED",
+)
+
+
+class _SlurmCluster(LocalCluster):
+    """The roles a Slurm job runs with its client; stopping them cancels the job first."""
+
+    def __init__(self, env: dict[str, str], logs: LogSession, job: SlurmJob) -> None:
+        super().__init__(env, logs)
+        self.job = job
+
+    def stop(self, grace_s: float = 5.0, *, clean: bool = True) -> None:
+        self.job._scancel()
+        super().stop(grace_s, clean=clean)
+
+
+class SlurmJob:
+    """A mesh of ``hosts`` × ``procs_per_host`` worker procs on nodes Slurm allocates."""
+
+    def __init__(
+        self,
+        hosts: int,
+        procs_per_host: int,
+        *,
+        partition: str | None = None,
+        time_limit: str | None = None,
+        account: str | None = None,
+        gpus_per_node: int | None = None,
+        python: str | None = None,
+        sbatch_args: tuple[str, ...] | list[str] = (),
+        log_dir: str | None = None,
+        transport: str = "tcp",
+        start_timeout_s: float = 300.0,
+        job_name: str = "palatine",
+    ) -> None:
+        if hosts < 1 or procs_per_host < 1:
+            raise ValueError(
+                f"hosts and procs_per_host must be >= 1, got {hosts} and {procs_per_host}"
+            )
+        if transport not in ("tcp", "tls"):
+            raise ValueError(f"transport must be 'tcp' or 'tls', not {transport!r}")
+        self.hosts = hosts
+        self.procs_per_host = procs_per_host
+        self.partition = partition
+        self.time_limit = time_limit
+        self.account = account
+        self.gpus_per_node = gpus_per_node
+        self.python = python or sys.executable
+        self.sbatch_args = list(sbatch_args)
+        self.log_dir = log_dir
+        self.transport = transport
+        self.start_timeout_s = start_timeout_s
+        self.job_name = job_name
+        self.job_id: str | None = None
+        self._cluster: _SlurmCluster | None = None
+        self._token = ""
+        self._mesh: DeviceMesh | None = None
+        self._deadline = 0.0
+
+    # ------------------------------------------------------------ submit
+    def apply(self) -> str:
+        """Start the system and controller here and submit the hosts; the job id."""
+        if self.job_id is not None:
+            return self.job_id
+        check_open_files(
+            self.hosts * self.procs_per_host + self.hosts + 2,
+            f"a job of {self.hosts * self.procs_per_host} procs",
+        )
+        logs = LogSession.create("slurm", self.log_dir)
+        self._token = secrets.token_hex(32)
+        env = {"PALATINE_CLUSTER_TOKEN": self._token, "PALATINE_LOG_DIR": str(logs.path)}
+        cluster = _SlurmCluster(env, logs, self)
+        self._cluster = cluster
+        self._deadline = time.monotonic() + self.start_timeout_s
+        try:
+            host = config.get().host_ip or socket.gethostbyname(socket.gethostname())
+            system = cluster.start(
+                ["system", "--system-addr", f"{self.transport}:{host}:0"], 60.0, "system"
+            )
+            cluster.system_addr = system.addr
+            self.job_id = self._sbatch(system.addr, logs)
+            ctl = [
+                "controller", "--worker-world", "worker", "--system-addr", system.addr,
+                "--world-size", str(self.hosts * self.procs_per_host),
+                "--num-procs-per-host", str(self.procs_per_host),
+                "--program", f"{shlex.quote(self.python)} -m palatine worker",
+            ]  # fmt: skip
+            if not self.gpus_per_node:
+                ctl.append("--is-cpu-worker")
+            cluster.start(ctl, self.start_timeout_s, "controller", wait=False)
+        except BaseException:
+            cluster.stop(1.0, clean=False)
+            raise
+        return self.job_id
+
+    def _sbatch(self, system_addr: str, logs: LogSession) -> str:
+        script = Path(logs.file("palatine-hosts.sbatch"))
+        script.write_text(
+            "#!/bin/bash\n"
+            "# One palatine host per allocated node; each joins the client's system.\n"
+            "exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c "
+            '\'exec "$0" -m palatine host --system-addr "$1" --host-world hostworker '
+            '--host-rank "$SLURM_NODEID"\' '
+            f"{shlex.quote(self.python)} {shlex.quote(system_addr)}\n"
+        )
+        argv = [
+            "sbatch", "--parsable", f"--job-name={self.job_name}", f"--nodes={self.hosts}",
+            "--ntasks-per-node=1", f"--output={logs.path}/slurm-%j.out",
+        ]  # fmt: skip
+        if self.partition:
+            argv.append(f"--partition={self.partition}")
+        if self.time_limit:
+            argv.append(f"--time={self.time_limit}")
+        if self.account:
+            argv.append(f"--account={self.account}")
+        if self.gpus_per_node:
+            argv.append(f"--gpus-per-node={self.gpus_per_node}")
+        argv += [*self.sbatch_args, str(script)]
+        try:
+            done = subprocess.run(
+                argv,
+                env=self._job_env(),
+                capture_output=True,
+                text=True,
+                timeout=_SCHEDULER_TIMEOUT_S,
+                check=False,
+            )
+        except FileNotFoundError:
+            raise SchedulerError("sbatch not found: is this a Slurm submit host?") from None
+        except subprocess.TimeoutExpired:
+            raise SchedulerError(
+                f"sbatch did not answer within {_SCHEDULER_TIMEOUT_S:g} s"
+            ) from None
+        if done.returncode != 0:
+            words = done.stderr.strip() or f"exit status {done.returncode}"
+            raise SchedulerError(f"sbatch refused the job: {words}")
+        return done.stdout.strip().split(";", 1)[0]
+
+    def _job_env(self) -> dict[str, str]:
+        """What the hosts inherit: this environment, less what names this machine or process."""
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("PALATINE_HOST_IP", "PALATINE_LIFELINE_FD")
+        }
+        env["PALATINE_CLUSTER_TOKEN"] = self._token
+        if self._cluster is not None:
+            env["PALATINE_LOG_DIR"] = str(self._cluster.logs.path)
+        return env
+
+    # ------------------------------------------------------------ wait, use
+    def job_state(self) -> str | None:
+        """Slurm's word for the job (``PENDING``, ``RUNNING``, ...); None once it is gone."""
+        if self.job_id is None:
+            return None
+        try:
+            done = subprocess.run(
+                ["squeue", "-h", "-j", self.job_id, "-o", "%T"],
+                capture_output=True, text=True, timeout=_SCHEDULER_TIMEOUT_S, check=False,
+            )  # fmt: skip
+        except (FileNotFoundError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() or None
+
+    def state(self) -> str:
+        """Wait until every host has joined and the workers are up (bounded by the start
+        timeout); ``"Live"``. A job that ends first is a `SchedulerError` naming its state."""
+        cluster = self._cluster
+        if cluster is None:
+            self.apply()
+            cluster = self._cluster
+        assert cluster is not None
+        controller = cluster.procs[-1]
+        while controller.ready is None:
+            if controller.popen.poll() is not None or time.monotonic() > self._deadline:
+                break
+            st = self.job_state()
+            if st in _ENDED or (
+                st is None and time.monotonic() > self._deadline - self.start_timeout_s + 5
+            ):
+                raise SchedulerError(self._ended_text(st))
+            controller.ready_within(0.5)
+        if controller.ready is None:
+            left = max(0.1, self._deadline - time.monotonic())
+            try:
+                cluster.wait_ready([controller], left)
+            except RuntimeError as e:
+                raise SchedulerError(f"Slurm job {self.job_id}: {e}") from None
+        return "Live"
+
+    def _ended_text(self, state: str | None) -> str:
+        out = ""
+        if self._cluster is not None and self.job_id is not None:
+            path = self._cluster.logs.path / f"slurm-{self.job_id}.out"
+            if path.exists():
+                out = "\n" + "\n".join(path.read_text(errors="replace").splitlines()[-20:])
+        return f"Slurm job {self.job_id} ended before its hosts joined: {state or 'gone from the queue'}{out}"
+
+    def mesh(self) -> DeviceMesh:
+        """The job's `DeviceMesh` (dims ``host`` and ``proc``), once every host joined."""
+        if self._mesh is None:
+            self.state()
+            assert self._cluster is not None
+            self._mesh = connect(
+                self._cluster.system_addr,
+                "worker",
+                timeout=60.0,
+                _local=self._cluster,
+                _token=self._token,
+            )
+        return self._mesh
+
+    # ------------------------------------------------------------ teardown
+    def _scancel(self) -> None:
+        """Cancel the allocation and wait (bounded) until Slurm no longer lists it."""
+        job, self.job_id = self.job_id, None
+        if job is None:
+            return
+        try:
+            subprocess.run(
+                ["scancel", job], capture_output=True, timeout=_SCHEDULER_TIMEOUT_S, check=False
+            )
+        except (FileNotFoundError, subprocess.TimeoutExpired):
+            return
+        self.job_id = job
+        deadline = time.monotonic() + _GONE_TIMEOUT_S
+        while time.monotonic() < deadline and self.job_state() is not None:
+            time.sleep(0.1)
+        self.job_id = None
+
+    def cancel(self) -> None:
+        """Tear everything down: the mesh, the allocation, the controller and the system."""
+        mesh, self._mesh = self._mesh, None
+        if mesh is not None:
+            mesh.shutdown()  # its cluster's stop cancels the job
+        elif self._cluster is not None:
+            self._cluster.stop(5.0, clean=False)
+        self._cluster = None
+        self._scancel()
+
+    def __enter__(self) -> Self:
+        self.apply()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cancel()
