@@ -4,16 +4,21 @@ over TCP on the bridge, as they would reach the machines of a cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import signal
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import cloudpickle
 import pytest
 
-from palatine import inspect, remote
+from palatine import DeviceException, fetch, inspect, remote
 from palatine.tensor.client.local import connect
+from palatine.tensor.client.mesh import DeviceMesh
 from palatine.tensor.client.procs import RoleProcess
 from palatine.testing.netns import TestBed, unavailable
 
@@ -25,6 +30,9 @@ pytestmark = [
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+UPDATE_TIMEOUT_S = 3.0  # the system's supervision update timeout in these tests
+INTERVAL_S = 0.5  # the hosts' heartbeat interval and the controller's query interval
+
 
 def net_namespace() -> int:
     """The inode of the calling process's network namespace (one per node)."""
@@ -35,6 +43,11 @@ def ones_times(rank: object) -> object:
     import torch
 
     return torch.ones(2) * float(rank)  # type: ignore[arg-type]
+
+
+def sleep_then(value: int) -> int:
+    time.sleep(60)
+    return value
 
 
 @pytest.fixture
@@ -51,137 +64,51 @@ def bed() -> Iterator[TestBed]:
     assert b.leftovers() == []
 
 
-def test_workers_on_two_nodes_run_calls_and_a_collective_across_the_nodes(bed: TestBed) -> None:
+@contextlib.contextmanager
+def two_node_mesh(bed: TestBed) -> Iterator[DeviceMesh]:
+    """System and controller here, one host per node, 2 worker procs on each node."""
     token = secrets.token_hex(32)
     env = {"PALATINE_CLUSTER_TOKEN": token}
     roles: list[RoleProcess] = []
     try:
-        system = RoleProcess(["system", "--system-addr", f"tcp:{bed.root_ip}:0"], env, 30)
+        system = RoleProcess(
+            ["system", "--system-addr", f"tcp:{bed.root_ip}:0",
+             "--supervision-update-timeout-in-sec", str(UPDATE_TIMEOUT_S)],
+            env, 30,
+        )  # fmt: skip
         roles.append(system)
         assert system.addr.startswith(f"tcp:{bed.root_ip}:")
         for i in range(2):
-            roles.append(
-                RoleProcess(
-                    [
-                        "host",
-                        "--system-addr",
-                        system.addr,
-                        "--host-world",
-                        "hostworker",
-                        "--host-rank",
-                        str(i),
-                    ],
-                    {**env, "PALATINE_HOST_IP": bed.node_ip(i)},
-                    60,
-                    prefix=bed.prefix(i),
-                )
-            )
-        roles.append(
-            RoleProcess(
-                [
-                    "controller",
-                    "--worker-world",
-                    "worker",
-                    "--system-addr",
-                    system.addr,
-                    "--world-size",
-                    "4",
-                    "--num-procs-per-host",
-                    "2",
-                    "--program",
-                    f"{sys.executable} -m palatine worker",
-                    "--is-cpu-worker",
-                ],
-                env,
-                90,
-            )
-        )
+            host = ["host", "--system-addr", system.addr, "--host-world", "hostworker",
+                    "--host-rank", str(i), "--supervision-update-interval-in-sec", str(INTERVAL_S)]  # fmt: skip
+            node_env = {**env, "PALATINE_HOST_IP": bed.node_ip(i)}
+            roles.append(RoleProcess(host, node_env, 60, prefix=bed.prefix(i)))
+        ctl = ["controller", "--worker-world", "worker", "--system-addr", system.addr,
+               "--world-size", "4", "--num-procs-per-host", "2",
+               "--supervision-query-interval-in-sec", str(INTERVAL_S),
+               "--program", f"{sys.executable} -m palatine worker", "--is-cpu-worker"]  # fmt: skip
+        roles.append(RoleProcess(ctl, env, 90))
         with connect(system.addr, "worker", timeout=90, _token=token) as mesh:
-            where = remote(net_namespace)()
-            seen = [inspect(where, shard={"host": h, "proc": p}) for h in (0, 1) for p in (0, 1)]
-            # two procs on each node, each node its own namespace, none of them ours
-            assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2]
-            assert net_namespace() not in seen
-            total = remote(ones_times)(mesh.rank(("host", "proc"))).reduce(
-                ("host", "proc"), op="sum"
-            )
-            assert inspect(total, shard={"host": 1, "proc": 1}).tolist() == [6.0, 6.0]
+            yield mesh
     finally:
         for role in reversed(roles):
             role.kill()
 
 
-def sleep_then(value: int) -> int:
-    import time
-
-    time.sleep(60)
-    return value
+def test_workers_on_two_nodes_run_calls_and_a_collective_across_the_nodes(bed: TestBed) -> None:
+    with two_node_mesh(bed) as mesh:
+        where = remote(net_namespace)()
+        seen = [inspect(where, shard={"host": h, "proc": p}) for h in (0, 1) for p in (0, 1)]
+        # two procs on each node, each node its own namespace, none of them ours
+        assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2]
+        assert net_namespace() not in seen
+        total = remote(ones_times)(mesh.rank(("host", "proc"))).reduce(("host", "proc"), op="sum")
+        assert inspect(total, shard={"host": 1, "proc": 1}).tolist() == [6.0, 6.0]
 
 
 def test_a_node_cut_off_fails_its_ranks_by_name_within_the_heartbeat_bound(bed: TestBed) -> None:
-    import time
-
-    from palatine import DeviceException, fetch
-
-    token = secrets.token_hex(32)
-    env = {"PALATINE_CLUSTER_TOKEN": token}
-    update_timeout_s, interval_s = 3.0, 0.5
-    roles: list[RoleProcess] = []
     try:
-        system = RoleProcess(
-            [
-                "system",
-                "--system-addr",
-                f"tcp:{bed.root_ip}:0",
-                "--supervision-update-timeout-in-sec",
-                str(update_timeout_s),
-            ],
-            env,
-            30,
-        )
-        roles.append(system)
-        for i in range(2):
-            roles.append(
-                RoleProcess(
-                    [
-                        "host",
-                        "--system-addr",
-                        system.addr,
-                        "--host-world",
-                        "hostworker",
-                        "--host-rank",
-                        str(i),
-                        "--supervision-update-interval-in-sec",
-                        str(interval_s),
-                    ],
-                    {**env, "PALATINE_HOST_IP": bed.node_ip(i)},
-                    60,
-                    prefix=bed.prefix(i),
-                )
-            )
-        roles.append(
-            RoleProcess(
-                [
-                    "controller",
-                    "--worker-world",
-                    "worker",
-                    "--system-addr",
-                    system.addr,
-                    "--world-size",
-                    "4",
-                    "--num-procs-per-host",
-                    "2",
-                    "--supervision-query-interval-in-sec",
-                    str(interval_s),
-                    "--program",
-                    f"{sys.executable} -m palatine worker",
-                    "--is-cpu-worker",
-                ],
-                env,
-                90,
-            )
-        )
-        with connect(system.addr, "worker", timeout=90, _token=token):
+        with two_node_mesh(bed):
             assert inspect(remote(net_namespace)(), shard={"host": 1, "proc": 0}) > 0
             pending = fetch(remote(sleep_then)(7), shard={"host": 1, "proc": 0})
             cut_at = time.monotonic()
@@ -191,9 +118,40 @@ def test_a_node_cut_off_fails_its_ranks_by_name_within_the_heartbeat_bound(bed: 
             took = time.monotonic() - cut_at
             text = str(ei.value)
             assert "worker[2]" in text or "worker[3]" in text, text
-            assert took < update_timeout_s + interval_s + 2.0, (took, text)
+            assert f"addr tcp:{bed.node_ip(1)}:" in text, text
+            assert took < UPDATE_TIMEOUT_S + INTERVAL_S + 2.0, (took, text)
             print(f"link cut -> client error in {took:.2f} s: {text.splitlines()[0]}")
     finally:
         bed.heal(1)
-        for role in reversed(roles):
-            role.kill()
+
+
+def _pids_in(namespace_inode: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if (entry / "ns" / "net").stat().st_ino == namespace_inode:
+                    pids.append(int(entry.name))
+    return pids
+
+
+def test_a_node_whose_processes_all_die_fails_its_ranks_at_once_naming_the_lost_host(
+    bed: TestBed,
+) -> None:
+    with two_node_mesh(bed):
+        node1 = inspect(remote(net_namespace)(), shard={"host": 1, "proc": 0})
+        pending = fetch(remote(sleep_then)(7), shard={"host": 1, "proc": 1})
+        victims = _pids_in(node1)
+        assert len(victims) >= 3  # the host, its fork server and two workers at least
+        killed_at = time.monotonic()
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with pytest.raises(DeviceException) as ei:
+            pending.result(timeout=30)
+        took = time.monotonic() - killed_at
+        text = str(ei.value)
+        assert "worker[2]" in text or "worker[3]" in text, text
+        assert "hostworker[1]" in text, text  # nobody is left there to report a signal
+        assert took < UPDATE_TIMEOUT_S + INTERVAL_S + 2.0, (took, text)
+        print(f"node killed -> client error in {took:.2f} s: {text.splitlines()[0]}")

@@ -87,3 +87,36 @@ def test_a_job_slurm_refuses_is_an_error_in_sbatchs_words(slurm: SlurmTestCluste
     assert str(ei.value).startswith("sbatch refused the job: sbatch: error: ")
     assert "invalid partition" in str(ei.value).lower()
     job.cancel()
+
+
+def sleep_then(value: int) -> int:
+    import time
+
+    time.sleep(60)
+    return value
+
+
+def test_a_job_cancelled_under_the_client_is_a_clear_error_and_nothing_stays(
+    slurm: SlurmTestCluster,
+) -> None:
+    import subprocess
+    import time
+
+    from palatine import DeviceException, fetch
+
+    job = SlurmJob(hosts=2, procs_per_host=1, partition=PARTITION, start_timeout_s=120)
+    try:
+        mesh = job.mesh()
+        with mesh.activate():
+            pending = fetch(remote(sleep_then)(1), shard={"host": 1, "proc": 0})
+            assert job.job_id is not None
+            cancelled_at = time.monotonic()
+            subprocess.run(["scancel", job.job_id], check=True, timeout=30)
+            with pytest.raises(DeviceException) as ei:
+                pending.result(timeout=60)
+            took = time.monotonic() - cancelled_at
+            assert "worker[1]" in str(ei.value), str(ei.value)
+            assert took < 10, (took, str(ei.value))
+    finally:
+        job.cancel()
+    assert slurm.squeue() == []
