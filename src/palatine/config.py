@@ -104,6 +104,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     controller_worker_actor_type: str | None = None
     # the client records where each call was issued, for its errors
     client_tracebacks: bool = True
+    # the py-spy executable for stack dumps from outside (None: py-spy on PATH)
+    pyspy: str | None = None
     # log directories of jobs started here (palatine.output.logs) kept after they end, newest first
     keep_logs: int = 10
     # text a console writer queues before it drops output with a count (palatine.output.console)

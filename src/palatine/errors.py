@@ -33,6 +33,7 @@ __all__ = [
     "TooManyOpenFiles",
     "SchedulerError",
     "error_text",
+    "is_refusal",
 ]
 
 
@@ -286,3 +287,18 @@ def error_text(exc: BaseException) -> str:
     if not text and isinstance(exc, TimeoutError):
         return "timed out"
     return text or type(exc).__name__
+
+
+#: Words of a link that failed because the peer refused us (or we refused the peer):
+#: the cluster token or a certificate. Retrying cannot help; callers give up at once.
+REFUSAL_WORDS = (
+    "server rejected connection: authentication failed",
+    "server authentication failed",
+    "does not accept our certificate",
+    "certificate was refused",
+)
+
+
+def is_refusal(text: str) -> bool:
+    """Whether an error's text says the peer refused this process's credentials."""
+    return any(words in text for words in REFUSAL_WORDS)

@@ -65,23 +65,30 @@ def bed() -> Iterator[TestBed]:
 
 
 @contextlib.contextmanager
-def two_node_mesh(bed: TestBed) -> Iterator[DeviceMesh]:
-    """System and controller here, one host per node, 2 worker procs on each node."""
+def two_node_mesh(
+    bed: TestBed, tls: dict[str, dict[str, str]] | None = None
+) -> Iterator[DeviceMesh]:
+    """System and controller here, one host per node, 2 worker procs on each node; over
+    ``tls:`` with each machine's certificate variables when ``tls`` maps addresses to them
+    (this process must have the root namespace's in its environment)."""
     token = secrets.token_hex(32)
-    env = {"PALATINE_CLUSTER_TOKEN": token}
+    env = {"PALATINE_CLUSTER_TOKEN": token, **(tls[bed.root_ip] if tls else {})}
+    transport = "tls" if tls else "tcp"
     roles: list[RoleProcess] = []
     try:
         system = RoleProcess(
-            ["system", "--system-addr", f"tcp:{bed.root_ip}:0",
+            ["system", "--system-addr", f"{transport}:{bed.root_ip}:0",
              "--supervision-update-timeout-in-sec", str(UPDATE_TIMEOUT_S)],
             env, 30,
         )  # fmt: skip
         roles.append(system)
-        assert system.addr.startswith(f"tcp:{bed.root_ip}:")
+        assert system.addr.startswith(f"{transport}:{bed.root_ip}:")
         for i in range(2):
             host = ["host", "--system-addr", system.addr, "--host-world", "hostworker",
                     "--host-rank", str(i), "--supervision-update-interval-in-sec", str(INTERVAL_S)]  # fmt: skip
             node_env = {**env, "PALATINE_HOST_IP": bed.node_ip(i)}
+            if tls:
+                node_env.update(tls[bed.node_ip(i)])
             roles.append(RoleProcess(host, node_env, 60, prefix=bed.prefix(i)))
         ctl = ["controller", "--worker-world", "worker", "--system-addr", system.addr,
                "--world-size", "4", "--num-procs-per-host", "2",
@@ -155,3 +162,47 @@ def test_a_node_whose_processes_all_die_fails_its_ranks_at_once_naming_the_lost_
         assert "hostworker[1]" in text, text  # nobody is left there to report a signal
         assert took < UPDATE_TIMEOUT_S + INTERVAL_S + 2.0, (took, text)
         print(f"node killed -> client error in {took:.2f} s: {text.splitlines()[0]}")
+
+
+def test_over_tls_with_a_certificate_per_node_the_job_runs_and_a_stranger_is_refused(
+    bed: TestBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("cryptography")
+    from palatine.testing.certs import make_node_pki
+
+    ips = [bed.root_ip, bed.node_ip(0), bed.node_ip(1)]
+    pki = make_node_pki(tmp_path / "pki", ips)
+    for key, value in pki[bed.root_ip].items():
+        monkeypatch.setenv(key, value)
+    with two_node_mesh(bed, tls=pki) as mesh:
+        assert mesh.session.worker_world == "worker"
+        where = remote(net_namespace)()
+        seen = [inspect(where, shard={"host": h, "proc": 0}) for h in (0, 1)]
+        assert seen[0] != seen[1]
+        total = remote(ones_times)(mesh.rank(("host", "proc"))).reduce(("host", "proc"), op="sum")
+        assert inspect(total, shard={"host": 0, "proc": 0}).tolist() == [6.0, 6.0]
+
+    # a node whose certificate another CA signed cannot join: its host says why, at once
+    strangers = make_node_pki(tmp_path / "other", ips, untrusted=(bed.node_ip(1),))
+    env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(32), **pki[bed.root_ip]}
+    system = RoleProcess(["system", "--system-addr", f"tls:{bed.root_ip}:0"], env, 30)
+    try:
+        stranger_env = {**env, **strangers[bed.node_ip(1)], "PALATINE_HOST_IP": bed.node_ip(1)}
+        stranger_env["PALATINE_TLS_CA"] = pki[bed.root_ip]["PALATINE_TLS_CA"]
+        host = [
+            "host",
+            "--system-addr",
+            system.addr,
+            "--host-world",
+            "hostworker",
+            "--host-rank",
+            "1",
+        ]
+        started = time.monotonic()
+        with pytest.raises(RuntimeError) as ei:
+            RoleProcess(host, stranger_env, 20, prefix=bed.prefix(1))
+        took = time.monotonic() - started
+        assert "does not accept our certificate" in str(ei.value), str(ei.value)[-2000:]
+        assert took < 10, took  # refused at once, not after the join timeout
+    finally:
+        system.kill()

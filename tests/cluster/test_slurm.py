@@ -115,8 +115,9 @@ def test_a_job_cancelled_under_the_client_is_a_clear_error_and_nothing_stays(
             with pytest.raises(DeviceException) as ei:
                 pending.result(timeout=60)
             took = time.monotonic() - cancelled_at
-            assert "worker[1]" in str(ei.value), str(ei.value)
-            assert took < 10, (took, str(ei.value))
+            text = str(ei.value)  # every rank went down with the job: the first one heard of
+            assert text.startswith(("worker rank 0 (worker[0]", "worker rank 1 (worker[1]")), text
+            assert took < 10, (took, text)
     finally:
         job.cancel()
     assert slurm.squeue() == []

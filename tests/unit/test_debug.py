@@ -133,6 +133,15 @@ def test_unopenable_stack_file_falls_back_to_stderr(tmp_path: Path, sigusr1: Non
 # --------------------------------------------------------------------------- dump_external
 
 
+def set_pyspy(monkeypatch: pytest.MonkeyPatch, path: str | None) -> None:
+    """``PALATINE_PYSPY`` as a role would have read it, for this test only."""
+    import msgspec
+
+    from palatine import config
+
+    monkeypatch.setattr(config, "_current", msgspec.structs.replace(config.get(), pyspy=path))
+
+
 async def test_external_dump_by_faulthandler(tmp_path: Path, sigusr1: None) -> None:
     stack = tmp_path / "self.stack"
     register_faulthandler(stack)
@@ -146,7 +155,7 @@ async def test_fake_pyspy_is_used_with_its_arguments(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     exe = fake_pyspy(tmp_path, 'echo "dumped: $*"')
-    monkeypatch.setenv("PALATINE_PYSPY", str(exe))
+    set_pyspy(monkeypatch, str(exe))
     assert find_pyspy() == str(exe)
     method, text = await dump_external(4242, None, native=True, timeout_s=5)
     assert method == "py-spy"
@@ -159,7 +168,7 @@ async def test_failing_pyspy_falls_back_to_faulthandler(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sigusr1: None
 ) -> None:
     exe = fake_pyspy(tmp_path, 'echo "Error: Permission denied (os error 1)" >&2; exit 1')
-    monkeypatch.setenv("PALATINE_PYSPY", str(exe))
+    set_pyspy(monkeypatch, str(exe))
     stack = tmp_path / "self.stack"
     register_faulthandler(stack)
     method, text = await dump_external(os.getpid(), stack, timeout_s=5)
@@ -171,7 +180,7 @@ async def test_failing_pyspy_without_stack_file_reports_both(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     exe = fake_pyspy(tmp_path, 'echo "Error: Permission denied" >&2; exit 1')
-    monkeypatch.setenv("PALATINE_PYSPY", str(exe))
+    set_pyspy(monkeypatch, str(exe))
     with pytest.raises(StackDumpError) as info:
         await dump_external(os.getpid(), None, timeout_s=5)
     message = str(info.value)
@@ -181,7 +190,7 @@ async def test_failing_pyspy_without_stack_file_reports_both(
 
 async def test_hanging_pyspy_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     exe = fake_pyspy(tmp_path, "exec sleep 30")
-    monkeypatch.setenv("PALATINE_PYSPY", str(exe))
+    set_pyspy(monkeypatch, str(exe))
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(StackDumpError, match="did not finish within"):
@@ -190,9 +199,9 @@ async def test_hanging_pyspy_is_bounded(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_find_pyspy_choices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PALATINE_PYSPY", str(tmp_path / "missing"))
+    set_pyspy(monkeypatch, str(tmp_path / "missing"))
     assert find_pyspy() is None
-    monkeypatch.delenv("PALATINE_PYSPY")
+    set_pyspy(monkeypatch, None)
     bindir = tmp_path / "bin"
     bindir.mkdir()
     exe = bindir / "py-spy"

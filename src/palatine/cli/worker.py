@@ -67,7 +67,8 @@ def narrow_visible_devices(environ: MutableMapping[str, str]) -> str | None:
 
     Must run before torch is imported. Returns what is wrong with the settings, or None.
     """
-    text = environ.get("PALATINE_DEVICES_PER_HOST", "").strip()
+    var = Handoff.variable("devices_per_host")
+    text = environ.get(var, "").strip()
     if not text:
         return None
     try:
@@ -75,8 +76,8 @@ def narrow_visible_devices(environ: MutableMapping[str, str]) -> str | None:
     except ValueError:
         n = 0
     if n < 1:
-        return f"PALATINE_DEVICES_PER_HOST must be a positive integer, not {text!r}"
-    name = "LOCAL_RANK" if environ.get("LOCAL_RANK") else "PALATINE_LOCAL_RANK"
+        return f"{var} must be a positive integer, not {text!r}"
+    name = "LOCAL_RANK" if environ.get("LOCAL_RANK") else Handoff.variable("local_rank")
     local = environ.get(name) or "0"
     try:
         local_rank = int(local)
@@ -90,13 +91,10 @@ def narrow_visible_devices(environ: MutableMapping[str, str]) -> str | None:
     else:
         entries = [d.strip() for d in visible.split(",") if d.strip()]
     if len(entries) < n:
-        return (
-            f"PALATINE_DEVICES_PER_HOST={n} but CUDA_VISIBLE_DEVICES={visible!r} "
-            f"lists {len(entries)} device(s)"
-        )
+        return f"{var}={n} but CUDA_VISIBLE_DEVICES={visible!r} lists {len(entries)} device(s)"
     environ["CUDA_VISIBLE_DEVICES"] = entries[local_rank % n]
     # What this proc sees now; a worker started from it keeps that one device.
-    environ["PALATINE_DEVICES_PER_HOST"] = "1"
+    environ[var] = "1"
     return None
 
 

@@ -24,7 +24,14 @@ from palatine.channel.addr import ChannelAddr, any_addr
 from palatine.core.actor import Actor, SupervisionEvent, handler, lookup_actor_type
 from palatine.core.comm import CommActor
 from palatine.core.proc import Proc
-from palatine.errors import CallTimeout, DeliveryError, JoinError, SpawnError, SystemRequestError
+from palatine.errors import (
+    CallTimeout,
+    DeliveryError,
+    JoinError,
+    SpawnError,
+    SystemRequestError,
+    is_refusal,
+)
 from palatine.ids import SYSTEM_ACTOR, SYSTEM_WORLD, ActorId, ProcId
 from palatine.protocol.agent import (
     Addr,
@@ -142,6 +149,8 @@ class ProcAgent(Actor):
             except SystemRequestError as e:
                 raise JoinError(e.message) from e
             except (DeliveryError, CallTimeout) as e:
+                if is_refusal(str(e)):  # credentials, not weather: retrying cannot help
+                    raise JoinError(f"system at {self.system_addr} refused this proc: {e}") from e
                 last = str(e)
             await asyncio.sleep(min(0.5, max(0.0, deadline - loop.time())))
 

@@ -104,6 +104,8 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
     stack_file: str = ""
     lifeline_fd: int | None = None
     fork_server_fd: int | None = None
+    # GPUs per host: a worker keeps entry LOCAL_RANK % n of CUDA_VISIBLE_DEVICES
+    devices_per_host: int | None = None
 
     @staticmethod
     def variable(field: str) -> str:

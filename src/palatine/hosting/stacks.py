@@ -137,7 +137,7 @@ def _stderr_target() -> TextIO | int:
 
 def find_pyspy() -> str | None:
     """The py-spy executable: ``PALATINE_PYSPY`` if set, else ``py-spy`` on PATH, else ``None``."""
-    configured = os.environ.get(PYSPY_VAR, "").strip()
+    configured = (config.get().pyspy or "").strip()
     if configured:
         found = shutil.which(configured)
         if found is None:

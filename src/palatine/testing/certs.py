@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["TestPki", "make_test_pki", "tls_env"]
+__all__ = ["make_node_pki", "TestPki", "make_test_pki", "tls_env"]
 
 _ROLES = ("server", "client", "other_client", "other_server")
 
@@ -104,6 +104,33 @@ class _Ca:
             )
             .sign(self.key, hashes.SHA256())
         )
+
+    def issue_node(self, ip: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        """A certificate for every process of one machine: it serves and it dials, so it
+        carries both usages, and its names are the machine's address and loopback."""
+        key = _new_key()
+        sans: list[x509.GeneralName] = [
+            x509.IPAddress(ipaddress.ip_address(ip)),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            x509.DNSName("localhost"),
+        ]
+        cert = (
+            _builder(f"palatine node {ip}", self.name, key.public_key())
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
+                critical=False,
+            )
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .sign(self.key, hashes.SHA256())
+        )
+        return cert, key
 
     def issue(
         self, common_name: str, *, server: bool
@@ -195,3 +222,24 @@ def tls_env(pki: TestPki, role: str) -> dict[str, str]:
         "PALATINE_TLS_KEY": str(key),
         "PALATINE_TLS_CA": str(pki.ca),
     }
+
+
+def make_node_pki(
+    directory: str | os.PathLike[str], ips: list[str], *, untrusted: tuple[str, ...] = ()
+) -> dict[str, dict[str, str]]:
+    """One CA and a certificate per machine address; the ``PALATINE_TLS_*`` variables of
+    each address. An address in ``untrusted`` gets a certificate from another CA (which
+    the rest do not trust), so its peers must refuse it."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    ca, other = _Ca("palatine cluster CA"), _Ca("palatine other CA")
+    ca_path = _write_cert(root / "ca.pem", ca.cert)
+    out = {}
+    for ip in ips:
+        cert, key = (other if ip in untrusted else ca).issue_node(ip)
+        out[ip] = {
+            "PALATINE_TLS_CERT": str(_write_cert(root / f"{ip}.pem", cert)),
+            "PALATINE_TLS_KEY": str(_write_key(root / f"{ip}.key", key)),
+            "PALATINE_TLS_CA": str(ca_path),
+        }
+    return out

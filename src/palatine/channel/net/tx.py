@@ -72,6 +72,41 @@ _Entry = tuple[
 ]
 
 
+#: OpenSSL reasons that mean a certificate was refused, by us or by the peer: retrying
+#: cannot help, so the link fails at once with the reason.
+_REFUSED_CERTIFICATE = frozenset(
+    {
+        "CERTIFICATE_VERIFY_FAILED",
+        "TLSV1_ALERT_UNKNOWN_CA",
+        "SSLV3_ALERT_BAD_CERTIFICATE",
+        "SSLV3_ALERT_CERTIFICATE_UNKNOWN",
+        "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE",
+        "TLSV13_ALERT_CERTIFICATE_REQUIRED",
+        "TLSV1_ALERT_ACCESS_DENIED",
+    }
+)
+
+
+class _ClosedEarly(ConnectionError):
+    """The peer closed a connection before our handshake on it finished."""
+
+
+#: tls connections closed by the peer during the handshake, in a row, that make a refusal.
+_TLS_CLOSES_FINAL = 3
+
+
+def _certificate_refused(exc: ssl.SSLError) -> bool:
+    return isinstance(exc, ssl.SSLCertVerificationError) or exc.reason in _REFUSED_CERTIFICATE
+
+
+def _tls_reason(exc: ssl.SSLError) -> str:
+    """``certificate verify failed: unable to get local issuer certificate``, or what the
+    peer said (``the peer refused our certificate: TLSV1_ALERT_UNKNOWN_CA``)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"the peer's certificate was refused: {exc.verify_message or exc.reason}"
+    return f"the peer refused our certificate: {exc.reason}"
+
+
 class _ClientConn(asyncio.Protocol):
     """One connection of a `NetTx`: handshake, then ``Ack`` frames in, messages out."""
 
@@ -158,7 +193,11 @@ class _ClientConn(asyncio.Protocol):
         if not self.lost.done():
             self.lost.set_result(reason)
         if not self.ready.done():
-            self.ready.set_exception(ConnectionError(reason))
+            # A TLS alert before our handshake finished (TLS 1.3 reports the peer's
+            # refusal of our certificate only now) keeps its type: the connect loop
+            # gives up at once on a refused certificate.
+            failure = exc if isinstance(exc, ssl.SSLError) else _ClosedEarly(reason)
+            self.ready.set_exception(failure)
             self.ready.exception()  # the connect loop may have stopped waiting
         self.tx._on_lost(self)
 
@@ -205,6 +244,8 @@ class NetTx(Tx):
         self._callbacks: list[Callable[[str], None]] = []
         self._drained: asyncio.Future[None] | None = None
         self.connects = 0  # successful handshakes, for tests and diagnostics
+        # tls: connections the peer closed in a row before our handshake finished
+        self._tls_closed_early = 0
         logger.debug("dialing channel %s", addr)
 
     # -- public API ----------------------------------------------------------------------
@@ -440,10 +481,25 @@ class NetTx(Tx):
                 conn = await self._connect()
             except HandshakeError as exc:  # non-fatal ones only reach here
                 self._last_error = exc.reason
-            except (OSError, TimeoutError, ssl.SSLError, ConnectionError) as exc:
+            except ssl.SSLError as exc:
+                if _certificate_refused(exc):  # configuration, not weather: final, at once
+                    self._close(f"tls: {_tls_reason(exc)}")
+                    return
+                self._last_error = error_text(exc)
+            except _ClosedEarly as exc:
+                self._last_error = error_text(exc)
+                if self.addr.transport == "tls" and self._refused_in_handshake():
+                    self._close(
+                        f"tls: the peer closed {_TLS_CLOSES_FINAL} connections in a row during "
+                        "the TLS handshake: it does not accept our certificate (signed by a CA "
+                        "it does not trust, or none)"
+                    )
+                    return
+            except (OSError, TimeoutError, ConnectionError) as exc:
                 self._last_error = error_text(exc)
             else:
                 backoff = self._backoff_initial
+                self._tls_closed_early = 0
                 reason = await conn.lost
                 self._on_lost(conn)
                 self._last_error = reason
@@ -454,6 +510,17 @@ class NetTx(Tx):
             delay = backoff * random.uniform(1 - _JITTER, 1 + _JITTER)
             backoff = min(backoff * 2, self._backoff_max)
             await asyncio.sleep(delay)
+
+    def _refused_in_handshake(self) -> bool:
+        """Count a tls connection the peer closed before our handshake; whether enough did.
+
+        A server that refuses a client's certificate (TLS 1.3) just closes the
+        connection after its side of the handshake; the client sees no alert. Several
+        such closes in a row, and no connection that got through, is a refusal, not a
+        passing fault: retrying until the delivery timeout would only hide it.
+        """
+        self._tls_closed_early += 1
+        return self._tls_closed_early >= _TLS_CLOSES_FINAL
 
     async def _connect(self) -> _ClientConn:
         loop = self._loop

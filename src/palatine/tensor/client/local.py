@@ -20,6 +20,7 @@ from typing import Any
 from palatine import config
 from palatine.core import runtime
 from palatine.fastpath.direct_tx import open_direct
+from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import check_open_files
 from palatine.ids import ActorId
 from palatine.output.console import ConsoleWriter
@@ -170,7 +171,7 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
 
         if config.get().preload is None:
             env["PALATINE_PRELOAD"] = "torch"
-        env["PALATINE_DEVICES_PER_HOST"] = str(torch.cuda.device_count())
+        env.update(Handoff(devices_per_host=torch.cuda.device_count()).to_env())
     if transport == "unix":
         addr = f"unix:@palatine-{os.getpid()}-{secrets.token_hex(4)}"
     elif transport == "tcp":
