@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from palatine.output.console import ConsoleWriter, LineFormatter, is_internal
+from palatine.output.console import INTERNAL, ConsoleWriter, LineFormatter, classify
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -40,14 +40,14 @@ def test_info_records_and_ready_lines_are_internal_the_rest_is_for_people() -> N
     info = fmt.format(record(logging.INFO, "proc stopped\ncontinued")).encode()
     warn = fmt.format(record(logging.WARNING, "careful")).encode()
     for line in info.split(b"\n"):
-        assert is_internal(line)
-        assert is_internal(b"[worker[3]] " + line)  # a host's echo of its child
-    assert not is_internal(warn)
-    assert not is_internal(b"[worker[3]] " + warn)
-    assert is_internal(b'{"event": "ready", "role": "host", "addr": "unix:@x", "pid": 1}')
-    assert is_internal(b'[worker[0]] {"event": "ready", "role": "worker"}')
+        assert classify(line) == INTERNAL
+        assert classify(b"[worker[3]] " + line) == INTERNAL  # a host's echo of its child
+    assert classify(warn) != INTERNAL
+    assert classify(b"[worker[3]] " + warn) != INTERNAL
+    assert classify(b'{"event": "ready", "role": "host", "addr": "unix:@x", "pid": 1}') == INTERNAL
+    assert classify(b'[worker[0]] {"event": "ready", "role": "worker"}') == INTERNAL
     for user in (b"epoch 1 loss 0.25", b"[worker[2]] epoch 1", b"INFO looks like a log", b""):
-        assert not is_internal(user)
+        assert classify(user) != INTERNAL
 
 
 def test_writer_passes_text_through_in_order() -> None:

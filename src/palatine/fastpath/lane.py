@@ -6,7 +6,7 @@ thread switches on top of the round trip, the dearest part of a small call on a 
 machine. A *lane* is a connection owned by the calling thread itself: the thread writes
 the request and reads the reply with blocking socket calls. Its ``Init`` names the lane's
 own reply actor (``<client proc>.lane[n]``); the serving proc sends whatever is addressed
-to that actor back on the same connection (`palatine.channel.net.server_conn`), requests that
+to that actor back on the same connection (`palatine.channel.net.rx`), requests that
 bounce included (`palatine.core.proc.Proc.return_envelope`).
 
 A call goes through lanes only when all of these hold; otherwise nothing changes:

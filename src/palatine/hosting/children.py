@@ -523,8 +523,9 @@ class ChildProcs:
             except OSError as e:
                 log.warning("%s: writing log %s failed: %s", child.proc_id, child.log_path, e)
                 self._close_log(child)
-        texts = [line.decode("utf-8", "replace").rstrip("\r") for line in lines]
-        child._tail.extend(texts)
+        # only the lines the tail can keep are decoded here (the echo decodes its own)
+        keep = child._tail.maxlen or len(lines)
+        child._tail.extend(line.decode("utf-8", "replace").rstrip("\r") for line in lines[-keep:])
         if self._console is not None:
             self._console.write_lines(lines, f"[{child.proc_id}] ")
 

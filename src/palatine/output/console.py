@@ -9,7 +9,7 @@ reading its workers' pipes, and the workers then block in ``print``). So:
 
 * `LineFormatter` writes a log record's header (time, level, logger) on **every** line of
   the record, a traceback included, so that each line can be classified on its own;
-* `is_internal` says whether a line is palatine's own chatter (a log record below
+* `classify` says whether a line is palatine's own chatter (a log record below
   WARNING, or a proc's JSON ready line), which belongs in log files, or something a
   person should see (a program's output, a warning, an error), also behind the
   ``[proc] `` prefixes a host adds when it echoes its children;
@@ -38,7 +38,6 @@ __all__ = [
     "ConsoleWriter",
     "LineFormatter",
     "classify",
-    "is_internal",
 ]
 
 #: The format of every role's log lines; `LineFormatter` repeats its header per line.
@@ -93,11 +92,6 @@ def classify(line: bytes) -> int:
     if _READY_RE.match(line) is not None:
         return INTERNAL
     return NOTABLE if _NOTE_RE.match(line) is not None else OUTPUT
-
-
-def is_internal(line: bytes) -> bool:
-    """Whether ``line`` is palatine's own chatter, meant for log files rather than a person."""
-    return classify(line) == INTERNAL
 
 
 class ConsoleWriter:

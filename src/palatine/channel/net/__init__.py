@@ -4,7 +4,7 @@ The sending side is `palatine.channel.net.tx` (`NetTx`: sessions, seqs, acks, re
 delivery timeout); the receiving side is `palatine.channel.net.rx` (`NetRx`: listening,
 authentication, in-order delivery, back-pressure). What both ends share — error texts,
 socket options, rate-limited warnings about bad peers, the token and TLS context of an
-end — is in `sockets`; `server_conn` is one accepted connection; this module holds the
+end — is in `sockets`; `rx` also holds each accepted connection; this module holds the
 two entry points, `serve_net` and `dial_net`.
 
 Hot-path rules, for both ends: posts are encoded once, coalesced per loop iteration and

@@ -40,8 +40,7 @@ from palatine.tensor.worker.state import current_stream
 from palatine.tensor.worker.values import SeqError
 
 if TYPE_CHECKING:
-    from palatine.tensor.worker.state import WorkerState
-    from palatine.tensor.worker.stream import Stream
+    from palatine.tensor.worker.state import StreamView, WorkerState
 
 __all__ = [
     "CollectiveContext",
@@ -281,7 +280,7 @@ def bind_to_interface_of(host: str) -> None:
         os.environ.setdefault(var, name)
 
 
-def _backend_network_init(stream: Stream, cmd: BackendNetworkInit) -> None:
+def _backend_network_init(stream: StreamView, cmd: BackendNetworkInit) -> None:
     import torch
     import torch.distributed as dist
 
@@ -380,7 +379,7 @@ def _new_group(ranks: list[int], what: str) -> Any:
         _named.name = None
 
 
-def _context(stream: Stream) -> CollectiveContext | SeqError:
+def _context(stream: StreamView) -> CollectiveContext | SeqError:
     """The session's collective context (waiting for an init still running elsewhere)."""
     pending = stream.worker.collective_pending
     if pending is not None and not pending.is_set():
@@ -394,7 +393,7 @@ def _context(stream: Stream) -> CollectiveContext | SeqError:
     return ctx  # type: ignore[no-any-return]
 
 
-def _mesh(stream: Stream, ref: int, what: str) -> DeviceMeshView:
+def _mesh(stream: StreamView, ref: int, what: str) -> DeviceMeshView:
     view = stream.worker.meshes.get(ref)
     if view is None:
         raise InfrastructureError(
@@ -403,7 +402,7 @@ def _mesh(stream: Stream, ref: int, what: str) -> DeviceMeshView:
     return view  # type: ignore[no-any-return]
 
 
-def _create_process_group(stream: Stream, cmd: CreateProcessGroup) -> None:
+def _create_process_group(stream: StreamView, cmd: CreateProcessGroup) -> None:
     view = _mesh(stream, cmd.mesh, f"CreateProcessGroup s{cmd.seq}")
     members = sorted(view.members(cmd.dims or None))
     ctx = _context(stream)
@@ -417,7 +416,7 @@ def _create_process_group(stream: Stream, cmd: CreateProcessGroup) -> None:
 # --------------------------------------------------------------------------- entry points
 
 
-def run(stream: Stream, cmd: BackendNetworkInit | CreateProcessGroup) -> None:
+def run(stream: StreamView, cmd: BackendNetworkInit | CreateProcessGroup) -> None:
     """Set up collectives or a process group on ``stream``'s thread (errors: see `Stream`;
     a `Reduce` runs in `palatine.tensor.worker.reduce`)."""
     if type(cmd) is CreateProcessGroup:

@@ -21,8 +21,7 @@ from palatine.tensor.worker.state import MISSING
 from palatine.tensor.worker.values import SeqError
 
 if TYPE_CHECKING:
-    from palatine.tensor.worker.state import WorkerState
-    from palatine.tensor.worker.stream import Stream
+    from palatine.tensor.worker.state import StreamView, WorkerState
 
 __all__ = ["reduce"]
 
@@ -246,7 +245,7 @@ def _dependent_error(
     return SeqError(seq, werr)
 
 
-def _reduce(stream: Stream, cmd: Reduce) -> None:
+def _reduce(stream: StreamView, cmd: Reduce) -> None:
     import torch
     import torch.distributed as dist
 
@@ -375,7 +374,7 @@ def _run_data(
     return res.to(t.device)
 
 
-def _bind(stream: Stream, cmd: Reduce, res: Any, value: Any, out_t: Any) -> None:
+def _bind(stream: StreamView, cmd: Reduce, res: Any, value: Any, out_t: Any) -> None:
     if out_t is not None:
         out_t.copy_(res)
         res = out_t

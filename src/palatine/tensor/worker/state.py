@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from palatine.errors import InfrastructureError
 from palatine.ids import ActorId, PortId
-from palatine.protocol.worker import WorkerError
+from palatine.protocol.worker import BackendNetworkInit, CreateProcessGroup, Reduce, WorkerError
 from palatine.tensor.worker.user_errors import user_error_fields
-from palatine.tensor.worker.values import FunctionCache
+from palatine.tensor.worker.values import FunctionCache, SeqError
 from palatine.wire.codec import encode_message_oob
-
-if TYPE_CHECKING:
-    from palatine.tensor.worker.stream import Stream
 
 __all__ = [
     "MISSING",
     "Borrow",
+    "StreamView",
     "Countdown",
     "OutItem",
     "WorkerState",
@@ -32,15 +30,32 @@ __all__ = [
 _FUNCTIONS = FunctionCache()
 
 
+class StreamView(Protocol):
+    """What the code below `palatine.tensor.worker.stream` needs of a stream (the
+    collectives it runs, the thread's current stream), so none of it depends on `Stream`."""
+
+    name: str
+    worker: WorkerState
+    refs: dict[int, Any]
+
+    def wait_event(self, ev: threading.Event) -> None:
+        """Wait for ``ev`` as the stream's thread waits: abandoned when the worker exits."""
+
+    def poison_collective(
+        self, cmd: BackendNetworkInit | CreateProcessGroup | Reduce, err: SeqError
+    ) -> None:
+        """Poison what a failed collective command would have defined or mutated."""
+
+
 _local = threading.local()
 
 
-def set_current_stream(stream: Stream | None) -> None:
+def set_current_stream(stream: StreamView | None) -> None:
     """Record ``stream`` as the one running on this thread (a stream's thread, at start and end)."""
     _local.stream = stream
 
 
-def current_stream() -> Stream | None:
+def current_stream() -> StreamView | None:
     """The stream whose thread is running the caller, or None."""
     return getattr(_local, "stream", None)
 

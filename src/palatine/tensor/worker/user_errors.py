@@ -9,9 +9,8 @@ import os
 import pickle
 import threading
 import traceback
+from pathlib import Path
 from typing import Any
-
-import palatine
 
 __all__ = [
     "MAX_EXCEPTION_BYTES",
@@ -28,7 +27,7 @@ MAX_EXCEPTION_BYTES = 1024 * 1024
 """A user exception is shipped pickled only when it pickles within this size."""
 
 #: palatine's own source tree: frames in it are the runtime's, not the user's.
-PALATINE_DIR = os.path.dirname(os.path.abspath(palatine.__file__)) + os.sep
+PALATINE_DIR = str(Path(__file__).resolve().parents[2]) + os.sep  # .../palatine/
 
 
 def is_palatine_frame(filename: str) -> bool:
