@@ -209,7 +209,8 @@ class SlurmJob:
 
     # ------------------------------------------------------------ wait, use
     def job_state(self) -> str | None:
-        """Slurm's word for the job (``PENDING``, ``RUNNING``, ...); None once it is gone."""
+        """Slurm's word for the job (``PENDING``, ``RUNNING``, ...); None once it is gone,
+        ``UNKNOWN`` when ``squeue`` does not answer."""
         if self.job_id is None:
             return None
         try:
@@ -218,7 +219,7 @@ class SlurmJob:
                 capture_output=True, text=True, timeout=_SCHEDULER_TIMEOUT_S, check=False,
             )  # fmt: skip
         except (FileNotFoundError, subprocess.TimeoutExpired):
-            return None
+            return "UNKNOWN"  # squeue did not answer: not evidence that the job ended
         return done.stdout.strip() or None
 
     def state(self) -> str:
@@ -234,9 +235,8 @@ class SlurmJob:
             if controller.popen.poll() is not None or time.monotonic() > self._deadline:
                 break
             st = self.job_state()
-            if st in _ENDED or (
-                st is None and time.monotonic() > self._deadline - self.start_timeout_s + 5
-            ):
+            # gone from the queue: ended (squeue lists a job from the moment sbatch returns)
+            if st in _ENDED or st is None:
                 raise SchedulerError(self._ended_text(st))
             controller.ready_within(0.5)
         if controller.ready is None:
