@@ -66,10 +66,10 @@ if TYPE_CHECKING:
     from palatine.job.hostmesh import HostMesh, ProcMesh, this_host
     from palatine.mesh.actor_mesh import ActorMesh, ActorRef, ValueMesh
     from palatine.system.service import System
-    from palatine.tensor.client.context import Stream
     from palatine.tensor.client.local import connect, local_mesh
     from palatine.tensor.client.mesh import DeviceMesh
     from palatine.tensor.client.remote import fetch, inspect, remote
+    from palatine.tensor.client.session import Stream
     from palatine.tensor.client.values import RemoteValue
     from palatine.tensor.worker import worker_info
 

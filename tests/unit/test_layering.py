@@ -1,8 +1,10 @@
 """The package's folders are its layers: imports go only downward, and nothing imports in a circle.
 
-One test walks every module's imports (function-level ones too; only those under
-``if TYPE_CHECKING:`` are left out) and fails on an import of a higher layer; another
-fails on any cycle between modules, a package's ``__init__`` included.
+One test walks every module's imports (function-level ones and those made only for type
+annotations under ``if TYPE_CHECKING:`` too) and fails on an import of a higher layer;
+another fails on any cycle between modules, a package's ``__init__`` included. A type
+named across layers is a dependency like any other: where a lower module must name
+something built above it, it names a small protocol of its own (`ProcLink`, `MeshView`).
 """
 
 from __future__ import annotations
@@ -57,14 +59,8 @@ def imports_of(path: Path, module: str, known: dict[str, Path]) -> set[str]:
     """The palatine modules ``module`` imports (``from pkg import sub`` counts as importing
     the submodule ``pkg.sub``, not what ``pkg/__init__`` defines)."""
     tree = ast.parse(path.read_text(), str(path))
-    typing_only: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            typing_only |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
     targets: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             targets |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):

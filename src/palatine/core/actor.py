@@ -14,13 +14,16 @@ import importlib
 import inspect
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, overload
 
+from palatine.core.mailbox import Mailbox, OncePort, ProcLink, StreamPort
+from palatine.ids import ActorId, GangId, PortId
 from palatine.wire.codec import Message, register
 
 if TYPE_CHECKING:
-    from palatine.core.instance import Context
+    import asyncio
+
     from palatine.wire.envelope import Envelope
 
 __all__ = [
@@ -109,6 +112,45 @@ _REGISTRY: dict[str, type[Actor]] = {}
 
 def actor_type_name(cls: type[Actor]) -> str:
     return cls.__dict__.get("__palatine_name__") or f"{cls.__module__}.{cls.__qualname__}"
+
+
+class Context(Protocol):
+    """What an actor sees of the runtime (``self.cx``, `context()`): its id and rank, the
+    message being handled, ports, spawn, timers, casts.
+
+    A protocol, so that the actor base class sits below the runtime that runs it
+    (`palatine.core.instance.ActorContext` is the implementation).
+    """
+
+    env: Envelope | None
+    """The message being handled (None between messages)."""
+
+    @property
+    def actor_id(self) -> ActorId: ...
+    @property
+    def proc(self) -> ProcLink:
+        """The proc this actor runs in (`palatine.core.proc.Proc.of` gives all of it)."""
+        ...
+
+    @property
+    def mailbox(self) -> Mailbox: ...
+    @property
+    def rank(self) -> dict[str, int]: ...
+    @property
+    def sender(self) -> ActorId | None: ...
+    @property
+    def headers(self) -> dict[str, str | int]: ...
+    async def spawn(
+        self, cls: type[Actor], *args: Any, name: str | None = None, **kw: Any
+    ) -> Any: ...
+    def spawn_task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
+    def open_port(self) -> StreamPort: ...
+    def open_once_port(self) -> OncePort: ...
+    def schedule(self, delay_s: float, msg: Any) -> asyncio.TimerHandle: ...
+    def cast(self, gang: GangId, msg: Any, ranks: Any = None) -> None: ...
+    def stop(self, reason: str = "stopped by itself") -> None: ...
+    def reply(self, port: PortId, msg: Any, req: Envelope | None = None) -> None: ...
+    def tell_self(self, msg: Any) -> None: ...
 
 
 class Actor:

@@ -12,7 +12,7 @@ import collections
 import logging
 import traceback
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from palatine import config
 from palatine.core.actor import (
@@ -22,15 +22,20 @@ from palatine.core.actor import (
     _current_cx,
     _warn_undeliverable,
 )
-from palatine.core.mailbox import ErrorReply, Mailbox, OncePort, StreamPort, Undeliverable
+from palatine.core.comm import cast_message
+from palatine.core.mailbox import (
+    ErrorReply,
+    Mailbox,
+    OncePort,
+    ProcLink,
+    StreamPort,
+    Undeliverable,
+)
 from palatine.ids import ActorId, GangId, PortId
 from palatine.wire.codec import PICKLED_VALUE_TID, dumps, encode_message
 from palatine.wire.envelope import ENC_MSGPACK, ENC_PICKLE, Envelope
 
-if TYPE_CHECKING:
-    from palatine.core.proc import Proc
-
-__all__ = ["ActorInstance", "Context", "UNDELIVERABLE_TID"]
+__all__ = ["ActorInstance", "ActorContext", "ActorHost", "UNDELIVERABLE_TID"]
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +58,28 @@ class _Failure(Exception):
         self.tb = tb
 
 
-class Context:
-    """What an actor sees of the runtime: its id, the current message, spawn, ports."""
+class ActorHost(ProcLink, Protocol):
+    """What a live actor needs of its proc beyond a mailbox's needs: spawning children,
+    leaving the proc's table, and reporting a failed root actor.
+
+    `palatine.core.proc.Proc` is the one implementation; it builds on this module.
+    """
+
+    async def spawn_child(
+        self, parent: ActorInstance, cls: type[Actor], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> ActorId:
+        """Spawn ``cls`` as a child of ``parent`` in this proc."""
+        ...
+
+    def unregister(self, inst: ActorInstance, stopped: bool = True) -> None:
+        """Forget ``inst`` (its id and mailbox)."""
+
+    def root_failed(self, inst: ActorInstance, event: SupervisionEvent) -> None:
+        """A root actor of the proc failed: escalate ``event``."""
+
+
+class ActorContext:
+    """The runtime's `palatine.core.actor.Context`: what an actor sees of it."""
 
     __slots__ = ("_inst", "env")
 
@@ -67,7 +92,7 @@ class Context:
         return self._inst.id
 
     @property
-    def proc(self) -> Proc:
+    def proc(self) -> ActorHost:
         return self._inst.proc
 
     @property
@@ -107,12 +132,18 @@ class Context:
 
     def cast(self, gang: GangId, msg: Any, ranks: Any = None) -> None:
         """One-way typed message to ranks of a gang through the cast tree."""
-        from palatine.core.comm import cast_message
-
         cast_message(self._inst.mailbox, gang, msg, ranks)
 
     def stop(self, reason: str = "stopped by itself") -> None:
         self._inst.request_stop("drain", reason)
+
+    def reply(self, port: PortId, msg: Any, req: Envelope | None = None) -> None:
+        """Post a typed message (a reply or an ErrorReply) to ``port``."""
+        self._inst.reply(port, msg, req)
+
+    def tell_self(self, msg: Any) -> None:
+        """Send a typed message to this actor's own handler port (while it is open)."""
+        self._inst.tell_self(msg)
 
 
 _STRENGTH = {"drain": 0, "stop": 1, "abort": 2}
@@ -123,7 +154,7 @@ class ActorInstance:
 
     def __init__(
         self,
-        proc: Proc,
+        proc: ActorHost,
         actor_id: ActorId,
         actor: Actor,
         parent: ActorInstance | None = None,
@@ -137,7 +168,7 @@ class ActorInstance:
         self.root: ActorInstance = parent.root if parent is not None else self
         self.rank = rank or {}
         self.mailbox = Mailbox(actor_id, proc)
-        self.cx = Context(self)
+        self.cx = ActorContext(self)
         self.queue: collections.deque[tuple[int, Any, Any, Envelope | None]] = collections.deque()
         self.signals: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake: asyncio.Future[None] | None = None

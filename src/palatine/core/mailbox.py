@@ -16,7 +16,7 @@ import logging
 import math
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from palatine.errors import (
     ActorStopping,
@@ -36,11 +36,9 @@ from palatine.wire.codec import (
 )
 from palatine.wire.envelope import ENC_MSGPACK, Envelope
 
-if TYPE_CHECKING:
-    from palatine.core.proc import Proc
-
 __all__ = [
     "Mailbox",
+    "ProcLink",
     "Port",
     "OncePort",
     "StreamPort",
@@ -54,6 +52,22 @@ __all__ = [
 FIRST_EPHEMERAL_PORT = 1024
 
 log = logging.getLogger(__name__)
+
+
+class ProcLink(Protocol):
+    """What a mailbox needs of the proc it lives in: its loop and the way out.
+
+    `palatine.core.proc.Proc` is the one implementation; naming only this much keeps the
+    mailbox below the proc, which builds on it.
+    """
+
+    loop: asyncio.AbstractEventLoop
+
+    def post(self, env: Envelope) -> None:
+        """Route ``env`` (local delivery or the router); a failure returns it."""
+
+    def return_envelope(self, env: Envelope, error: str) -> None:
+        """Return ``env`` to its sender with ``error`` appended."""
 
 
 # Deadlines this long (the call default is an hour) share one sweep per loop instead of
@@ -510,7 +524,7 @@ class Mailbox:
 
     __slots__ = ("actor_id", "actor_text", "proc", "ports", "_next_port", "state", "__weakref__")
 
-    def __init__(self, actor_id: ActorId, proc: Proc) -> None:
+    def __init__(self, actor_id: ActorId, proc: ProcLink) -> None:
         self.actor_id = actor_id
         self.actor_text = str(actor_id)  # for headers: formatting ids is not free
         self.proc = proc

@@ -19,6 +19,7 @@ import msgspec
 from palatine.channel.addr import ChannelAddr
 from palatine.core.actor import (
     Actor,
+    Context,
     SupervisionEvent,
     _warn_undeliverable,
     actor_type_name,
@@ -101,6 +102,16 @@ class ClientInstance:
 
 class Proc:
     """One actor runtime: id, router, served address, actor table."""
+
+    @staticmethod
+    def of(cx: Context) -> Proc:
+        """The whole proc an actor runs in, for the runtime's own actors (the proc agent,
+        the system, tensor workers) that reach its router and actor table. An actor's
+        context names only the `ProcLink` part, so the actor layer stays below this one."""
+        proc = cx.proc
+        if not isinstance(proc, Proc):
+            raise TypeError(f"actor {cx.actor_id} runs in a {type(proc).__name__}, not a Proc")
+        return proc
 
     def __init__(
         self,

@@ -47,48 +47,36 @@ then unknown, as when any peer dies mid-call.
 
 from __future__ import annotations
 
-import threading
-import time
-import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, Protocol
-
-from palatine import config
-from palatine.channel.addr import ChannelAddr
-from palatine.core import runtime
-from palatine.core.future import _FINISHED, Future, _state_lock, on_loop_thread
-from palatine.ids import ActorId, PortId, ProcId
-from palatine.wire.envelope import Envelope
-
-if TYPE_CHECKING:
-    from palatine.core.mailbox import Mailbox
-
-
 import collections
 import functools
 import heapq
 import itertools
 import select
 import socket
-from typing import TYPE_CHECKING
-
-from palatine.channel.spin import poll_ms, poll_spinning, spin_seconds
-from palatine.fastpath.direct_tx import drop_sent
-
-if TYPE_CHECKING:
-    from palatine.wire.envelope import Envelope
-
-
 import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
-from palatine.channel.spin import MAX_WAIT_S, recv_spinning
+from palatine import config
+from palatine.channel.addr import ChannelAddr
+from palatine.channel.spin import MAX_WAIT_S, poll_ms, poll_spinning, recv_spinning, spin_seconds
+from palatine.core import runtime
+from palatine.core.future import _FINISHED, Future, _state_lock, on_loop_thread
 from palatine.core.mailbox import Undeliverable
 from palatine.core.proc import Proc, peer_gone_error
 from palatine.errors import CallTimeout, DeliveryError
 from palatine.fastpath.blocking import BlockingConn
+from palatine.fastpath.direct_tx import drop_sent
+from palatine.ids import ActorId, PortId, ProcId
 from palatine.wire.codec import decode_payload
 from palatine.wire.envelope import Envelope
 from palatine.wire.frames import Ack, FrameError, FrameParser, Message, Reject, encode_message
+
+if TYPE_CHECKING:
+    from palatine.core.mailbox import Mailbox
 
 __all__ = [
     "SWEEP_S",
@@ -746,7 +734,7 @@ def try_call(mb: Mailbox, dests: tuple[tuple[int, ActorId], ...], call: Call) ->
     if last is None or not last._state:
         return None
     procs = st.last_procs
-    client_proc = mb.proc
+    client_proc = cast(Proc, mb.proc)  # a client's mailbox lives in a Proc
     me = client_proc.proc_id
     for _, dest in dests:
         if dest.proc not in procs or dest.proc == me:
@@ -862,7 +850,7 @@ class LaneFuture(Future[Any]):
     __slots__ = ("_owner", "_batch", "_legs", "_mb", "_proc", "_call")
 
     def __init__(self, mb: Mailbox, batch: _Batch, legs: list[Leg], call: Call) -> None:
-        proc = mb.proc
+        proc = cast(Proc, mb.proc)  # a client's mailbox lives in a Proc
         super().__init__(proc.loop)
         self._owner = threading.get_ident()
         self._batch = batch

@@ -104,7 +104,7 @@ class ProcAgent(Actor):
     # ------------------------------------------------------------ join
     @property
     def proc(self) -> Proc:
-        return self.cx.proc
+        return Proc.of(self.cx)
 
     async def init(self) -> None:
         proc = self.proc
@@ -273,7 +273,7 @@ class ProcAgent(Actor):
         env = self.cx.env
         stopped, aborted = await self._stop_actors(msg.timeout_s, msg.reason)
         if env is not None and env.reply_to is not None:
-            self.cx._inst.reply(
+            self.cx.reply(
                 env.reply_to,
                 ProcStopResult(proc_id=self.proc.proc_id, stopped=stopped, aborted=aborted),
                 env,

@@ -19,6 +19,7 @@ from typing import Any, cast
 from palatine import config
 from palatine.channel.addr import ChannelAddr
 from palatine.core.actor import Actor, handler
+from palatine.core.proc import Proc
 from palatine.ids import ProcId
 from palatine.protocol.system import (
     Join,
@@ -110,7 +111,7 @@ class SystemActor(Actor):
     async def init(self) -> None:
         loop = asyncio.get_running_loop()
         self.done = loop.create_future()
-        self.cx.proc.on_peer_lost = self._peers_lost
+        Proc.of(self.cx).on_peer_lost = self._peers_lost
         self._tick = loop.create_task(self._health_ticks())
 
     async def _health_ticks(self) -> None:
@@ -141,7 +142,7 @@ class SystemActor(Actor):
         elif type(reply) is Rejected and type(msg) is Join and env.reply_to is not None:
             self._refuse_joiner(env, msg, reply)
         elif reply is not None and env.reply_to is not None:
-            self.cx._inst.reply(env.reply_to, reply, env)
+            self.cx.reply(env.reply_to, reply, env)
         self._execute(out)
 
     def _refuse_joiner(self, env: Envelope, msg: Join, reply: Rejected) -> None:
@@ -149,20 +150,20 @@ class SystemActor(Actor):
         another (live) proc's. Reach the joiner once at the address it gave, so it hears
         why at once instead of waiting out its join timeout."""
         assert env.reply_to is not None
-        router = self.cx.proc.router
+        router = Proc.of(self.cx).router
         actor = env.reply_to.actor
         try:
             addr = ChannelAddr.parse(msg.addr) if msg.addr else None
         except ValueError:
             addr = None
         if addr is None or addr.is_any:
-            self.cx._inst.reply(env.reply_to, reply, env)  # (routed as usual, if at all)
+            self.cx.reply(env.reply_to, reply, env)  # (routed as usual, if at all)
             return
         before, dynamic = router.binding(actor), router.is_dynamic(actor)
         had_tx = router.tx_at(addr) is not None
         router.bind(actor, addr)  # for this one reply: posting picks its Tx right away
         try:
-            self.cx._inst.reply(env.reply_to, reply, env)
+            self.cx.reply(env.reply_to, reply, env)
         except Exception as e:  # noqa: BLE001 - the address could not be dialed: the joiner waits
             log.warning("cannot tell %s at %s that its join was refused: %s", msg.proc_id, addr, e)
         finally:
@@ -267,9 +268,9 @@ class SystemActor(Actor):
                 loop = asyncio.get_running_loop()
                 self._timers.append(loop.call_later(timer.delay_s, self._fire, timer.token))
             elif t is Bind:
-                self.cx.proc.router.bind(ins.proc_id, ChannelAddr.parse(ins.addr))  # type: ignore[union-attr]
+                Proc.of(self.cx).router.bind(ins.proc_id, ChannelAddr.parse(ins.addr))  # type: ignore[union-attr]
             elif t is Unbind:
-                self.cx.proc.router.unbind(ins.target)  # type: ignore[union-attr]
+                Proc.of(self.cx).router.unbind(ins.target)  # type: ignore[union-attr]
             elif t is Log:
                 log.log(ins.level, "%s", ins.text)  # type: ignore[union-attr]
             elif t is StopSystem:

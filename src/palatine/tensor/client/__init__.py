@@ -7,10 +7,10 @@ one back as a `palatine.Future`.
 
 from __future__ import annotations
 
-from palatine.tensor.client.context import Stream
 from palatine.tensor.client.local import connect, local_mesh
 from palatine.tensor.client.mesh import DeviceMesh
 from palatine.tensor.client.remote import fetch, inspect, remote
+from palatine.tensor.client.session import Stream
 from palatine.tensor.client.values import RemoteValue
 
 __all__ = [

@@ -8,7 +8,7 @@ reduce lists in its ``uses``: a failed initialisation fails them as dependents.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from palatine.protocol.worker import (
     REDUCE_OPS,
@@ -21,15 +21,12 @@ from palatine.protocol.worker import (
 )
 from palatine.tensor.client.context import active_stream
 from palatine.tensor.client.remote import fetch, remote
-from palatine.tensor.client.values import RemoteValue, capture_site
-
-if TYPE_CHECKING:
-    from palatine.tensor.client.mesh import DeviceMesh
+from palatine.tensor.client.values import RemoteValue, ValueMesh, capture_site
 
 __all__ = ["ensure_collectives", "process_group", "reduce"]
 
 
-def ensure_collectives(mesh: DeviceMesh) -> int:
+def ensure_collectives(mesh: ValueMesh) -> int:
     """The session's collective-context ref, initialising collectives on first use."""
     session = mesh.session
     with session.lock:
@@ -60,7 +57,7 @@ def ensure_collectives(mesh: DeviceMesh) -> int:
         return ctx
 
 
-def _dims(mesh: DeviceMesh, dims: str | tuple[str, ...] | None) -> list[str]:
+def _dims(mesh: ValueMesh, dims: str | tuple[str, ...] | None) -> list[str]:
     if dims is None:
         return list(mesh.names)
     out = [dims] if isinstance(dims, str) else list(dims)
@@ -69,7 +66,7 @@ def _dims(mesh: DeviceMesh, dims: str | tuple[str, ...] | None) -> list[str]:
     return out
 
 
-def process_group(mesh: DeviceMesh, dims: str | tuple[str, ...] | None = None) -> RemoteValue:
+def process_group(mesh: ValueMesh, dims: str | tuple[str, ...] | None = None) -> RemoteValue:
     """A remote value that is a torch ProcessGroup over ``dims`` of ``mesh``."""
     session = mesh.session
     session.check_usable()

@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from palatine.protocol.worker import CreateDeviceMesh, CreateStream, Slice
 from palatine.tensor.client.collectives import process_group, reduce
-from palatine.tensor.client.context import Stream, activated
+from palatine.tensor.client.context import activated
 from palatine.tensor.client.remote import remote
-from palatine.tensor.client.session import shutdown_session
-from palatine.tensor.client.values import Handle
-
-if TYPE_CHECKING:
-    from palatine.tensor.client.local import LocalCluster
-    from palatine.tensor.client.session import Session
-    from palatine.tensor.client.values import RemoteValue
+from palatine.tensor.client.session import Handle, LocalRoles, Session, Stream, shutdown_session
+from palatine.tensor.client.values import RemoteValue
 
 __all__ = ["DeviceMesh"]
 
@@ -42,7 +37,7 @@ class DeviceMesh:
         sizes: list[int],
         offset: int = 0,
         strides: list[int] | None = None,
-        local: LocalCluster | None = None,
+        local: LocalRoles | None = None,
     ) -> None:
         self.session = session
         self.names = list(names)
@@ -160,18 +155,8 @@ class DeviceMesh:
         """A remote value that is a torch ProcessGroup over ``dims`` (all dims: the mesh)."""
         return process_group(self, dims)
 
-    def _reduce(
-        self,
-        value: RemoteValue,
-        dims: str | tuple[str, ...],
-        op: str,
-        scatter: bool,
-        in_place: bool,
-        out: RemoteValue | None,
-        like: Any,
-    ) -> RemoteValue:
-        """`RemoteValue.reduce` of a value on this mesh."""
-        return reduce(value, dims, op, scatter, in_place, out, like)
+    # `RemoteValue.reduce` of a value on this mesh (values sit below collectives).
+    reduce_value = staticmethod(reduce)
 
     # ------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float = 30.0, error: BaseException | None = None) -> None:

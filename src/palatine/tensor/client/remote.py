@@ -11,28 +11,26 @@ from __future__ import annotations
 import functools
 import inspect as _inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from palatine.core import runtime
 from palatine.core.future import Future
 from palatine.protocol.worker import CallFunction, RequestStatus, SendValue, Slice
 from palatine.tensor.client.context import active_mesh, active_stream
+from palatine.tensor.client.session import Handle
 from palatine.tensor.client.values import (
-    Handle,
     RemoteValue,
+    ValueMesh,
     capture_site,
     function_ref,
     pickle_args,
 )
 
-if TYPE_CHECKING:
-    from palatine.tensor.client.mesh import DeviceMesh
-
 __all__ = ["remote", "RemoteFunction", "fetch", "inspect"]
 
 
 def _checker(
-    mesh: DeviceMesh, stream_id: int | None, stream_name: str = ""
+    mesh: ValueMesh, stream_id: int | None, stream_name: str = ""
 ) -> Callable[[Handle], None]:
     ranks = set(mesh.ranks)
     session = mesh.session
@@ -128,7 +126,7 @@ def remote(fn: Any = None, *, mutates: tuple[str, ...] = (), returns: int = 1) -
     return RemoteFunction(fn, mutates, returns)
 
 
-def _shard_rank(mesh: DeviceMesh, shard: Any) -> int:
+def _shard_rank(mesh: ValueMesh, shard: Any) -> int:
     if shard is None:
         return mesh.ranks[0]
     if isinstance(shard, int):

@@ -11,12 +11,17 @@ completes its seq's future; ``Log`` goes to the ``palatine`` logger; the first
 from __future__ import annotations
 
 import asyncio
+import builtins
+import contextlib
+import contextvars
 import itertools
+import linecache
 import logging
+import os
 import threading
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from palatine.core import runtime
 from palatine.core.actor import Actor, handler
@@ -53,13 +58,137 @@ from palatine.protocol.worker import (
 from palatine.wire.codec import Message, loads
 
 if TYPE_CHECKING:
-    from palatine.tensor.client.local import LocalCluster
-    from palatine.tensor.client.mesh import DeviceMesh
-    from palatine.tensor.client.values import IssueSite
+    from collections.abc import Iterator
 
-__all__ = ["ClientActor", "Session", "device_exception", "shutdown_session"]
+__all__ = [
+    "ClientActor",
+    "Handle",
+    "IssueSite",
+    "LocalRoles",
+    "MeshView",
+    "Session",
+    "Stream",
+    "current_stream",
+    "device_exception",
+    "shutdown_session",
+]
 
 log = logging.getLogger("palatine")
+
+
+class IssueSite:
+    """Where a call was issued: up to 10 user frames (file, line, function)."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list[tuple[str, int, str]]) -> None:
+        self.frames = frames
+
+    def format(self) -> str:
+        out = []
+        for filename, lineno, name in self.frames:
+            out.append(f'  File "{filename}", line {lineno}, in {name}')
+            line = linecache.getline(filename, lineno).strip()
+            if line:
+                out.append(f"    {line}")
+        return "\n".join(out)
+
+    def short(self) -> str:
+        if not self.frames:
+            return "?"
+        filename, lineno, _ = self.frames[-1]
+        return f"{os.path.basename(filename)}:{lineno}"
+
+
+class Handle:
+    """Anything the worker knows by a ref: remote values, device meshes, process groups."""
+
+    __slots__ = ("session", "ref", "__weakref__")
+
+    def __init__(self, session: Session, ref: int) -> None:
+        self.session = session
+        self.ref = ref
+
+    @property
+    def __palatine_ref__(self) -> int:
+        """The ref the worker knows this handle by (pickled as ``("ref", n)``)."""
+        return self.ref
+
+
+_active_stream: contextvars.ContextVar[Stream | None] = contextvars.ContextVar(
+    "palatine_stream", default=None
+)
+
+
+def current_stream() -> Stream | None:
+    """The stream ``with stream.activate():`` chose for this thread or task, if any."""
+    return _active_stream.get()
+
+
+class Stream:
+    """A named stream of the session: one worker thread per rank, FIFO."""
+
+    def __init__(self, session: Session, name: str, sid: int) -> None:
+        self.session = session
+        self.name = name
+        self.id = sid
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.name}>"
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[Stream]:
+        token = _active_stream.set(self)
+        try:
+            yield self
+        finally:
+            _active_stream.reset(token)
+
+
+class MeshView(Protocol):
+    """What the modules below `palatine.tensor.client.mesh.DeviceMesh` need of a mesh: its
+    session, its layout over the worker world, its streams and its worker-side handle.
+
+    `DeviceMesh` is the one implementation; it builds on values, remote calls and
+    collectives, which name only this.
+    """
+
+    session: Session
+    names: list[str]
+    sizes: list[int]
+    strides: list[int]
+    offset: int
+    ranks: list[int]
+    slice_spec: Slice
+
+    def _dim(self, dim: str) -> int:
+        """The index of dimension ``dim`` (ValueError naming the mesh's dims if unknown)."""
+        ...
+
+    def slice(self, **dims: int | builtins.slice) -> MeshView:
+        """A sub-mesh: an int removes the dim, a Python slice keeps it."""
+        ...
+
+    def activate(self) -> contextlib.AbstractContextManager[MeshView]:
+        """Make this the mesh remote calls run on, for a ``with`` block."""
+        ...
+
+    def stream(self, name: str) -> Stream:
+        """The session's stream ``name``."""
+        ...
+
+    def handle(self) -> Handle:
+        """This mesh's device-mesh ref on its ranks."""
+        ...
+
+
+class LocalRoles(Protocol):
+    """The processes a local mesh started (system, hosts, controller), which the end of its
+    session stops. `palatine.tensor.client.local.LocalCluster` is the one implementation."""
+
+    def stop(self, grace_s: float = 5.0, *, clean: bool = True) -> None:
+        """Stop every role; keep the logs unless ``clean``."""
+
 
 _LEVELS = {"info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
 
@@ -263,7 +392,7 @@ class Session:
         self._drop_lock = threading.Lock()
         self.collective_ref: int | None = None
         #: The whole mesh of the session (set by `connect`): collectives start on its rank 0.
-        self.root_mesh: DeviceMesh | None = None
+        self.root_mesh: MeshView | None = None
         self._keepalive: asyncio.TimerHandle | None = None
         self._result_event = threading.Condition()
         self._drain_waiters = 0  # threads in `wait_drained` (only they need a Result's notify)
@@ -628,7 +757,7 @@ _sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 
 
 def shutdown_session(
-    session: Session, local: LocalCluster | None, timeout: float, error: BaseException | None = None
+    session: Session, local: LocalRoles | None, timeout: float, error: BaseException | None = None
 ) -> None:
     """Drain, Exit, Detach, stop the worlds (and a local mesh's processes)."""
     if session.closed:

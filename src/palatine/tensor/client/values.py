@@ -9,12 +9,10 @@ refs met while pickling are the call's ``uses``.
 from __future__ import annotations
 
 import functools
-import linecache
-import os
 import pickle
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from palatine import config
 from palatine.protocol.worker import (
@@ -24,40 +22,20 @@ from palatine.protocol.worker import (
     FunctionRef,
     Pickled,
 )
-from palatine.tensor.client.context import Stream
+from palatine.tensor.client.session import Handle, IssueSite, MeshView, Session, Stream
 from palatine.tensor.worker.user_errors import is_palatine_frame
 from palatine.tensor.worker.values import dumps_args, function_label
 from palatine.tensor.worker.values import function_ref as worker_function_ref
 
-if TYPE_CHECKING:
-    from palatine.tensor.client.mesh import DeviceMesh
-    from palatine.tensor.client.session import Session
-
-__all__ = ["RemoteValue", "Handle", "IssueSite", "pickle_args", "function_ref", "capture_site"]
+__all__ = ["RemoteValue", "ValueMesh", "pickle_args", "function_ref", "capture_site"]
 
 
-class IssueSite:
-    """Where a call was issued: up to 10 user frames (file, line, function)."""
+class ValueMesh(MeshView, Protocol):
+    """A mesh as remote values see it: a `MeshView` that can also run a collective over
+    one of its values (`palatine.tensor.client.mesh.DeviceMesh` hands it collectives')."""
 
-    __slots__ = ("frames",)
-
-    def __init__(self, frames: list[tuple[str, int, str]]) -> None:
-        self.frames = frames
-
-    def format(self) -> str:
-        out = []
-        for filename, lineno, name in self.frames:
-            out.append(f'  File "{filename}", line {lineno}, in {name}')
-            line = linecache.getline(filename, lineno).strip()
-            if line:
-                out.append(f"    {line}")
-        return "\n".join(out)
-
-    def short(self) -> str:
-        if not self.frames:
-            return "?"
-        filename, lineno, _ = self.frames[-1]
-        return f"{os.path.basename(filename)}:{lineno}"
+    reduce_value: Callable[..., RemoteValue]
+    """The collective a value's `RemoteValue.reduce` runs (`collectives.reduce`)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -81,21 +59,6 @@ def capture_site() -> IssueSite | None:
     return IssueSite(frames)
 
 
-class Handle:
-    """Anything the worker knows by a ref: remote values, device meshes, process groups."""
-
-    __slots__ = ("session", "ref", "__weakref__")
-
-    def __init__(self, session: Session, ref: int) -> None:
-        self.session = session
-        self.ref = ref
-
-    @property
-    def __palatine_ref__(self) -> int:
-        """The ref the worker knows this handle by (pickled as ``("ref", n)``)."""
-        return self.ref
-
-
 class RemoteValue(Handle):
     """A value living on the workers of ``mesh`` (one per rank), on ``stream``.
 
@@ -110,7 +73,7 @@ class RemoteValue(Handle):
         self,
         session: Session,
         ref: int,
-        mesh: DeviceMesh,
+        mesh: ValueMesh,
         stream: Stream,
         seq: int,
         label: str,
@@ -210,7 +173,7 @@ class RemoteValue(Handle):
         like: Any = None,
     ) -> RemoteValue:
         """A collective over ``dims`` of this value's mesh."""
-        return self.mesh._reduce(self, dims, op, scatter, in_place, out, like)
+        return self.mesh.reduce_value(self, dims, op, scatter, in_place, out, like)
 
 
 _PLAIN = frozenset({int, float, bool, str, bytes, type(None)})

@@ -37,6 +37,7 @@ from typing import Any
 from palatine import config
 from palatine.core.actor import Actor, handler
 from palatine.core.comm import Cast, RankSet, cast_envelope, normalize
+from palatine.core.proc import Proc
 from palatine.errors import error_text
 from palatine.ids import SYSTEM_ACTOR, ActorId, GangId, PortId
 from palatine.protocol.controller import (
@@ -176,7 +177,7 @@ class ControllerActor(Actor):
             await asyncio.sleep(0.05)  # let the Failure reach the channel before the proc closes
 
     def _system_lost(self) -> bool:
-        agent = self.cx.proc.instance(self.cx.actor_id.proc.actor("proc"))
+        agent = Proc.of(self.cx).instance(self.cx.actor_id.proc.actor("proc"))
         hb = getattr(agent.actor, "heartbeat", None) if agent is not None else None
         return bool(getattr(hb, "lost", False))
 
@@ -195,7 +196,7 @@ class ControllerActor(Actor):
         self.cx.spawn_task(coro)
 
     def _post_self(self, msg: Any) -> None:
-        self.cx._inst.tell_self(msg)
+        self.cx.tell_self(msg)
 
     def _to_client(self, msg: Any) -> None:
         """Send to the attached client; nothing is sent before attach or after it ended."""
@@ -590,7 +591,7 @@ class ControllerActor(Actor):
                 controller_actor_id=self.cx.actor_id,
                 client_liveness_timeout_s=self.params.client_liveness_timeout_s,
             )
-            self.cx._inst.reply(env.reply_to, reply, env)
+            self.cx.reply(env.reply_to, reply, env)
         log.info("client %s attached", msg.client)
         failures, dropped = self.pending.drain()
         if dropped:

@@ -33,6 +33,7 @@ from typing import Any
 from palatine import config
 from palatine.core.actor import Actor, handler
 from palatine.core.mailbox import HandlerPort
+from palatine.core.proc import Proc
 from palatine.fastpath.blocking import LinkLost
 from palatine.fastpath.direct_tx import open_direct
 from palatine.hosting.child_env import Handoff
@@ -146,8 +147,8 @@ class WorkerActor(Actor):
     # ---------------------------------------------------------------- lifecycle
     async def init(self) -> None:
         p = self.params
-        batch_scheduling(str(self.cx.proc.proc_id))
-        gil_switching(str(self.cx.proc.proc_id))
+        batch_scheduling(str(Proc.of(self.cx).proc_id))
+        gil_switching(str(Proc.of(self.cx).proc_id))
         device = "cpu"
         torch: Any = None
         # A CPU worker is ready without torch (~1.6 s of CPU to import): the first
@@ -164,7 +165,7 @@ class WorkerActor(Actor):
                 log.warning(
                     "device_index %d requested but CUDA is not available; using CPU", p.device_index
                 )
-        proc = self.cx.proc
+        proc = Proc.of(self.cx)
         addr = proc.addr
         store_host = "127.0.0.1"
         if (
