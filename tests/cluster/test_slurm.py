@@ -5,9 +5,14 @@ The client, the system and the controller run in the root namespace; ``sbatch`` 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -39,17 +44,30 @@ def ones_times(rank: object) -> object:
     return torch.ones(2) * float(rank)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def slurm(monkeypatch: pytest.MonkeyPatch) -> Iterator[SlurmTestCluster]:
+@contextlib.contextmanager
+def slurm_cluster(
+    monkeypatch: pytest.MonkeyPatch, pki_dir: Path | None = None
+) -> Iterator[SlurmTestCluster]:
+    """A 2-node Slurm test cluster; with ``pki_dir``, one certificate per machine from one
+    CA (the submitter's in this process's environment, each node's through Slurm)."""
     bed = TestBed(2)
     try:
         bed.start()
     except RuntimeError as e:
         pytest.skip(f"cannot make a namespace test bed here: {e}")
-    cluster = SlurmTestCluster(bed)
+    node_env: dict[int, dict[str, str]] = {}
+    if pki_dir is not None:
+        from palatine.testing.certs import make_node_pki
+
+        pki = make_node_pki(pki_dir, [bed.root_ip, bed.node_ip(0), bed.node_ip(1)])
+        for k, v in pki[bed.root_ip].items():
+            monkeypatch.setenv(k, v)
+        node_env = {i: pki[bed.node_ip(i)] for i in range(2)}
+    cluster = SlurmTestCluster(bed, node_env=node_env)
     try:
         cluster.start()
         monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+        monkeypatch.setenv("PALATINE_HOST_IP", bed.root_ip)  # for launchers in subprocesses
         from palatine import config
 
         with config.override(host_ip=bed.root_ip):
@@ -59,6 +77,18 @@ def slurm(monkeypatch: pytest.MonkeyPatch) -> Iterator[SlurmTestCluster]:
         cluster.close()
         bed.close()
     assert bed.leftovers() == []
+
+
+@pytest.fixture
+def slurm(monkeypatch: pytest.MonkeyPatch) -> Iterator[SlurmTestCluster]:
+    with slurm_cluster(monkeypatch) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def slurm_tls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[SlurmTestCluster]:
+    with slurm_cluster(monkeypatch, tmp_path / "pki") as cluster:
+        yield cluster
 
 
 def test_a_slurm_job_runs_calls_on_its_nodes_and_a_collective_across_them(
@@ -121,3 +151,121 @@ def test_a_job_cancelled_under_the_client_is_a_clear_error_and_nothing_stays(
     finally:
         job.cancel()
     assert slurm.squeue() == []
+
+
+def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "palatine", "launch", "--scheduler", "slurm", "--partition",
+         PARTITION, "--start-timeout-in-sec", "120", *args],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("transport", ["tcp", "tls"])
+def test_palatine_launch_trains_the_demo_on_two_slurm_nodes_and_the_replicas_agree(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
+    slurm = request.getfixturevalue("slurm_tls" if transport == "tls" else "slurm")
+    done = launch(
+        "--hosts", "2", "--procs-per-host", "2", "--transport", transport, "--",
+        sys.executable, "-m", "palatine", "demo", "--connect", "--steps", "80",
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "mesh: 2 host(s) × 2 procs = 4 workers" in done.stdout, out
+    assert "replicas identical on 4/4 ranks" in done.stdout, out
+    assert re.search(r"palatine launch: job \d+: 2 host\(s\) × 2 procs up in", done.stderr), out
+    assert slurm.squeue() == []
+
+
+def test_palatine_launch_exits_with_the_programs_status_and_hands_it_the_job(
+    slurm: SlurmTestCluster,
+) -> None:
+    program = (
+        "import os, sys, palatine\n"
+        "print(os.environ['PALATINE_JOB_ID'], os.environ['PALATINE_WORKER_WORLD'])\n"
+        "with palatine.connect() as mesh:\n"
+        "    print('ranks', len(mesh))\n"
+        "sys.exit(3)\n"
+    )
+    done = launch("--hosts", "2", "--procs-per-host", "1", "--", sys.executable, "-c", program)
+    assert done.returncode == 3, done.stdout + done.stderr
+    job_id, world = done.stdout.split("\n")[0].split()
+    assert job_id.isdigit() and world == "worker"
+    assert "ranks 2" in done.stdout
+    assert slurm.squeue() == []
+
+
+def wait_forever() -> int:
+    import time
+
+    time.sleep(3600)
+    return 0
+
+
+def test_palatine_job_status_names_where_each_rank_runs_and_cancel_ends_the_launch(
+    slurm: SlurmTestCluster,
+) -> None:
+    program = (
+        "import sys, palatine\n"
+        "from palatine import fetch, remote\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_slurm import wait_forever\n"
+        "with palatine.connect() as mesh:\n"
+        "    print('attached', flush=True)\n"
+        "    try:\n"
+        "        fetch(remote(wait_forever)(), shard={'host': 1, 'proc': 0}).result(timeout=120)\n"
+        "    except palatine.DeviceException as e:\n"
+        "        print('lost:', str(e).splitlines()[0], flush=True)\n"
+        "        sys.exit(4)\n"
+    )
+    argv = [sys.executable, "-m", "palatine", "launch", "--scheduler", "slurm", "--partition",
+            PARTITION, "--hosts", "2", "--procs-per-host", "1", "--start-timeout-in-sec", "120",
+            "--", sys.executable, "-c", program]  # fmt: skip
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout is not None and launcher.stderr is not None
+        first = launcher.stdout.readline()
+        assert first == "attached\n", first + launcher.stderr.read()
+        job_id = slurm.squeue()[0].split()[0]
+
+        status = subprocess.run(
+            [sys.executable, "-m", "palatine", "job", "status", job_id],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        text = status.stdout
+        assert text.startswith(f"job {job_id}: RUNNING for "), text
+        assert "on 2 node(s) (node[0-1])" in text, text
+        assert "world worker: Live, 2/2 procs alive" in text, text
+        ranks = re.findall(r"worker\[(\d)\]: Alive on \S+ at tcp:([\d.]+):\d+ pid \d+", text)
+        assert sorted(r for r, _ in ranks) == ["0", "1"], text
+        assert {ip for _, ip in ranks} == {slurm.bed.node_ip(0), slurm.bed.node_ip(1)}, text
+
+        cancelled_at = time.monotonic()
+        cancel = subprocess.run(
+            [sys.executable, "-m", "palatine", "job", "cancel", job_id],
+            capture_output=True, text=True, timeout=90, check=False,
+        )  # fmt: skip
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        assert cancel.stdout.startswith(f"job {job_id}: cancelled"), cancel.stdout
+        code = launcher.wait(timeout=60)
+        took = time.monotonic() - cancelled_at
+        rest = launcher.stdout.read()
+        assert code == 4, rest + launcher.stderr.read()
+        assert rest.startswith("lost: worker rank "), rest
+        assert took < 30, took
+    finally:
+        if launcher.poll() is None:
+            launcher.terminate()  # it passes SIGTERM on and tears the job down
+            try:
+                launcher.wait(60)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.wait(30)
+    gone = subprocess.run(
+        [sys.executable, "-m", "palatine", "job", "status", job_id],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert gone.returncode == 1
+    assert f"job {job_id} is not in Slurm's queue" in gone.stderr

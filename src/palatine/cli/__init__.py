@@ -21,7 +21,12 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("palatine.cli.serve", "run system/host/controller roles on JSON-lines requests"),
     "snapshot": ("palatine.cli.snapshot", "print the worlds and procs of a running system"),
     "stop": ("palatine.cli.stop", "stop worlds (or everything) of a running system"),
-    "demo": ("palatine.cli.demo", "train a small model data-parallel on a local mesh"),
+    "launch": ("palatine.cli.launch", "run a client program against a job on Slurm or locally"),
+    "job": ("palatine.cli.job", "status or cancel of a Slurm job that palatine launched"),
+    "demo": (
+        "palatine.cli.demo",
+        "train a small model data-parallel on a local mesh (or a launched job)",
+    ),
     "config": ("palatine.cli.config", "print the effective configuration and where it came from"),
 }
 

@@ -1,4 +1,6 @@
-"""The demo: data-parallel training of a small MLP on a local mesh.
+"""The demo: data-parallel training of a small MLP on a local mesh, or with ``--connect``
+on the job ``palatine launch`` runs it in (``palatine launch --scheduler slurm --hosts 2
+--procs-per-host 2 -- palatine demo --connect``).
 
 Every rank builds the same model (same seed), draws its own data, and all-reduces the
 flattened gradients (plus the loss) over the mesh's process group each step. The
@@ -111,6 +113,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--operation-timeout-in-sec", type=float, default=120.0)
     p.add_argument("--fail-on-worker-timeout", action="store_true")
+    p.add_argument(
+        "--connect",
+        action="store_true",
+        help="train on the job 'palatine launch' runs this in (--hosts, --procs-per-host, "
+        "--device and the timeouts are the job's)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,21 +134,25 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from palatine import fetch, local_mesh, remote
+    from palatine import connect, fetch, local_mesh, remote
 
     console = Console(stderr=False)
     t0 = time.monotonic()
-    mesh = local_mesh(
-        args.hosts,
-        args.procs_per_host,
-        device=args.device,
-        operation_timeout_in_sec=args.operation_timeout_in_sec,
-        fail_on_worker_timeout=args.fail_on_worker_timeout,
-    )
+    if args.connect:
+        mesh = connect()
+    else:
+        mesh = local_mesh(
+            args.hosts,
+            args.procs_per_host,
+            device=args.device,
+            operation_timeout_in_sec=args.operation_timeout_in_sec,
+            fail_on_worker_timeout=args.fail_on_worker_timeout,
+        )
     with mesh:
         n = len(mesh)
+        hosts, per_host = mesh.size("host"), mesh.size("proc")
         console.print(
-            f"mesh: {args.hosts} host(s) × {args.procs_per_host} procs = {n} workers "
+            f"mesh: {hosts} host(s) × {per_host} procs = {n} workers "
             f"(dims {dict(zip(mesh.names, mesh.sizes, strict=True))}), device {args.device}"
         )
         state = remote(init_state)(

@@ -87,8 +87,9 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
     """What a parent hands a process it starts, in ``PALATINE_*`` variables, typed.
 
     The one place that names them: a host writes them for each proc (`child_env`), the
-    proc reads them back (`from_env`); a launcher hands a role its lifeline pipe and a
-    host its fork server their socket the same way. Empty text and ``None`` mean "not
+    proc reads them back (`from_env`); a launcher hands a role its lifeline pipe, a
+    host its fork server their socket, and `palatine launch` a client script its job the
+    same way. Empty text and ``None`` mean "not
     handed"; a number that does not parse reads as ``None``.
     """
 
@@ -106,6 +107,11 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
     fork_server_fd: int | None = None
     # GPUs per host: a worker keeps entry LOCAL_RANK % n of CUDA_VISIBLE_DEVICES
     devices_per_host: int | None = None
+    # what `palatine launch` hands the client script it runs: `palatine.connect()` with
+    # no arguments attaches to this system's worker world
+    system_addr: str = ""
+    worker_world: str = ""
+    job_id: str = ""
 
     @staticmethod
     def variable(field: str) -> str:

@@ -2,14 +2,17 @@
 
 ``LocalJob(hosts=1, procs_per_host=4)`` has the lifecycle of `SlurmJob` (`apply`,
 `state`, `mesh`, `cancel`, ``with``), with every host a process on this machine, so the
-same program runs on a laptop and on a cluster by changing one line.
+same program runs on a laptop and on a cluster by changing one line. `apply` starts the
+processes; the client attaches in `mesh` (or a program ``palatine launch`` runs does,
+with `client_env`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Self
 
-from palatine.tensor.client.local import local_mesh
+from palatine.hosting.child_env import Handoff
+from palatine.tensor.client.local import LocalCluster, check_shape, connect, start_local
 
 if TYPE_CHECKING:
     from palatine.tensor.client.mesh import DeviceMesh
@@ -22,15 +25,19 @@ class LocalJob:
     pass through)."""
 
     def __init__(self, hosts: int = 1, procs_per_host: int = 4, **options: Any) -> None:
+        check_shape(hosts, procs_per_host)
         self.hosts = hosts
         self.procs_per_host = procs_per_host
         self.options = options
+        self.job_id: str | None = None
+        self._cluster: LocalCluster | None = None
         self._mesh: DeviceMesh | None = None
 
     def apply(self) -> str:
-        """Start the processes (the mesh is up when this returns); ``"local"``."""
-        if self._mesh is None:
-            self._mesh = local_mesh(self.hosts, self.procs_per_host, **self.options)
+        """Start the processes (the worker world is up when this returns); ``"local"``."""
+        if self._cluster is None:
+            self._cluster = start_local(self.hosts, self.procs_per_host, **self.options)
+            self.job_id = "local"
         return "local"
 
     def state(self) -> str:
@@ -38,21 +45,45 @@ class LocalJob:
         self.apply()
         return "Live"
 
+    def client_env(self) -> dict[str, str]:
+        """What a client program needs to attach with ``palatine.connect()``."""
+        self.apply()
+        assert self._cluster is not None
+        return {
+            **Handoff(
+                system_addr=self._cluster.system_addr, worker_world="worker", job_id="local"
+            ).to_env(),
+            "PALATINE_CLUSTER_TOKEN": self._cluster.env["PALATINE_CLUSTER_TOKEN"],
+        }
+
     def mesh(self) -> DeviceMesh:
         """The job's `DeviceMesh` (dims ``host`` and ``proc``)."""
-        self.apply()
-        assert self._mesh is not None
+        if self._mesh is None:
+            self.apply()
+            cluster = self._cluster
+            assert cluster is not None
+            self._mesh = connect(
+                cluster.system_addr,
+                "worker",
+                timeout=float(self.options.get("startup_timeout_in_sec", 60.0)),
+                _local=cluster,
+                _token=cluster.env["PALATINE_CLUSTER_TOKEN"],
+            )
         return self._mesh
 
-    def cancel(self) -> None:
+    def cancel(self, *, clean: bool = True) -> None:
         """Stop every process of the job."""
         mesh, self._mesh = self._mesh, None
+        cluster, self._cluster = self._cluster, None
+        self.job_id = None
         if mesh is not None:
-            mesh.shutdown()
+            mesh.shutdown()  # stops its cluster too
+        elif cluster is not None:
+            cluster.stop(5.0, clean=clean)
 
     def __enter__(self) -> Self:
         self.apply()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.cancel()
+        self.cancel(clean=exc[0] is None)

@@ -35,16 +35,21 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
+import msgspec
+
 from palatine import config
 from palatine.errors import SchedulerError
+from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import check_open_files
 from palatine.output.logs import LogSession
-from palatine.tensor.client.local import LocalCluster, connect
+from palatine.tensor.client.local import LocalCluster, check_shape, connect
 
 if TYPE_CHECKING:
     from palatine.tensor.client.mesh import DeviceMesh
 
-__all__ = ["SlurmJob"]
+__all__ = ["JobRecord", "SlurmJob", "find_job"]
+
+_COMMENT = "palatine:"  # sbatch --comment=palatine:<log dir>: where the job's record is
 
 _SCHEDULER_TIMEOUT_S = 60.0  # one sbatch / squeue / scancel call
 _GONE_TIMEOUT_S = 30.0  # a cancelled job leaving squeue
@@ -92,10 +97,7 @@ class SlurmJob:
         start_timeout_s: float = 300.0,
         job_name: str = "palatine",
     ) -> None:
-        if hosts < 1 or procs_per_host < 1:
-            raise ValueError(
-                f"hosts and procs_per_host must be >= 1, got {hosts} and {procs_per_host}"
-            )
+        check_shape(hosts, procs_per_host)
         if transport not in ("tcp", "tls"):
             raise ValueError(f"transport must be 'tcp' or 'tls', not {transport!r}")
         self.hosts = hosts
@@ -138,6 +140,7 @@ class SlurmJob:
             )
             cluster.system_addr = system.addr
             self.job_id = self._sbatch(system.addr, logs)
+            self._record(system.addr, logs)
             ctl = [
                 "controller", "--worker-world", "worker", "--system-addr", system.addr,
                 "--world-size", str(self.hosts * self.procs_per_host),
@@ -148,6 +151,7 @@ class SlurmJob:
                 ctl.append("--is-cpu-worker")
             cluster.start(ctl, self.start_timeout_s, "controller", wait=False)
         except BaseException:
+            self._cluster = None
             cluster.stop(1.0, clean=False)
             raise
         return self.job_id
@@ -165,6 +169,7 @@ class SlurmJob:
         argv = [
             "sbatch", "--parsable", f"--job-name={self.job_name}", f"--nodes={self.hosts}",
             "--ntasks-per-node=1", f"--output={logs.path}/slurm-%j.out",
+            f"--comment={_COMMENT}{logs.path}",
         ]  # fmt: skip
         if self.partition:
             argv.append(f"--partition={self.partition}")
@@ -194,6 +199,38 @@ class SlurmJob:
             words = done.stderr.strip() or f"exit status {done.returncode}"
             raise SchedulerError(f"sbatch refused the job: {words}")
         return done.stdout.strip().split(";", 1)[0]
+
+    def _record(self, system_addr: str, logs: LogSession) -> None:
+        """Leave what ``palatine job status|cancel`` need in the log dir: the record, and
+        the cluster token in a file only this user can read."""
+        assert self.job_id is not None
+        token = Path(logs.file("token"))
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self._token)
+        record = JobRecord(
+            job_id=self.job_id,
+            system_addr=system_addr,
+            worker_world="worker",
+            hosts=self.hosts,
+            procs_per_host=self.procs_per_host,
+            transport=self.transport,
+            log_dir=str(logs.path),
+            pid=os.getpid(),
+        )
+        Path(logs.file("job.json")).write_bytes(msgspec.json.encode(record))
+
+    def client_env(self) -> dict[str, str]:
+        """What a client program needs to attach with ``palatine.connect()`` (``palatine
+        launch`` hands it over), once applied."""
+        if self._cluster is None or self.job_id is None:
+            raise RuntimeError("the job is not applied: call apply() first")
+        return {
+            **Handoff(
+                system_addr=self._cluster.system_addr, worker_world="worker", job_id=self.job_id
+            ).to_env(),
+            "PALATINE_CLUSTER_TOKEN": self._token,
+        }
 
     def _job_env(self) -> dict[str, str]:
         """What the hosts inherit: this environment, less what names this machine or process."""
@@ -287,13 +324,14 @@ class SlurmJob:
             time.sleep(0.1)
         self.job_id = None
 
-    def cancel(self) -> None:
-        """Tear everything down: the mesh, the allocation, the controller and the system."""
+    def cancel(self, *, clean: bool = False) -> None:
+        """Tear everything down: the mesh, the allocation, the controller and the system.
+        The logs are kept (a warning names them) unless the mesh ended cleanly or ``clean``."""
         mesh, self._mesh = self._mesh, None
         if mesh is not None:
             mesh.shutdown()  # its cluster's stop cancels the job
         elif self._cluster is not None:
-            self._cluster.stop(5.0, clean=False)
+            self._cluster.stop(5.0, clean=clean)
         self._cluster = None
         self._scancel()
 
@@ -302,4 +340,57 @@ class SlurmJob:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.cancel()
+        self.cancel(clean=exc[0] is None)
+
+
+class JobRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """What a `SlurmJob` leaves in its log dir (``job.json``) for ``palatine job``: where
+    its system listens and who runs it. The cluster token is beside it, in ``token``
+    (readable by its user only)."""
+
+    job_id: str
+    system_addr: str
+    worker_world: str
+    hosts: int
+    procs_per_host: int
+    transport: str
+    log_dir: str
+    pid: int  # the process that applied the job (its client or ``palatine launch``)
+
+    def token(self) -> str | None:
+        """The job's cluster token, if this user can read it."""
+        try:
+            return (Path(self.log_dir) / "token").read_text().strip() or None
+        except OSError:
+            return None
+
+
+def find_job(job_id: str) -> tuple[dict[str, str] | None, JobRecord | None]:
+    """Slurm's view of job ``job_id`` (``state``, ``elapsed``, ``nodes``, ``nodelist``;
+    None once it left the queue) and its palatine record (None if it has none or the
+    record is not readable here). `SchedulerError` when ``squeue`` does not answer."""
+    fields = ("state", "elapsed", "nodes", "nodelist", "comment")
+    try:
+        done = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T|%M|%D|%N|%k"],
+            capture_output=True, text=True, timeout=_SCHEDULER_TIMEOUT_S, check=False,
+        )  # fmt: skip
+    except FileNotFoundError:
+        raise SchedulerError("squeue not found: is this a Slurm submit host?") from None
+    except subprocess.TimeoutExpired:
+        raise SchedulerError(f"squeue did not answer within {_SCHEDULER_TIMEOUT_S:g} s") from None
+    line = done.stdout.strip().splitlines()
+    if done.returncode != 0 and "Invalid job id" not in done.stderr:
+        raise SchedulerError(f"squeue: {done.stderr.strip() or f'exit status {done.returncode}'}")
+    if not line:
+        return None, None
+    info = dict(zip(fields, line[0].split("|", len(fields) - 1), strict=False))
+    comment = info.pop("comment", "")
+    record = None
+    if comment.startswith(_COMMENT):
+        try:
+            path = Path(comment[len(_COMMENT) :]) / "job.json"
+            record = msgspec.json.decode(path.read_bytes(), type=JobRecord)
+        except (OSError, msgspec.DecodeError):
+            record = None
+    return info, record

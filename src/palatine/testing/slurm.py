@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import shlex
 import shutil
 import socket
 import subprocess
@@ -70,8 +71,18 @@ class SlurmTestCluster:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, bed: TestBed, workdir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        bed: TestBed,
+        workdir: str | os.PathLike[str] | None = None,
+        *,
+        node_env: dict[int, dict[str, str]] | None = None,
+    ) -> None:
+        """``node_env``: variables each node's tasks get on top of the submitter's (the
+        node's own TLS certificate, say), through Slurm's ``TaskProlog`` as a site
+        would set them."""
         self.bed = bed
+        self.node_env = node_env or {}
         # munged runs as user munge: every directory above its files must be searchable
         self._own_dir = workdir is None
         self.dir = Path(tempfile.mkdtemp(prefix="palatine-slurm-") if workdir is None else workdir)
@@ -132,6 +143,18 @@ class SlurmTestCluster:
             for i in range(self.bed.nodes)
         )
         d = self.dir
+        prolog = ""
+        if self.node_env:
+            script = d / "task_prolog.sh"
+            cases = "".join(
+                f"  node{i})\n"
+                + "".join(f"    echo export {k}={shlex.quote(v)}\n" for k, v in env.items())
+                + "    ;;\n"
+                for i, env in sorted(self.node_env.items())
+            )
+            script.write_text(f'#!/bin/sh\ncase "$SLURMD_NODENAME" in\n{cases}esac\n')
+            script.chmod(0o755)
+            prolog = f"TaskProlog={script}\n"
         self.conf.write_text(
             f"""ClusterName=palatine
 SlurmctldHost={socket.gethostname()}({self.bed.root_ip})
@@ -158,7 +181,7 @@ ReturnToService=2
 MpiDefault=none
 SwitchType=switch/none
 MailProg=/bin/true
-{nodes}
+{prolog}{nodes}
 PartitionName={PARTITION} Nodes=node[0-{self.bed.nodes - 1}] Default=YES MaxTime=INFINITE State=UP
 """
         )

@@ -30,7 +30,7 @@ from palatine.tensor.client.mesh import DeviceMesh
 from palatine.tensor.client.procs import RoleProcess
 from palatine.tensor.client.session import ClientActor, Session
 
-__all__ = ["LocalCluster", "connect", "local_mesh"]
+__all__ = ["LocalCluster", "check_shape", "connect", "local_mesh", "start_local"]
 
 log = logging.getLogger("palatine")
 
@@ -145,6 +145,50 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
     default ``palatine-logs`` in the temp dir) that is removed when the mesh ends cleanly
     and kept, with a warning naming it, when it fails (`palatine.output.logs`).
     """
+    cluster = start_local(hosts, procs_per_host, **options)
+    try:
+        return connect(
+            cluster.system_addr,
+            "worker",
+            timeout=float(options.get("startup_timeout_in_sec", 60.0)),
+            _local=cluster,
+            _token=cluster.env["PALATINE_CLUSTER_TOKEN"],
+        )
+    except BaseException:
+        cluster.stop(1.0, clean=False)
+        raise
+
+
+# What one controller takes (its --world-size and --num-procs-per-host bounds).
+MAX_PROCS_PER_HOST = 4096
+MAX_WORLD_SIZE = 1 << 20
+
+
+def check_shape(hosts: Any, procs_per_host: Any) -> None:
+    """A `ValueError` naming the argument and its allowed range, before anything starts."""
+    for name, value, top in (
+        ("hosts", hosts, MAX_WORLD_SIZE),
+        ("procs_per_host", procs_per_host, MAX_PROCS_PER_HOST),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int from 1 to {top}, not {value!r}")
+        if not 1 <= value <= top:
+            raise ValueError(f"{name} must be from 1 to {top}, got {value}")
+    if hosts * procs_per_host > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"hosts × procs_per_host must be at most {MAX_WORLD_SIZE}, got "
+            f"{hosts} × {procs_per_host} = {hosts * procs_per_host}"
+        )
+
+
+def start_local(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> LocalCluster:
+    """Start system, hosts and controller (the controller creates the workers) and wait
+    until the worker world is up; the processes, not yet attached to (`connect` does).
+
+    `local_mesh` is this and `connect`; `palatine.job.LocalJob` and ``palatine launch
+    --scheduler local`` start here and let a client attach later.
+    """
+    check_shape(hosts, procs_per_host)
     allowed = set(_SYSTEM_OPTS + _HOST_OPTS + _CONTROLLER_OPTS + _OURS)
     for k in options:
         if k not in allowed:
@@ -223,13 +267,7 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
             ctl.append("--is-cpu-worker")
         roles.append(cluster.start(ctl, startup, "controller", wait=False))
         cluster.wait_ready(roles, startup)
-        return connect(
-            system.addr,
-            "worker",
-            timeout=startup,
-            _local=cluster,
-            _token=env["PALATINE_CLUSTER_TOKEN"],
-        )
+        return cluster
     except BaseException:
         cluster.stop(1.0, clean=False)
         raise
@@ -264,14 +302,28 @@ def _gpu_device_nodes() -> bool:
 
 
 def connect(
-    system_addr: str,
+    system_addr: str | None = None,
     worker_world: str | None = None,
     *,
     timeout: float = 60.0,
     _local: LocalCluster | None = None,
     _token: str | None = None,
 ) -> DeviceMesh:
-    """Attach to the controller of a running worker world; its `DeviceMesh`."""
+    """Attach to the controller of a running worker world; its `DeviceMesh`.
+
+    With no ``system_addr``, the job that ``palatine launch`` runs this program in: the
+    system address and worker world it hands over (``PALATINE_SYSTEM_ADDR``,
+    ``PALATINE_WORKER_WORLD``, with the cluster token in ``PALATINE_CLUSTER_TOKEN``).
+    """
+    if system_addr is None:
+        handed = Handoff.from_env()
+        if not handed.system_addr:
+            raise ValueError(
+                "connect() needs a system address: pass system_addr=, or run the program "
+                "under 'palatine launch', which sets PALATINE_SYSTEM_ADDR"
+            )
+        system_addr = handed.system_addr
+        worker_world = worker_world or handed.worker_world or None
     if _token is not None:
         from palatine.channel import token as token_mod
 

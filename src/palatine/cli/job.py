@@ -1,0 +1,159 @@
+"""``palatine job status|cancel JOB``: a Slurm job that palatine launched, by its job id.
+
+``status`` prints Slurm's state of the job (state, time, nodes) and, where its record is
+readable here (the submitting user, on the submitting machine), the worlds and procs
+its system reports: which rank runs on which host, and how healthy it is. ``cancel``
+runs ``scancel``, waits until Slurm no longer lists the job, and stops the job's system,
+controller and hosts; the program that ran against it gets a `DeviceException` naming
+the lost ranks. A job id Slurm does not list is exit 1; ``--json`` prints one document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+from typing import Any
+
+__all__ = ["add_arguments", "run"]
+
+_ANSWER_S = 10.0  # the system's answer to a snapshot or a stop
+_GONE_S = 30.0  # a cancelled job leaving squeue
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["status", "cancel"])
+    p.add_argument("job_id", metavar="JOB", help="the Slurm job id")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def run(args: argparse.Namespace) -> int:
+    from palatine.cli.role import setup_logging
+    from palatine.errors import SchedulerError
+    from palatine.job.slurm import find_job
+
+    setup_logging()
+    job = args.job_id.strip()
+    if not job.replace("_", "").isdigit():
+        print(f"palatine job: {job!r} is not a Slurm job id", file=sys.stderr)
+        return 2
+    try:
+        info, record = find_job(job)
+    except SchedulerError as e:
+        print(f"palatine job: {e}", file=sys.stderr)
+        return 1
+    if info is None:
+        print(f"palatine job: job {job} is not in Slurm's queue (it ended, or never was)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    if args.action == "cancel":
+        return _cancel(job, record)
+    return _status(job, info, record, args.json)
+
+
+def _status(job: str, info: dict[str, str], record: Any, as_json: bool) -> int:
+    import msgspec
+
+    snap, why = (None, "no palatine record of this job is readable here")
+    if record is not None:
+        snap, why = _ask(record, lambda client: client.snapshot())
+    if as_json:
+        doc = {
+            "job": {"id": job, **info},
+            "record": record,
+            "system": snap,
+            "system_error": None if snap is not None else why,
+        }
+        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
+        return 0
+    print(
+        f"job {job}: {info.get('state', '?')} for {info.get('elapsed', '?')} on "
+        f"{info.get('nodes', '?')} node(s) ({info.get('nodelist') or 'none yet'})"
+    )
+    if snap is None:
+        print(f"  system: {why}")
+        return 0
+    print(f"  system {record.system_addr} ({record.transport}), launched by pid {record.pid}")
+    for name, world in snap.worlds.items():
+        alive = sum(1 for p in world.procs.values() if p.health == "Alive")
+        print(f"  world {name}: {world.status}, {alive}/{len(world.procs)} procs alive")
+        if name != record.worker_world:
+            continue
+        for proc, entry in sorted(world.procs.items(), key=lambda kv: _rank(kv[0])):
+            reason = f" ({entry.reason})" if entry.reason else ""
+            print(
+                f"    {proc}: {entry.health} on {entry.host or '?'} at {entry.addr or '?'} "
+                f"pid {entry.pid}{reason}"
+            )
+    return 0
+
+
+def _rank(proc: str) -> int:
+    try:
+        return int(proc.rsplit("[", 1)[1].rstrip("]"))
+    except (IndexError, ValueError):
+        return 0
+
+
+def _cancel(job: str, record: Any) -> int:
+    from palatine.job.slurm import find_job
+
+    try:
+        done = subprocess.run(["scancel", job], capture_output=True, text=True,
+                              timeout=_ANSWER_S * 6, check=False)  # fmt: skip
+    except (FileNotFoundError, subprocess.TimeoutExpired) as e:
+        print(f"palatine job: scancel {job}: {e}", file=sys.stderr)
+        return 1
+    if done.returncode != 0:
+        print(f"palatine job: scancel {job}: {done.stderr.strip()}", file=sys.stderr)
+        return 1
+    deadline = time.monotonic() + _GONE_S
+    while time.monotonic() < deadline and find_job(job)[0] is not None:
+        time.sleep(0.2)
+    left = find_job(job)[0]
+    text = f"job {job}: cancelled" if left is None else f"job {job}: still {left['state']}"
+    if record is not None:
+        ack, why = _ask(record, lambda client: client.stop(None, 5.0))
+        text += (
+            f"; its system at {record.system_addr} is stopping" if ack is not None
+            else f"; its system did not answer ({why})"
+        )  # fmt: skip
+    print(text)
+    return 0 if left is None else 1
+
+
+def _ask(record: Any, request: Any) -> tuple[Any, str]:
+    """Attach to the job's system with its token and make one request; (answer, why not)."""
+    from palatine.channel.token import set_token
+    from palatine.core import runtime
+    from palatine.core.runtime import new_event_loop
+    from palatine.system.service import System
+
+    token = record.token()
+    if token is None:
+        return None, f"its token in {record.log_dir} is not readable here"
+    set_token(token)
+
+    async def ask() -> Any:
+        runtime.adopt_current_loop()
+        async with asyncio.timeout(_ANSWER_S + 1):
+            client = await System(record.system_addr).attach(timeout_s=_ANSWER_S)
+            try:
+                return await request(client)
+            finally:
+                try:
+                    await client.close()
+                except Exception:  # noqa: BLE001 - a stopping system may be gone already
+                    pass
+
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(ask()), ""
+    except TimeoutError:
+        return None, f"no answer within {_ANSWER_S:g} s"
+    except Exception as e:  # noqa: BLE001 - a CLI reports and exits
+        return None, str(e)
+    finally:
+        loop.close()

@@ -1,0 +1,163 @@
+"""``palatine launch``: run a client program against a job's mesh.
+
+    palatine launch --scheduler slurm --hosts 2 --procs-per-host 2 -- python train.py
+
+The launcher applies the job (`palatine.job.SlurmJob`: the system and the controller
+start here and one host per node is submitted with ``sbatch``; `palatine.job.LocalJob`
+for ``--scheduler local``), waits until every host has joined, then runs the program
+with the job in its environment (``PALATINE_SYSTEM_ADDR``, ``PALATINE_WORKER_WORLD``,
+``PALATINE_JOB_ID``, ``PALATINE_CLUSTER_TOKEN``), where ``palatine.connect()`` finds it.
+When the program ends the job is torn down (``scancel``, then the controller and the
+system), and the launcher exits with the program's status.
+
+Ctrl-C or SIGTERM goes to the program; a second one kills it. A scheduler that refuses
+the job, or a job that ends before its hosts joined, is one line on stderr and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scheduler", choices=["slurm", "local"], default="slurm")
+    p.add_argument("--hosts", type=int, required=True)
+    p.add_argument("--procs-per-host", type=int, required=True)
+    p.add_argument("--partition", help="Slurm partition")
+    p.add_argument("--time-limit", help="Slurm time limit (sbatch --time)")
+    p.add_argument("--account", help="Slurm account")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (CUDA workers)")
+    p.add_argument(
+        "--transport",
+        choices=["tcp", "tls"],
+        default="tcp",
+        help="between the nodes and this machine (slurm; tls reads PALATINE_TLS_*)",
+    )
+    p.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more sbatch argument (repeatable)",
+    )
+    p.add_argument("--log-dir", help="where the job's logs go (kept)")
+    p.add_argument(
+        "--start-timeout-in-sec",
+        type=float,
+        default=300.0,
+        help="bound on queue time plus start-up",
+    )
+    p.add_argument("program", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
+
+
+def _job(args: argparse.Namespace) -> Any:
+    if args.scheduler == "local":
+        from palatine.job.local import LocalJob
+
+        options: dict[str, Any] = {"startup_timeout_in_sec": args.start_timeout_in_sec}
+        if args.log_dir:
+            options["log_dir"] = args.log_dir
+        return LocalJob(args.hosts, args.procs_per_host, **options)
+    from palatine.job.slurm import SlurmJob
+
+    return SlurmJob(
+        args.hosts,
+        args.procs_per_host,
+        partition=args.partition,
+        time_limit=args.time_limit,
+        account=args.account,
+        gpus_per_node=args.gpus_per_node,
+        sbatch_args=args.sbatch_arg,
+        log_dir=args.log_dir,
+        transport=args.transport,
+        start_timeout_s=args.start_timeout_in_sec,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from palatine.cli.role import setup_logging
+    from palatine.errors import SchedulerError
+
+    command = list(args.program)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("palatine launch: give the program to run after '--'", file=sys.stderr)
+        return 2
+    setup_logging()
+    try:
+        job = _job(args)
+    except ValueError as e:
+        print(f"palatine launch: {e}", file=sys.stderr)
+        return 2
+    interrupted: list[int] = []
+
+    def note(signum: int, _frame: Any) -> None:
+        interrupted.append(signum)
+
+    old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    status = 1
+    try:
+        t0 = time.monotonic()
+        job.apply()
+        if interrupted:
+            return 128 + interrupted[0]
+        job.state()
+        print(
+            f"palatine launch: job {job.job_id}: {args.hosts} host(s) × {args.procs_per_host} "
+            f"procs up in {time.monotonic() - t0:.1f} s; running {' '.join(command)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if interrupted:
+            return 128 + interrupted[0]
+        status = _run_program(command, {**os.environ, **job.client_env()}, interrupted)
+    except SchedulerError as e:
+        print(f"palatine launch: {e}", file=sys.stderr)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"palatine launch: the job did not start: {e}", file=sys.stderr)
+    finally:
+        job.cancel(clean=status == 0)
+        for s, h in old.items():
+            signal.signal(s, h)
+    return status
+
+
+def _terminal_signals_group() -> bool:
+    """Whether this process group is the terminal's foreground group (so a Ctrl-C there
+    reaches the program as well, and passing it on would deliver it twice)."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError):
+        return False
+
+
+def _run_program(command: list[str], env: dict[str, str], interrupted: list[int]) -> int:
+    """Run ``command``; pass the first signal on, kill on the second; its exit status."""
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as e:
+        print(f"palatine launch: cannot run {command[0]}: {e}", file=sys.stderr)
+        return 127
+    passed = 0
+    while True:
+        try:
+            code = child.wait(timeout=0.1)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if len(interrupted) > passed:
+            passed = len(interrupted)
+            if passed > 1:
+                child.kill()
+            elif interrupted[0] != signal.SIGINT or not _terminal_signals_group():
+                child.send_signal(interrupted[0])  # a Ctrl-C at the terminal reached it too
+    return code if code >= 0 else 128 - code
