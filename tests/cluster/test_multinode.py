@@ -164,6 +164,55 @@ def test_a_node_whose_processes_all_die_fails_its_ranks_at_once_naming_the_lost_
         print(f"node killed -> client error in {took:.2f} s: {text.splitlines()[0]}")
 
 
+def _palatine_pids_in(namespace_inode: int) -> list[int]:
+    out = []
+    for pid in _pids_in(namespace_inode):
+        with contextlib.suppress(OSError):
+            if b"palatine" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+    return out
+
+
+def test_a_node_that_comes_back_after_a_partition_is_told_to_stop_not_reused(
+    bed: TestBed,
+) -> None:
+    from palatine.core import runtime
+
+    with two_node_mesh(bed) as mesh:
+        node1 = inspect(remote(net_namespace)(), shard={"host": 1, "proc": 0})
+        assert len(_palatine_pids_in(node1)) >= 3  # host, fork server, two workers
+        pending = fetch(remote(sleep_then)(7), shard={"host": 1, "proc": 0})
+        bed.cut(1)
+        try:
+            with pytest.raises(DeviceException) as ei:
+                pending.result(timeout=30)
+        finally:
+            bed.heal(1)
+        healed_at = time.monotonic()
+        first = str(ei.value).splitlines()[0]
+        # The node's heartbeats reach the system again: its procs were declared lost, so
+        # each is told to stop (the host stops its workers and exits), none is taken back.
+        deadline = healed_at + 30
+        while _palatine_pids_in(node1) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _palatine_pids_in(node1)
+        assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]
+        took = time.monotonic() - healed_at
+        client = mesh.session.system_client
+        snap = runtime.submit(lambda: client.snapshot()).get(10)
+        for world in snap.worlds.values():
+            for proc, entry in world.procs.items():
+                if entry.addr.startswith(f"tcp:{bed.node_ip(1)}:"):
+                    assert entry.health != "Alive", (proc, entry)
+        # The session stays failed with the same error: no call goes to the old node.
+        with pytest.raises(DeviceException) as again:
+            inspect(remote(net_namespace)(), shard={"host": 1, "proc": 0})
+        assert str(again.value).splitlines()[0] == first
+        print(
+            f"node back after the cut: its {len(left) or 'palatine'} processes gone {took:.2f} s after the heal"
+        )
+
+
 def test_over_tls_with_a_certificate_per_node_the_job_runs_and_a_stranger_is_refused(
     bed: TestBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
