@@ -17,7 +17,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from palatine import inspect, remote
+from palatine import Actor, endpoint, inspect, remote
 from palatine.errors import SchedulerError
 from palatine.job.slurm import SlurmJob
 from palatine.testing.netns import TestBed
@@ -269,3 +269,34 @@ def test_palatine_job_status_names_where_each_rank_runs_and_cancel_ends_the_laun
     )  # fmt: skip
     assert gone.returncode == 1
     assert f"job {job_id} is not in Slurm's queue" in gone.stderr
+
+
+class Where(Actor):
+    """Says which network namespace (which node) it runs in."""
+
+    @endpoint
+    def namespace(self) -> int:
+        return net_namespace()
+
+    @endpoint
+    def double(self, x: int) -> int:
+        return 2 * x
+
+
+def test_a_slurm_jobs_host_mesh_spawns_actors_on_every_node(slurm: SlurmTestCluster) -> None:
+    with SlurmJob(hosts=2, procs_per_host=1, partition=PARTITION, start_timeout_s=120) as job:
+        hosts = job.host_mesh()
+        assert hosts.sizes == {"hosts": 2}
+        procs = hosts.spawn_procs(per_host={"gpus": 2})
+        assert procs.sizes == {"hosts": 2, "gpus": 2}
+        where = procs.spawn("where", Where)
+        seen = dict(
+            (tuple(point.values()), ns) for point, ns in where.namespace.call().get().items()
+        )
+        assert seen[(0, 0)] == seen[(0, 1)] != seen[(1, 0)] == seen[(1, 1)]
+        assert net_namespace() not in seen.values()
+        assert where.slice(hosts=1, gpus=1).double.call_one(21).get() == 42
+        procs.stop().get(timeout=60)
+        again = hosts.spawn_procs(per_host={"procs": 1}).spawn("where", Where)
+        assert sorted(again.double.call(4).get().values()) == [8, 8]
+    assert slurm.squeue() == []

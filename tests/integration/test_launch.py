@@ -13,13 +13,18 @@ import subprocess
 import sys
 import time
 
+import cloudpickle
 import psutil
 import pytest
 
 import palatine
+from palatine import Actor, endpoint
+from palatine.job import LocalJob
 from palatine.tensor.client.local import local_mesh
 
 pytestmark = pytest.mark.timeout(120)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def launch_argv(*program: str, hosts: int = 1, per_host: int = 2) -> list[str]:
@@ -139,3 +144,23 @@ def test_local_mesh_refuses_a_bad_shape_by_name_before_starting_a_process(
     assert str(ei.value) == message
     assert time.monotonic() - t0 < 0.5
     assert {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)} <= before
+
+
+class Pid(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_a_local_jobs_host_mesh_spawns_proc_meshes_on_its_hosts_and_stops_them() -> None:
+    with LocalJob(hosts=2, procs_per_host=1) as job:
+        hosts = job.host_mesh()
+        procs = hosts.spawn_procs(per_host={"gpus": 2})
+        assert procs.sizes == {"hosts": 2, "gpus": 2}
+        pids = procs.spawn("pid", Pid).pid.call().get()
+        assert [tuple(p.values()) for p, _ in pids.items()] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert len(set(pids.values())) == 4
+        procs.stop().get(timeout=30)
+        assert all(not psutil.pid_exists(p) for p in pids.values())
+        with pytest.raises(ValueError, match="per_host takes exactly one dimension"):
+            hosts.spawn_procs(per_host={"a": 1, "b": 1})

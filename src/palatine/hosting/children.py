@@ -335,6 +335,11 @@ class ChildProcs:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    @property
+    def fork_server(self) -> ForkServer | None:
+        """The fork server children are forked by (given or started here), if any."""
+        return self._fork_server
+
     def start_fork_server(self) -> None:
         """Start a fork server of our own (closed by `aclose`) unless one was given.
 

@@ -24,8 +24,9 @@ from palatine.hosting.agent import MANAGED, ProcAgent, ProcHandle, bootstrap_pro
 from palatine.hosting.child_env import child_env, log_path_for, stack_path_for
 from palatine.hosting.children import Child, ChildProcs
 from palatine.hosting.forkserver import ForkServer
-from palatine.ids import SYSTEM_ACTOR, ProcId, served_world_of
+from palatine.ids import SYSTEM_ACTOR, ProcId, WorldId, is_host_world, served_world_of
 from palatine.protocol.agent import (
+    HostStarted,
     KilledProcs,
     KillProcs,
     ProcSnapshot,
@@ -35,6 +36,8 @@ from palatine.protocol.agent import (
     SpawnProcResult,
     StackDump,
     StackTrace,
+    StartHost,
+    StopHost,
 )
 from palatine.protocol.system import (
     ChildProc,
@@ -67,6 +70,8 @@ class HostAgent(ProcAgent):
         self.log_dir = log_dir
         self.children = ChildProcs(on_exit=self._child_exited, fork_server=fork_server)
         self.local_procs: dict[ProcId, ProcHandle] = {}
+        # Hosts of other host worlds started in this process (`StartHost`), by world.
+        self.more_hosts: dict[WorldId, ProcHandle] = {}
         self._reports: set[asyncio.Task[None]] = set()
 
     async def init(self) -> None:
@@ -197,7 +202,48 @@ class HostAgent(ProcAgent):
                 ids.append(pid)
         return KilledProcs(proc_ids=ids)
 
+    # ------------------------------------------------------------ more hosts
+    @handler
+    async def on_start_host(self, msg: StartHost) -> HostStarted:
+        me = self.proc.proc_id
+        world = msg.host_world
+        if not is_host_world(world.name) or world == me.world:
+            raise SpawnError(f"host {me} cannot start a host of {world}: not another host world")
+        if self.state != "Joined":
+            raise SpawnError(f"host {me} cannot start a host of {world}: it is {self.state}")
+        handle = self.more_hosts.get(world)
+        if handle is None:
+            handle = await bootstrap_proc(
+                world.proc(me.rank),
+                self.system_addr,
+                supervision_update_interval_s=self.interval_s,
+                labels={"proc.palatine.dev/role": "host"},
+                join_timeout_s=self.join_timeout_s,
+                agent_cls=HostAgent,
+                agent_args={"fork_server": self.children.fork_server, "log_dir": self.log_dir},
+            )
+            self.more_hosts[world] = handle
+        return HostStarted(host=handle.proc.proc_id, addr=str(handle.addr))
+
+    @handler
+    async def on_stop_host(self, msg: StopHost) -> HostStarted:
+        handle = self.more_hosts.pop(msg.host_world, None)
+        if handle is None:
+            raise SpawnError(f"host {self.proc.proc_id} runs no host of {msg.host_world}")
+        await self._stop_host(handle, msg.reason or "stopped by its client", leave=True)
+        return HostStarted(host=handle.proc.proc_id, addr=str(handle.addr))
+
+    @staticmethod
+    async def _stop_host(handle: ProcHandle, reason: str, leave: bool) -> None:
+        agent = handle.agent
+        if isinstance(agent, HostAgent):
+            await agent.kill_children(1.0)
+        await handle.shutdown(reason, leave=leave)
+
     async def kill_children(self, grace_s: float | None = None) -> None:
+        more, self.more_hosts = self.more_hosts, {}
+        for handle in more.values():
+            await self._stop_host(handle, "its process's host stopping", leave=False)
         await self.children.aclose(
             grace_s if grace_s is not None else config.get().child_term_grace_s
         )

@@ -16,7 +16,10 @@ import itertools
 import logging
 import math
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+import cloudpickle
 
 from palatine import config
 from palatine.channel import token as token_mod
@@ -29,14 +32,14 @@ from palatine.hosting.agent import ProcHandle, bootstrap_proc
 from palatine.hosting.forkserver import ForkServer, fork_server_supported
 from palatine.hosting.host import HostAgent
 from palatine.hosting.limits import check_open_files
-from palatine.ids import GangId, WorldId
+from palatine.ids import GangId, ProcId, WorldId
 from palatine.mesh.actor_mesh import ActorMesh, set_default_client
 from palatine.output.logs import LogSession
-from palatine.protocol.agent import Spawn, Spawned
+from palatine.protocol.agent import Spawn, Spawned, StartHost, StopHost
 from palatine.system.service import System, SystemClient, SystemHandle
 from palatine.wire.codec import dumps
 
-__all__ = ["this_host", "HostMesh", "ProcMesh"]
+__all__ = ["this_host", "HostMesh", "JobHosts", "ProcMesh"]
 
 log = logging.getLogger(__name__)
 
@@ -118,15 +121,20 @@ async def _shutdown() -> None:
 
 
 class ProcMesh:
-    """Procs of one world, with one named dimension (``{"procs": 4}``)."""
+    """Procs of one world, over named dimensions (``{"procs": 4}``; a job's hosts give
+    ``{"hosts": H, "procs": 4}``): spawn actors on all of them, stop them."""
 
     def __init__(
-        self, cluster: _Cluster, world: WorldId, dims: list[tuple[str, int]], host: ProcHandle
+        self,
+        client: SystemClient,
+        world: WorldId,
+        dims: list[tuple[str, int]],
+        release: Callable[[], Awaitable[None]],
     ) -> None:
-        self._cluster = cluster
+        self._client = client
         self.world = world
         self._dims = dims
-        self._host = host
+        self._release = release  # what stopping gives back once the world is gone: its hosts
         self._stopped = False
 
     @property
@@ -148,9 +156,10 @@ class ProcMesh:
     ) -> ActorMesh:
         params, _ = dumps((args, kwargs))
         type_name = actor_type_name(cls)
-        actor_class = None
-        if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
-            actor_class, _ = dumps(cls)
+        # The class itself travels: by reference when the procs can import it, by value
+        # when they cannot (``__main__``, a local class, a module cloudpickle was told to
+        # ship by value).
+        actor_class = cloudpickle.dumps(cls)
         msg = Spawn(
             actor_type=type_name,
             actor_name=name,
@@ -158,7 +167,7 @@ class ProcMesh:
             params_encoding="pickle",
             actor_class=actor_class,
         )
-        mb = self._cluster.client.mailbox
+        mb = self._client.mailbox
         timeout = config.get().spawn_procs_timeout_s
         n = len(self)
         results = await asyncio.gather(
@@ -179,7 +188,7 @@ class ProcMesh:
         if self._stopped:
             return
         self._stopped = True
-        client = self._cluster.client
+        client = self._client
         try:
             await client.stop([self.world.name], config.get().proc_stop_timeout_s)
         except Exception as e:  # noqa: BLE001 - the system may be gone already
@@ -193,12 +202,35 @@ class ProcMesh:
             if state.state is None:
                 break
             await asyncio.sleep(0.02)
-        agent = self._host.agent
-        if isinstance(agent, HostAgent):
-            await agent.kill_children(1.0)
-        await self._host.shutdown("mesh stopped", leave=True)
-        if self in self._cluster.meshes:
-            self._cluster.meshes.remove(self)
+        await self._release()
+
+
+async def _wait_live(
+    client: SystemClient, world: WorldId, tail_of: Callable[[ProcId], str]
+) -> None:
+    """Wait (bounded by the spawn timeout) until ``world`` is Live; a `PalatineError`
+    naming the first proc that failed while starting (with ``tail_of`` it: its output)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + config.get().spawn_procs_timeout_s
+    while True:
+        snap = await client.snapshot([world.name])
+        w = snap.worlds.get(world.name)
+        if w is not None and w.status == "Live":
+            return
+        if w is not None:
+            dead = [(pid, e) for pid, e in w.procs.items() if e.health != "Alive"]
+            if dead:
+                pid, e = dead[0]
+                raise PalatineError(
+                    f"proc {pid} failed while starting: {e.reason or e.health}"
+                    f"{tail_of(ProcId.parse(pid))}"
+                )
+        if loop.time() > deadline:
+            raise PalatineError(
+                f"world {world} not Live within {config.get().spawn_procs_timeout_s:g} s: "
+                f"{w.status if w else 'unknown'}"
+            )
+        await asyncio.sleep(0.01)
 
 
 class HostMesh:
@@ -232,49 +264,144 @@ async def _spawn_procs(dim: str, n: int) -> ProcMesh:
     cluster.hosts.append(host)
     client = cluster.client
     program = f"{sys.executable} -m palatine worker"
-    await client.upsert_world(world.name, [n], n, program)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + config.get().spawn_procs_timeout_s
-    while True:
-        snap = await client.snapshot([world.name])
-        w = snap.worlds.get(world.name)
-        if w is not None and w.status == "Live":
-            break
-        if w is not None:
-            dead = [(pid, e) for pid, e in w.procs.items() if e.health != "Alive"]
-            if dead:
-                pid, e = dead[0]
-                tail = ""
-                agent = host.agent
-                if isinstance(agent, HostAgent):
-                    child = agent.children.get(pid)
-                    if child is not None and child.tail:
-                        tail = "\n" + "\n".join(child.tail[-20:])
-                await _abandon(cluster, world, host)
-                raise PalatineError(
-                    f"proc {pid} failed while starting: {e.reason or e.health}{tail}"
-                )
-        if loop.time() > deadline:
-            await _abandon(cluster, world, host)
-            raise PalatineError(
-                f"world {world} not Live within {config.get().spawn_procs_timeout_s:g} s: "
-                f"{w.status if w else 'unknown'}"
-            )
-        await asyncio.sleep(0.01)
-    mesh = ProcMesh(cluster, world, [(dim, n)], host)
+    mesh: ProcMesh | None = None
+
+    async def release() -> None:
+        agent = host.agent
+        if isinstance(agent, HostAgent):
+            await agent.kill_children(1.0)
+        await host.shutdown("mesh stopped", leave=True)
+        if mesh in cluster.meshes:
+            cluster.meshes.remove(mesh)
+
+    def tail_of(pid: ProcId) -> str:
+        agent = host.agent
+        child = agent.children.get(str(pid)) if isinstance(agent, HostAgent) else None
+        return "\n" + "\n".join(child.tail[-20:]) if child is not None and child.tail else ""
+
+    try:
+        await client.upsert_world(world.name, [n], n, program)
+        await _wait_live(client, world, tail_of)
+    except BaseException:
+        await _abandon(client, world, release)
+        raise
+    mesh = ProcMesh(client, world, [(dim, n)], release)
     cluster.meshes.append(mesh)
     return mesh
 
 
-async def _abandon(cluster: _Cluster, world: WorldId, host: ProcHandle) -> None:
+async def _abandon(
+    client: SystemClient, world: WorldId, release: Callable[[], Awaitable[None]]
+) -> None:
     try:
-        await cluster.client.stop([world.name], 1.0)
+        await client.stop([world.name], 1.0)
     except Exception:  # noqa: BLE001
         pass
-    agent = host.agent
-    if isinstance(agent, HostAgent):
-        await agent.kill_children(1.0)
-    await host.shutdown("spawn failed", leave=True)
+    await release()
+
+
+class JobHosts:
+    """The hosts of a job, one per node (`palatine.job.SlurmJob.host_mesh`,
+    `palatine.job.LocalJob.host_mesh`): a host mesh of ``{"hosts": H}``.
+
+    The job's hosts already run (``palatine host`` in host world ``host_world``); for each
+    `spawn_procs` every one of them starts, in its own process, a host of a fresh host
+    world (`StartHost`), and the world upserted for it gets ``per_host`` procs on every
+    node: a `ProcMesh` of dims ``hosts`` and the one ``per_host`` names. This process
+    attaches to the job's system on first use, as the client its actor meshes send from.
+    """
+
+    def __init__(
+        self, system_addr: str, token: str, host_world: str, hosts: int, python: str
+    ) -> None:
+        self.system_addr = system_addr
+        self._token = token
+        self.host_world = WorldId(host_world)
+        self.hosts = hosts
+        self._program = f"{python} -m palatine worker"
+        self._client: SystemClient | None = None
+        self._counter = itertools.count()
+        self._meshes: list[ProcMesh] = []
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"hosts": self.hosts}
+
+    def __len__(self) -> int:
+        return self.hosts
+
+    def __repr__(self) -> str:
+        return f"HostMesh({self.host_world}, hosts={self.hosts})"
+
+    def spawn_procs(self, per_host: dict[str, int] | None = None) -> ProcMesh:
+        """Start ``per_host`` procs (one named dimension) on every host; a `ProcMesh`."""
+        per_host = per_host or {"procs": 1}
+        if len(per_host) != 1:
+            raise ValueError(f"per_host takes exactly one dimension, got {per_host}")
+        ((dim, n),) = per_host.items()
+        if dim == "hosts":
+            raise ValueError("per_host cannot name 'hosts': it is the host mesh's dimension")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4096:
+            raise ValueError(f"per_host[{dim!r}] must be an int from 1 to 4096, got {n!r}")
+        return runtime.submit(lambda: self._spawn_procs(dim, n)).get()
+
+    async def _attach(self) -> SystemClient:
+        if self._client is None:
+            token_mod.set_token(self._token)
+            self._client = await System(self.system_addr).attach()
+            set_default_client(self._client.client)
+        return self._client
+
+    async def _spawn_procs(self, dim: str, n: int) -> ProcMesh:
+        client = await self._attach()
+        k = next(self._counter)
+        world, host_world = WorldId(f"procs{k}"), WorldId(f"hostprocs{k}")
+        timeout = config.get().spawn_procs_timeout_s
+        agents = [self.host_world.proc(h).actor("proc") for h in range(self.hosts)]
+        mesh: ProcMesh | None = None
+
+        async def release() -> None:
+            stop = StopHost(host_world=host_world, reason=f"proc mesh {world} stopped")
+            await asyncio.gather(
+                *(client.mailbox.ask(a, stop, timeout) for a in agents), return_exceptions=True
+            )
+            if mesh in self._meshes:
+                self._meshes.remove(mesh)
+
+        try:
+            started = await asyncio.gather(
+                *(client.mailbox.ask(a, StartHost(host_world=host_world), timeout) for a in agents),
+                return_exceptions=True,
+            )
+            for agent, res in zip(agents, started, strict=True):
+                if isinstance(res, BaseException):
+                    raise SpawnError(
+                        f"host {agent.proc} could not start a host for {world}: {res}"
+                    ) from res
+            await client.upsert_world(world.name, [self.hosts * n], n, self._program)
+            await _wait_live(client, world, lambda pid: "")
+        except BaseException:
+            await _abandon(client, world, release)
+            raise
+        mesh = ProcMesh(client, world, [("hosts", self.hosts), (dim, n)], release)
+        self._meshes.append(mesh)
+        return mesh
+
+    def close(self) -> None:
+        """Stop every proc mesh spawned here and detach from the job's system."""
+        if self._client is not None:
+            runtime.submit(self._close).get(config.get().proc_stop_timeout_s + 30)
+
+    async def _close(self) -> None:
+        for mesh in list(self._meshes):
+            await mesh._stop()
+        client, self._client = self._client, None
+        if client is not None:
+            set_default_client(None)
+            try:
+                await client.close()
+            except Exception as e:  # noqa: BLE001 - the system may be gone already
+                log.debug("detaching from %s: %s", self.system_addr, e)
 
 
 _host_mesh = HostMesh()

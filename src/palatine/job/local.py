@@ -9,9 +9,11 @@ with `client_env`).
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any, Self
 
 from palatine.hosting.child_env import Handoff
+from palatine.job.hostmesh import JobHosts
 from palatine.tensor.client.local import LocalCluster, check_shape, connect, start_local
 
 if TYPE_CHECKING:
@@ -32,6 +34,7 @@ class LocalJob:
         self.job_id: str | None = None
         self._cluster: LocalCluster | None = None
         self._mesh: DeviceMesh | None = None
+        self._hosts: JobHosts | None = None
 
     def apply(self) -> str:
         """Start the processes (the worker world is up when this returns); ``"local"``."""
@@ -71,8 +74,26 @@ class LocalJob:
             )
         return self._mesh
 
+    def host_mesh(self) -> JobHosts:
+        """The job's hosts (``{"hosts": hosts}``) for the actor API."""
+        if self._hosts is None:
+            self.apply()
+            cluster = self._cluster
+            assert cluster is not None
+            self._hosts = JobHosts(
+                cluster.system_addr,
+                cluster.env["PALATINE_CLUSTER_TOKEN"],
+                "hostworker",
+                self.hosts,
+                sys.executable,
+            )
+        return self._hosts
+
     def cancel(self, *, clean: bool = True) -> None:
         """Stop every process of the job."""
+        hosts, self._hosts = self._hosts, None
+        if hosts is not None:
+            hosts.close()
         mesh, self._mesh = self._mesh, None
         cluster, self._cluster = self._cluster, None
         self.job_id = None

@@ -2,7 +2,8 @@
 
 ``SlurmJob(hosts=2, procs_per_host=4, partition="gpu")`` is declarative: `apply` submits
 it, `state` waits until every allocated host has joined, `mesh` gives the same
-`DeviceMesh` that ``local_mesh`` gives, `cancel` (or leaving ``with``) tears it all down.
+`DeviceMesh` that ``local_mesh`` gives, `host_mesh` the job's hosts for the actor API,
+`cancel` (or leaving ``with``) tears it all down.
 
 Where things run, and why:
 
@@ -41,6 +42,7 @@ from palatine import config
 from palatine.errors import SchedulerError
 from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import check_open_files
+from palatine.job.hostmesh import JobHosts
 from palatine.output.logs import LogSession
 from palatine.tensor.client.local import LocalCluster, check_shape, connect
 
@@ -116,6 +118,7 @@ class SlurmJob:
         self._cluster: _SlurmCluster | None = None
         self._token = ""
         self._mesh: DeviceMesh | None = None
+        self._hosts: JobHosts | None = None
         self._deadline = 0.0
 
     # ------------------------------------------------------------ submit
@@ -306,6 +309,17 @@ class SlurmJob:
             )
         return self._mesh
 
+    def host_mesh(self) -> JobHosts:
+        """The job's hosts (``{"hosts": hosts}``) for the actor API, once every host
+        joined: ``job.host_mesh().spawn_procs(per_host={"procs": 2}).spawn(...)``."""
+        if self._hosts is None:
+            self.state()
+            assert self._cluster is not None
+            self._hosts = JobHosts(
+                self._cluster.system_addr, self._token, "hostworker", self.hosts, self.python
+            )
+        return self._hosts
+
     # ------------------------------------------------------------ teardown
     def _scancel(self) -> None:
         """Cancel the allocation and wait (bounded) until Slurm no longer lists it."""
@@ -327,6 +341,9 @@ class SlurmJob:
     def cancel(self, *, clean: bool = False) -> None:
         """Tear everything down: the mesh, the allocation, the controller and the system.
         The logs are kept (a warning names them) unless the mesh ended cleanly or ``clean``."""
+        hosts, self._hosts = self._hosts, None
+        if hosts is not None:
+            hosts.close()
         mesh, self._mesh = self._mesh, None
         if mesh is not None:
             mesh.shutdown()  # its cluster's stop cancels the job

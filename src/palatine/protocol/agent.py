@@ -40,6 +40,9 @@ __all__ = [
     "Addr",
     "StackDump",
     "StackTrace",
+    "StartHost",
+    "HostStarted",
+    "StopHost",
 ]
 
 
@@ -96,6 +99,31 @@ class SpawnProcResult(Message, kw_only=True):
 
     started: list[StartedProc] = []
     failed: list[FailedProc] = []
+
+
+class StartHost(Message, kw_only=True):
+    """Client to a host: start host ``host_world[r]`` (``r`` the receiver's rank) inside
+    the receiver's process, sharing its fork server, so that a world ``W`` upserted for
+    host world ``hostW`` gets procs on the same machines. This is how a job's hosts take
+    proc meshes for actors after the job started. Replies `HostStarted`."""
+
+    host_world: WorldId
+
+
+class HostStarted(Message, kw_only=True):
+    """Reply to `StartHost`: the new host's proc id and address."""
+
+    host: ProcId
+    addr: str
+
+
+class StopHost(Message, kw_only=True):
+    """Client to a host: stop the host of ``host_world`` it started (its children first)
+    and have it leave the system. Replies `HostStarted` naming it (an unknown one is a
+    `palatine.protocol.system.Rejected`)."""
+
+    host_world: WorldId
+    reason: str = ""
 
 
 class KillProcs(Message, kw_only=True):
