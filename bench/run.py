@@ -6,7 +6,8 @@ programs run with this interpreter; the peers' programs (``bench/peers/``) with
 ``bench/.peers-venv/bin/python`` when that virtualenv exists.
 
 The results go to ``bench/results/<YYYY-MM-DD>.json`` (merged into the file of the day, so a
-partial run with ``--only`` updates only what it measured) and ``BENCHMARKS.md`` at the
+partial run with ``--only`` updates only what it measured; a partial run on a day with no
+file yet updates the newest one) and ``BENCHMARKS.md`` at the
 repository root is regenerated from it.
 
     python bench/run.py                       # everything
@@ -72,6 +73,20 @@ PROGRAMS = (
         None,
         frozenset({"scaling_cast_procs_exponent", "scaling_msg_size_exponent"}),
     ),
+    Program(
+        "bench/cross_node.py",
+        None,
+        frozenset(
+            {
+                "cross_node_1_1_calls_unix",
+                "cross_node_1_1_calls_tcp",
+                "cross_node_1_1_calls_tls",
+                "cross_node_fetch_64MiB_GBps",
+                "cross_node_detect_sigkill_s",
+                "cross_node_detect_link_cut_s",
+            }
+        ),
+    ),
     Program("bench/peers/monarch_actors.py", "torchmonarch", frozenset(PEER_METRICS)),
     Program("bench/peers/ray_actors.py", "ray", frozenset(PEER_METRICS)),
     Program("bench/peers/dask_actors.py", "distributed", frozenset(PEER_METRICS)),
@@ -122,6 +137,18 @@ METRICS: dict[str, tuple[str, bool, Target]] = {
         "exponent",
         False,
         Target("≤ 1.1: linear or better in procs, 4 → 64", 1.1),
+    ),
+    # Across nodes of a namespace test bed (bench/cross_node.py; needs root): the same
+    # loop as 1_1_actor_calls_sync over unix here, and to a proc on the other node.
+    "cross_node_1_1_calls_unix": ("calls/s", True, Target("the reference for the two below")),
+    "cross_node_1_1_calls_tcp": ("calls/s", True, Target("≥ 70 % of the unix figure")),
+    "cross_node_1_1_calls_tls": ("calls/s", True, Target("≥ 70 % of the unix figure")),
+    "cross_node_fetch_64MiB_GBps": ("GB/s", True, Target("≥ 1 GB/s", 1.0)),
+    "cross_node_detect_sigkill_s": ("s", False, Target("≤ 0.5 s", 0.5)),
+    "cross_node_detect_link_cut_s": (
+        "s",
+        False,
+        Target("≤ heartbeat timeout + 1 interval (3.5 s)", 3.5),
     ),
     "scaling_msg_size_exponent": (
         "exponent",
@@ -512,7 +539,7 @@ def build_results(
         for o in outcomes
     ]
     return {
-        "date": _today(),
+        "date": previous.get("date", _today()) if previous else _today(),  # (the file's day)
         "generated_at": dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(["bench/run.py", *argv]),
         "machine": machine,
@@ -1080,6 +1107,10 @@ def main(argv: list[str] | None = None) -> int:
     machine["steal_pct"] = steal_percent(ticks, cpu_ticks())
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{_today()}.json"
+    if args.only and not path.exists():
+        # A partial run updates the newest results rather than starting a day of its own
+        # that would hold only what it measured.
+        path = _latest_results(exclude=path) or path
     previous = _load(path)
     fallback = None
     if args.skip_peers:

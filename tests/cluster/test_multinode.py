@@ -9,6 +9,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,10 +17,11 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from palatine import DeviceException, fetch, inspect, remote
+from palatine import Actor, DeviceException, endpoint, fetch, inspect, remote
 from palatine.tensor.client.local import connect
 from palatine.tensor.client.mesh import DeviceMesh
 from palatine.tensor.client.procs import RoleProcess
+from palatine.testing.bedroles import roles_on_bed
 from palatine.testing.netns import TestBed, unavailable
 
 _why = unavailable()
@@ -71,35 +73,12 @@ def two_node_mesh(
     """System and controller here, one host per node, 2 worker procs on each node; over
     ``tls:`` with each machine's certificate variables when ``tls`` maps addresses to them
     (this process must have the root namespace's in its environment)."""
-    token = secrets.token_hex(32)
-    env = {"PALATINE_CLUSTER_TOKEN": token, **(tls[bed.root_ip] if tls else {})}
-    transport = "tls" if tls else "tcp"
-    roles: list[RoleProcess] = []
-    try:
-        system = RoleProcess(
-            ["system", "--system-addr", f"{transport}:{bed.root_ip}:0",
-             "--supervision-update-timeout-in-sec", str(UPDATE_TIMEOUT_S)],
-            env, 30,
-        )  # fmt: skip
-        roles.append(system)
-        assert system.addr.startswith(f"{transport}:{bed.root_ip}:")
-        for i in range(2):
-            host = ["host", "--system-addr", system.addr, "--host-world", "hostworker",
-                    "--host-rank", str(i), "--supervision-update-interval-in-sec", str(INTERVAL_S)]  # fmt: skip
-            node_env = {**env, "PALATINE_HOST_IP": bed.node_ip(i)}
-            if tls:
-                node_env.update(tls[bed.node_ip(i)])
-            roles.append(RoleProcess(host, node_env, 60, prefix=bed.prefix(i)))
-        ctl = ["controller", "--worker-world", "worker", "--system-addr", system.addr,
-               "--world-size", "4", "--num-procs-per-host", "2",
-               "--supervision-query-interval-in-sec", str(INTERVAL_S),
-               "--program", f"{sys.executable} -m palatine worker", "--is-cpu-worker"]  # fmt: skip
-        roles.append(RoleProcess(ctl, env, 90))
-        with connect(system.addr, "worker", timeout=90, _token=token) as mesh:
+    with roles_on_bed(
+        bed, per_host=2, tls=tls, update_timeout_s=UPDATE_TIMEOUT_S, interval_s=INTERVAL_S
+    ) as roles:
+        assert roles.system_addr.startswith(f"{'tls' if tls else 'tcp'}:{bed.root_ip}:")
+        with connect(roles.system_addr, "worker", timeout=90, _token=roles.token) as mesh:
             yield mesh
-    finally:
-        for role in reversed(roles):
-            role.kill()
 
 
 def test_workers_on_two_nodes_run_calls_and_a_collective_across_the_nodes(bed: TestBed) -> None:
@@ -253,3 +232,48 @@ def test_over_tls_with_a_certificate_per_node_the_job_runs_and_a_stranger_is_ref
         assert took < 10, took  # refused at once, not after the join timeout
     finally:
         system.kill()
+
+
+class Napper(Actor):
+    """Answers at once, or after a long nap; says how many lanes its proc serves."""
+
+    @endpoint
+    def lanes(self) -> int:
+        from palatine.core.proc import Proc
+
+        return len(Proc.of(self.cx)._lanes)
+
+    @endpoint
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+def test_a_thread_waiting_on_a_tcp_lane_to_a_cut_off_node_fails_within_the_heartbeat_bound(
+    bed: TestBed,
+) -> None:
+    from palatine.errors import PeerGoneError
+    from palatine.job.hostmesh import JobHosts
+
+    with roles_on_bed(bed, update_timeout_s=UPDATE_TIMEOUT_S, interval_s=INTERVAL_S) as roles:
+        hosts = JobHosts(roles.system_addr, roles.token, "hostworker", 2, sys.executable)
+        try:
+            napper = hosts.spawn_procs({"procs": 1}).spawn("napper", Napper)
+            far = napper.slice(hosts=1, procs=0)
+            far.lanes.call_one().get()  # through the loop: the next calls may take a lane
+            assert far.lanes.call_one().get() == 1  # this one came over a tcp lane
+            cutter = threading.Timer(0.3, bed.cut, (1,))
+            cutter.start()
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(PeerGoneError) as ei:
+                    far.nap.call_one(60).get()
+            finally:
+                cutter.join()
+                bed.heal(1)
+            took = time.monotonic() - t0 - 0.3
+            assert "procs0[2]" in str(ei.value) or "procs0[1]" in str(ei.value), str(ei.value)
+            assert took < UPDATE_TIMEOUT_S + INTERVAL_S + 1.5, (took, str(ei.value))
+            print(f"tcp lane, link cut -> caller's error in {took:.2f} s: {ei.value}")
+        finally:
+            hosts.close()

@@ -151,6 +151,10 @@ class Pid(Actor):
     def pid(self) -> int:
         return os.getpid()
 
+    @endpoint
+    def rank(self) -> dict[str, int]:
+        return dict(palatine.current_rank())
+
 
 def test_a_local_jobs_host_mesh_spawns_proc_meshes_on_its_hosts_and_stops_them() -> None:
     with LocalJob(hosts=2, procs_per_host=1) as job:
@@ -160,6 +164,9 @@ def test_a_local_jobs_host_mesh_spawns_proc_meshes_on_its_hosts_and_stops_them()
         pids = procs.spawn("pid", Pid).pid.call().get()
         assert [tuple(p.values()) for p, _ in pids.items()] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         assert len(set(pids.values())) == 4
+        # each actor knows its point in the mesh, by the mesh's own dimension names
+        ranks = procs.spawn("pid2", Pid).rank.call().get()
+        assert [(p, r) for p, r in ranks.items()] == [(p, p) for p, _ in ranks.items()]
         procs.stop().get(timeout=30)
         assert all(not psutil.pid_exists(p) for p in pids.values())
         with pytest.raises(ValueError, match="per_host takes exactly one dimension"):

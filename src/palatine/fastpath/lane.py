@@ -15,8 +15,11 @@ A call goes through lanes only when all of these hold; otherwise nothing changes
   (one request per rank, each on the thread's lane to that rank's proc), from a thread
   that is not a loop thread, with lanes on (config ``lanes``; ``PALATINE_LANES=0`` turns
   them off);
-* the router already reaches every destination proc at a ``unix:`` address. Lanes are
-  local: their connection ends only when the peer proc stops or dies;
+* the router already reaches every destination proc at a ``unix:`` or ``tcp:`` address
+  (``tls:`` calls keep the loop path). A unix lane's connection ends when the peer proc
+  stops or dies; a tcp lane to another machine may sit behind a partition that ends
+  nothing here, so a thread waiting on one also checks every `GONE_CHECK_S` whether the
+  system has declared the peer dead, and then fails the call as the loop path would;
 * the thread's last operation through the loop was a call to (a superset of) the same
   procs, and it has completed. Everything the thread sent there earlier has then been
   delivered, so lanes keep per-sender order.
@@ -118,6 +121,13 @@ class Failed:
         self.error = error
 
 
+# Transports lanes run over: unix within a machine, tcp to others (tls calls keep the
+# loop path: its sockets take no MSG_DONTWAIT).
+_LANE_TRANSPORTS = frozenset({"unix", "tcp"})
+# How often a thread waiting on a tcp lane checks whether its peer was declared dead.
+GONE_CHECK_S: Final = 0.2
+
+
 class Broken(Exception):
     """The lane's connection ended or misbehaved; ``why`` says how."""
 
@@ -177,11 +187,12 @@ def _reply_value(reply: Envelope) -> Any:
 
 
 class LaneConn:
-    """One thread's connection to one proc's unix address; replies come back on it,
+    """One thread's connection to one proc's address; replies come back on it,
     addressed to the lane's own actor (``<client proc>.lane[n]``)."""
 
     __slots__ = (
         "addr",
+        "peer_gone",
         "actor",
         "sock",
         "parser",
@@ -194,9 +205,18 @@ class LaneConn:
     )
 
     def __init__(
-        self, addr: ChannelAddr, actor: ActorId, sock: socket.socket, parser: FrameParser
+        self,
+        addr: ChannelAddr,
+        actor: ActorId,
+        sock: socket.socket,
+        parser: FrameParser,
+        peer_gone: Callable[[], bool] | None = None,
     ) -> None:
         self.addr = addr
+        # For a lane to another machine: whether the system has declared its proc dead.
+        # Its connection may then never end (a partition), so waits check it every
+        # `GONE_CHECK_S`.
+        self.peer_gone = peer_gone
         self.actor = actor
         self.sock = sock
         self.parser = parser
@@ -208,12 +228,14 @@ class LaneConn:
         self.ended: str | None = None  # why it broke, once replies read before that are out
 
     @classmethod
-    def open(cls, addr: ChannelAddr, client: ProcId) -> LaneConn:
+    def open(
+        cls, addr: ChannelAddr, client: ProcId, peer_gone: Callable[[], bool] | None = None
+    ) -> LaneConn:
         actor = ActorId(client, "lane", next(_lane_ids))
         conn = BlockingConn.connect_configured(addr, lane=actor)
         sock = conn.sock
         sock.setblocking(True)  # waits are bounded by SO_RCVTIMEO (`read`) or poll
-        return cls(addr, actor, sock, conn.parser)
+        return cls(addr, actor, sock, conn.parser, peer_gone)
 
     def close(self) -> None:
         self.broken = True
@@ -360,6 +382,8 @@ class LaneConn:
             left = deadline - time.monotonic()
             if left <= 0:
                 return []
+            if self.peer_gone is not None:
+                left = min(left, GONE_CHECK_S)
             # Keep the kernel's timeout unless it would overshoot the deadline by > 5 %.
             if self._rcvtimeo < 0 or self._rcvtimeo - left > 0.05 * left:
                 self._set_rcvtimeo(left)
@@ -378,6 +402,9 @@ class LaneConn:
                 n = len(data)
         except BlockingIOError:  # SO_RCVTIMEO expired: the caller checks its deadline
             self._rcvtimeo = -1.0
+            if self.peer_gone is not None and self.peer_gone():
+                self.close()
+                raise Broken("its proc was declared dead while the call waited") from None
             return []
         except OSError as e:
             self.close()
@@ -662,11 +689,17 @@ class _ThreadState:
             d.demote()
         self.last_fut = None
 
-    def lane_to(self, addr: ChannelAddr, client: ProcId) -> LaneConn:
-        """This thread's open lane to ``addr`` (connecting it if needed)."""
+    def lane_to(self, addr: ChannelAddr, client: Proc, peer: ProcId) -> LaneConn:
+        """This thread's open lane to ``addr``, proc ``peer`` (connecting it if needed).
+
+        A unix lane's connection ends when its peer does. A tcp lane may cross a
+        partition that nothing on this machine sees end, so it also watches whether the
+        system has declared ``peer`` dead (``client.gone``, filled on the loop thread)."""
         lane = self.lanes.get(addr)
         if lane is None or lane.broken:
-            lane = self.lanes[addr] = LaneConn.open(addr, client)
+            gone = client.gone
+            watch = None if addr.transport == "unix" else (lambda: peer in gone)
+            lane = self.lanes[addr] = LaneConn.open(addr, client.proc_id, watch)
         return lane
 
     def __del__(self) -> None:
@@ -745,7 +778,7 @@ def try_call(mb: Mailbox, dests: tuple[tuple[int, ActorId], ...], call: Call) ->
     legs: list[Leg] = []
     for rank, dest in dests:
         addr = lookup(dest)
-        if addr is None or addr.transport != "unix":
+        if addr is None or addr.transport not in _LANE_TRANSPORTS:
             return None
         legs.append((rank, dest, addr))
     if len(legs) > 1 and len({addr for _, _, addr in legs}) < len(legs):
@@ -885,9 +918,9 @@ class LaneFuture(Future[Any]):
             return False  # a reply could outlive this wait: let the loop own them
         if not batch.take(_LANE):
             return False
-        client = self._proc.proc_id
+        client = self._proc
         try:
-            lanes = [batch.st.lane_to(addr, client) for _, _, addr in self._legs]
+            lanes = [batch.st.lane_to(addr, client, dest.proc) for _, dest, addr in self._legs]
         except BaseException as e:  # no lane (LinkLost, OSError, an interrupt): nothing left,
             batch.back_to_loop()  # so send it the ordinary way
             if not isinstance(e, Exception):

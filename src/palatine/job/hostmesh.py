@@ -166,6 +166,7 @@ class ProcMesh:
             params=params,
             params_encoding="pickle",
             actor_class=actor_class,
+            dims=self._dims,
         )
         mb = self._client.mailbox
         timeout = config.get().spawn_procs_timeout_s

@@ -63,7 +63,9 @@ class Spawn(Message, kw_only=True):
 
     ``params`` is encoded per ``params_encoding`` (``msgpack``: the class's ``Params``
     struct; ``pickle``: ``(args, kwargs)``); ``actor_class`` optionally ships the class
-    (cloudpickled). Replies `Spawned` or `Rejected`.
+    (cloudpickled). ``dims`` are the proc mesh's named dimensions, row-major over the
+    world's ranks: the actor's `current_rank()` is this proc's coordinates over them
+    (none given: ``{"procs": rank}``). Replies `Spawned` or `Rejected`.
     """
 
     actor_type: str
@@ -71,6 +73,7 @@ class Spawn(Message, kw_only=True):
     params: bytes = b""
     params_encoding: Literal["msgpack", "pickle"] = "msgpack"
     actor_class: bytes | None = None
+    dims: list[tuple[str, int]] = []
 
 
 class Spawned(Message, kw_only=True):
