@@ -580,3 +580,86 @@ async def test_a_plain_endpoint_raising_cancelled_error_fails_only_its_actor() -
         assert events[0].message.startswith("serving w[1].bad[0]: panic: CancelledError")
         # The connection that carried it still serves the proc's other actors.
         assert await ActorRef(good, CancelsItself).ok.call_one() == 1
+
+
+class KnowsItself(Actor):
+    """Records, in its constructor, what `context()` and `current_rank()` say."""
+
+    def __init__(self) -> None:
+        from palatine.core.actor import context, current_rank
+
+        self.seen = (str(context().actor_id), dict(current_rank()))
+
+    @endpoint
+    def seen_in_init(self) -> tuple[str, dict[str, int]]:
+        return self.seen
+
+
+async def test_an_actors_constructor_sees_its_own_context_and_rank() -> None:
+    async with proc_cluster(1) as (procs, _):
+        p = procs[0]
+        aid = await p.spawn("k", KnowsItself, _rank={"hosts": 1, "gpus": 3})
+        got = await ActorRef(aid, KnowsItself).seen_in_init.call_one()
+        assert got == (str(aid), {"hosts": 1, "gpus": 3})
+
+
+class InitEndpoint(Actor):
+    """A user endpoint named ``init`` (Monarch actors may have one): not a lifecycle hook."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    @endpoint
+    async def init(self, x: int = 0) -> list[int]:
+        self.calls.append(x)
+        return self.calls
+
+
+async def test_an_endpoint_named_init_runs_only_when_called() -> None:
+    async with proc_cluster(1) as (procs, _):
+        aid = await procs[0].spawn("i", InitEndpoint)
+        assert await ActorRef(aid, InitEndpoint).init.call_one(7) == [7]
+
+
+class StreamReader(Actor):
+    """Iterates another mesh's stream synchronously, from its own (loop) thread."""
+
+    @endpoint
+    async def read(self, mesh: ActorMesh) -> str:
+        try:
+            for _ in mesh.sleep.stream(5.0):
+                pass
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+
+
+async def test_iterating_a_stream_synchronously_on_the_loop_fails_at_once() -> None:
+    from palatine.core.future import LOOP_THREAD_ERROR
+    from palatine.ids import GangId
+
+    async with proc_cluster(2) as (procs, _):
+        await procs[0].spawn("counter", Counter)
+        reader = await procs[1].spawn("reader", StreamReader)
+        mesh = ActorMesh(GangId.parse("w.counter"), [("procs", 1)], None, Counter)
+        t0 = asyncio.get_running_loop().time()
+        got = await ActorRef(reader, StreamReader).read.call_one(mesh)
+        assert got == LOOP_THREAD_ERROR
+        assert asyncio.get_running_loop().time() - t0 < 1.0  # not the sleep, not the timeout
+
+
+async def test_a_call_to_an_actor_that_failed_says_why_it_failed() -> None:
+    async with proc_cluster(1) as (procs, _):
+        procs[0].set_supervision_coordinator(lambda event: None)  # (handled: no panic)
+        aid = await procs[0].spawn("c", Counter)
+        ref = ActorRef(aid, Counter)
+        inst = procs[0].instance(aid)
+        assert inst is not None
+        with pytest.raises(RemoteException, match="actor failed"):
+            await ref.exit.call_one()
+        await inst.terminal
+        with pytest.raises(DeliveryError) as ei:
+            await ref.incr.call_one(1)
+        text = str(ei.value)
+        assert f"actor {aid} is stopped: it failed: " in text, text
+        assert "SystemExit" in text, text

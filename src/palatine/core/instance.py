@@ -11,7 +11,7 @@ import asyncio
 import collections
 import logging
 import traceback
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from palatine import config
@@ -156,19 +156,30 @@ class ActorInstance:
         self,
         proc: ActorHost,
         actor_id: ActorId,
-        actor: Actor,
+        actor: Actor | Callable[[], Actor],
         parent: ActorInstance | None = None,
         rank: dict[str, int] | None = None,
     ) -> None:
+        """``actor`` is the actor, or what makes it (its class with the arguments bound):
+        made here, with `palatine.core.actor.context` already this actor's own, so a
+        constructor knows its id and rank (`current_rank`)."""
         self.proc = proc
         self.loop = proc.loop
         self.id = actor_id
-        self.actor = actor
         self.parent = parent
         self.root: ActorInstance = parent.root if parent is not None else self
         self.rank = rank or {}
         self.mailbox = Mailbox(actor_id, proc)
         self.cx = ActorContext(self)
+        if not isinstance(actor, Actor):
+            token = _current_cx.set(self.cx)
+            try:
+                actor = actor()
+            finally:
+                _current_cx.reset(token)
+            if not isinstance(actor, Actor):
+                raise TypeError(f"{type(actor).__name__} is not an Actor")
+        self.actor = actor
         self.queue: collections.deque[tuple[int, Any, Any, Envelope | None]] = collections.deque()
         self.signals: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake: asyncio.Future[None] | None = None
@@ -300,7 +311,9 @@ class ActorInstance:
         self.state = "initializing"
         token = _current_cx.set(self.cx)
         try:
-            if type(self.actor).init is not Actor.init:
+            hook = type(self.actor).init
+            # (an endpoint that happens to be named ``init`` is the user's, not the hook)
+            if hook is not Actor.init and not hasattr(hook, "__palatine_endpoint__"):
                 await self.actor.init()
         except BaseException as e:
             self.state = "failed"
@@ -611,10 +624,13 @@ class ActorInstance:
                 _current_cx.reset(token)
         # 3. return queued messages, unbind ports, fail pending calls
         self.mailbox.state = "stopped"
+        why = f"mailbox error: actor {self.id} is stopped"
+        if failed and self.failure:
+            why += f": it failed: {self.failure}"
         while self.queue:
             kind, _meta, _payload, env = self.queue.popleft()
             if env is not None and kind in (_ENDPOINT, _HANDLER):
-                self.proc.return_envelope(env, f"mailbox error: actor {self.id} is stopped")
+                self.proc.return_envelope(env, why)
         self.mailbox.close(reason)
         self.proc.unregister(self)
         # 4. final status, exactly once

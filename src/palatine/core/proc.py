@@ -9,6 +9,7 @@ to its sender: in-process directly, across procs as an `Undeliverable` message.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -136,7 +137,8 @@ class Proc:
         self.instances: dict[ActorId, ActorInstance] = {}
         self.clients: dict[ActorId, ClientInstance] = {}
         self._names_used: set[str] = set()
-        self._stopped: set[ActorId] = set()
+        # actors that ended here: why (a call to one says it), by id
+        self._stopped: dict[ActorId, str | None] = {}
         self._resolving: dict[ProcId, list[Envelope]] = {}
         self._watches: dict[ProcId, list[asyncio.Future[PeerGoneNotice]]] = {}
         self.gone: dict[ProcId, PeerGoneNotice] = {}
@@ -251,7 +253,10 @@ class Proc:
         err: str | None
         if mb is None:
             if env.dest.actor in self._stopped:
+                failure = self._stopped[env.dest.actor]
                 err = f"mailbox error: actor {env.dest.actor} is stopped"
+                if failure:
+                    err += f": it failed: {failure}"
             else:
                 err = f"mailbox error: no actor {env.dest.actor} in {self.proc_id}"
         else:
@@ -266,9 +271,7 @@ class Proc:
         if env.type_id == UNDELIVERABLE_TID:
             # A return to an actor that stopped, or to a proc the system removed (its world
             # was stopped, as every job's are at its end), has nobody left to tell: routine.
-            routine = (
-                self.stopping or "peer gone: removed: " in error or error.endswith(" is stopped")
-            )
+            routine = self.stopping or "peer gone: removed: " in error or " is stopped" in error
             level = logging.DEBUG if routine else logging.WARNING
             log.log(
                 level,
@@ -330,15 +333,7 @@ class Proc:
         if self.stopping:
             raise SpawnError(f"{self.proc_id} is stopping")
         self._claim_name(name, _internal)
-        try:
-            actor = cls(*args, **kwargs)
-        except Exception as e:
-            self._names_used.discard(name)
-            actor_id = self.proc_id.actor(name)
-            raise SpawnError(
-                f"spawning {actor_id}: constructor error: {type(e).__name__}: {e}"
-            ) from e
-        return await self._start_root(name, actor, _rank)
+        return await self._start_root(name, functools.partial(cls, *args, **kwargs), _rank)
 
     async def spawn_instance(
         self, name: str, actor: Actor, *, internal: bool = False, rank: dict[str, int] | None = None
@@ -349,13 +344,17 @@ class Proc:
         self._claim_name(name, internal)
         return await self._start_root(name, actor, rank)
 
-    async def _start_root(self, name: str, actor: Actor, rank: dict[str, int] | None) -> ActorId:
+    async def _start_root(
+        self, name: str, actor: Actor | Callable[[], Actor], rank: dict[str, int] | None
+    ) -> ActorId:
         actor_id = self.proc_id.actor(name)
         try:
             inst = ActorInstance(self, actor_id, actor, rank=rank)
         except Exception as e:
             self._names_used.discard(name)
-            raise SpawnError(f"spawning {actor_id}: {type(e).__name__}: {e}") from e
+            raise SpawnError(
+                f"spawning {actor_id}: constructor error: {type(e).__name__}: {e}"
+            ) from e
         self._register(inst)
         self.roots[name] = inst
         try:
@@ -391,8 +390,14 @@ class Proc:
         pid = root.next_child_pid
         root.next_child_pid += 1
         actor_id = parent.id.proc.actor(root.id.name, pid)
-        actor = cls(*args, **kwargs)
-        inst = ActorInstance(self, actor_id, actor, parent=parent, rank=parent.rank)
+        try:
+            inst = ActorInstance(
+                self, actor_id, functools.partial(cls, *args, **kwargs), parent, parent.rank
+            )
+        except Exception as e:
+            raise SpawnError(
+                f"spawning {actor_id}: constructor error: {type(e).__name__}: {e}"
+            ) from e
         self._register(inst)
         parent.children[actor_id] = inst
         try:
@@ -411,7 +416,7 @@ class Proc:
         self.instances.pop(inst.id, None)
         self.mailboxes.pop(inst.id, None)
         if stopped:
-            self._stopped.add(inst.id)
+            self._stopped[inst.id] = inst.failure
         if (
             inst.parent is None
             and self.roots.get(inst.id.name) is inst

@@ -20,7 +20,7 @@ from palatine import config
 from palatine.core import runtime
 from palatine.core.actor import ENDPOINT_CALL_TID, Actor, _current_cx
 from palatine.core.comm import Cast, cast_envelope, normalize
-from palatine.core.future import Future, on_loop_thread
+from palatine.core.future import LOOP_THREAD_ERROR, Future, on_loop_thread
 from palatine.core.mailbox import Mailbox
 from palatine.errors import PalatineError
 from palatine.fastpath import lane
@@ -317,8 +317,17 @@ class _Stream:
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         while self._seen < self.expected:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                # The items arrive on this thread's loop: waiting here would block them
+                # (and everything else on the loop) until the timeout. Fail at once, as a
+                # blocking `Future.get` does there.
+                if on_loop_thread():
+                    raise RuntimeError(LOOP_THREAD_ERROR) from None
+                item = self._q.get(timeout=_stream_wait_s())
             self._seen += 1
-            yield self._q.get(timeout=_stream_wait_s())
+            yield item
 
     def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
         return self._agen()
