@@ -162,3 +162,46 @@ def test_procs_come_from_one_fork_server_unless_it_is_off(fork_server: str) -> N
             time.sleep(0.01)
     else:
         assert lines["PARENT"] == "me"
+
+
+UNSENDABLE = textwrap.dedent(
+    """
+    import time
+    from palatine import Actor, RemoteException, endpoint, this_host
+
+    class Returns(Actor):
+        @endpoint
+        def generator(self):
+            return (i for i in range(3))
+
+        @endpoint
+        def one(self):
+            return 1
+
+    mesh = this_host().spawn_procs(per_host={"procs": 2}).spawn("r", Returns)
+    t0 = time.monotonic()
+    try:
+        mesh.slice(procs=0).generator.call_one().get(timeout=30)
+    except RemoteException as e:
+        print("ERROR", round(time.monotonic() - t0, 3), str(e).splitlines()[0])
+    print("AFTER", mesh.one.call().get(timeout=30).values())
+    """
+)
+
+
+def test_an_actor_returning_what_cannot_be_pickled_fails_that_call_only() -> None:
+    env = dict(os.environ)
+    env.pop("PALATINE_CLUSTER_TOKEN", None)
+    out = subprocess.run(
+        [sys.executable, "-c", UNSENDABLE], capture_output=True, text=True, timeout=80, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    took, text = lines["ERROR"].split(" ", 1)
+    assert float(took) < 1.0
+    assert text.startswith(
+        "TypeError: generator returned a generator, which cannot be sent: "
+        "cannot pickle 'generator' object in mesh0[0].r[0]"
+    ), text
+    assert lines["AFTER"] == "[1, 1]"
+    assert "panic" not in out.stderr and "evict" not in out.stderr, out.stderr[-2000:]

@@ -471,7 +471,7 @@ class ActorInstance:
         except BaseException as e:
             self._panic(e, env)
         if env.reply_to is not None:
-            self._reply_value(env, result)
+            self._reply_value(env, result, method)
 
     async def _run_handler(
         self, meta: tuple[str, type[Any], bool], payload: Any, env: Envelope
@@ -544,8 +544,27 @@ class ActorInstance:
                 return {"cast_rank": rank}
         return None
 
-    def _reply_value(self, req: Envelope, value: Any) -> None:
-        data, bufs = dumps(value)
+    def _reply_value(self, req: Envelope, value: Any, method: str = "the call") -> None:
+        try:
+            data, bufs = dumps(value)
+        except Exception as e:  # the caller's error, not the actor's: it serves on
+            kind = type(value)
+            name = (
+                kind.__qualname__
+                if kind.__module__ == "builtins"
+                else f"{kind.__module__}.{kind.__qualname__}"
+            )
+            self.reply(
+                req.reply_to,  # type: ignore[arg-type]
+                ErrorReply(
+                    type_name=type(e).__qualname__,
+                    message=f"{method} returned a {name}, which cannot be sent: {e}",
+                    traceback="".join(traceback.format_exception(e)),
+                    actor_id=str(self.id),
+                ),
+                req,
+            )
+            return
         env = Envelope(
             self.id,
             req.reply_to,  # type: ignore[arg-type]

@@ -743,7 +743,10 @@ class ChildProcs:
         if self._owns_fork_server and self._fork_server is not None:
             await self._fork_server.close()
         if self._console is not None:
-            await asyncio.to_thread(self._console.close, 1.0)
+            try:
+                await asyncio.to_thread(self._console.close, 1.0)
+            except RuntimeError:  # at interpreter exit no executor takes work: flush here
+                self._console.close(0.2)
 
 
 async def _await(result: Awaitable[None]) -> None:
