@@ -759,10 +759,16 @@ _sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 def shutdown_session(
     session: Session, local: LocalRoles | None, timeout: float, error: BaseException | None = None
 ) -> None:
-    """Drain, Exit, Detach, stop the worlds (and a local mesh's processes)."""
+    """Drain, Exit, Detach, stop the worlds (and a local mesh's processes).
+
+    Leaving on an interrupt (``error`` a KeyboardInterrupt or SystemExit) drains nothing
+    and waits less: the user asked to stop now, so everything is torn down within about
+    two seconds whatever is still running."""
     if session.closed:
         return
-    healthy = session.failure is None
+    interrupted = error is not None and not isinstance(error, Exception)
+    healthy = session.failure is None and not interrupted
+    stop_s, gone_s = (0.5, 0.5) if interrupted else (5.0, 10.0)
     whole = Slice(offset=0, sizes=[session.world_size], strides=[1])
     try:
         if healthy:
@@ -792,8 +798,8 @@ def shutdown_session(
                 except LinkLost as e:
                     log.warning("shutdown: %s", e.reason)
             try:
-                await client.stop(worlds, 5.0)
-                end = asyncio.get_running_loop().time() + 10
+                await client.stop(worlds, stop_s)
+                end = asyncio.get_running_loop().time() + gone_s
                 while asyncio.get_running_loop().time() < end:
                     snap = await client.snapshot(worlds=worlds)
                     if not any(w in snap.worlds and snap.worlds[w].procs for w in worlds):
@@ -803,7 +809,7 @@ def shutdown_session(
                 log.debug("stopping worlds: %s", e)
             if local is not None:
                 try:
-                    await client.stop(None, 2.0)
+                    await client.stop(None, min(2.0, stop_s))
                 except Exception:  # noqa: BLE001
                     pass
             try:
@@ -820,4 +826,4 @@ def shutdown_session(
         session.shutdown_pending()
         session.warn_unfetched()
         if local is not None:
-            local.stop(5.0, clean=healthy and error is None)
+            local.stop(stop_s, clean=healthy and error is None)
