@@ -249,19 +249,30 @@ class Napper(Actor):
         return seconds
 
 
-def test_a_thread_waiting_on_a_tcp_lane_to_a_cut_off_node_fails_within_the_heartbeat_bound(
-    bed: TestBed,
+@pytest.mark.parametrize("transport", ["tcp", "tls"])
+def test_a_thread_waiting_on_a_lane_to_a_cut_off_node_fails_within_the_heartbeat_bound(
+    bed: TestBed, transport: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from palatine.errors import PeerGoneError
     from palatine.job.hostmesh import JobHosts
 
-    with roles_on_bed(bed, update_timeout_s=UPDATE_TIMEOUT_S, interval_s=INTERVAL_S) as roles:
+    pki = None
+    if transport == "tls":
+        pytest.importorskip("cryptography")
+        from palatine.testing.certs import make_node_pki
+
+        pki = make_node_pki(tmp_path, [bed.root_ip, bed.node_ip(0), bed.node_ip(1)])
+        for k, v in pki[bed.root_ip].items():
+            monkeypatch.setenv(k, v)
+    with roles_on_bed(
+        bed, tls=pki, update_timeout_s=UPDATE_TIMEOUT_S, interval_s=INTERVAL_S
+    ) as roles:
         hosts = JobHosts(roles.system_addr, roles.token, "hostworker", 2, sys.executable)
         try:
             napper = hosts.spawn_procs({"procs": 1}).spawn("napper", Napper)
             far = napper.slice(hosts=1, procs=0)
             far.lanes.call_one().get()  # through the loop: the next calls may take a lane
-            assert far.lanes.call_one().get() == 1  # this one came over a tcp lane
+            assert far.lanes.call_one().get() == 1  # this one came over a lane
             cutter = threading.Timer(0.3, bed.cut, (1,))
             cutter.start()
             t0 = time.monotonic()
@@ -274,6 +285,6 @@ def test_a_thread_waiting_on_a_tcp_lane_to_a_cut_off_node_fails_within_the_heart
             took = time.monotonic() - t0 - 0.3
             assert "procs0[2]" in str(ei.value) or "procs0[1]" in str(ei.value), str(ei.value)
             assert took < UPDATE_TIMEOUT_S + INTERVAL_S + 1.5, (took, str(ei.value))
-            print(f"tcp lane, link cut -> caller's error in {took:.2f} s: {ei.value}")
+            print(f"{transport} lane, link cut -> caller's error in {took:.2f} s: {ei.value}")
         finally:
             hosts.close()

@@ -29,6 +29,7 @@ from typing import Any, Final
 from palatine.channel.addr import ChannelAddr
 from palatine.channel.net.sockets import tune_socket
 from palatine.channel.spin import MAX_WAIT_S
+from palatine.channel.tls import client_context
 from palatine.config import format_seconds
 from palatine.errors import error_text
 from palatine.ids import ActorId
@@ -154,6 +155,7 @@ class BlockingConn:
         from palatine.channel.token import resolve_token
 
         cfg = config.get()
+        context = client_context() if addr.transport == "tls" else None
         stop = threading.Event()
         wake_r, wake_w = socket.socketpair()
         waiter = Waiter(stop, wake_r)
@@ -162,7 +164,7 @@ class BlockingConn:
                 addr,
                 waiter,
                 token=resolve_token(),
-                ssl_context=None,
+                ssl_context=context,
                 max_frame_bytes=cfg.max_frame_bytes,
                 connect_timeout_s=cfg.connect_timeout_s,
                 auth_timeout_s=cfg.auth_timeout_s,

@@ -15,8 +15,8 @@ A call goes through lanes only when all of these hold; otherwise nothing changes
   (one request per rank, each on the thread's lane to that rank's proc), from a thread
   that is not a loop thread, with lanes on (config ``lanes``; ``PALATINE_LANES=0`` turns
   them off);
-* the router already reaches every destination proc at a ``unix:`` or ``tcp:`` address
-  (``tls:`` calls keep the loop path). A unix lane's connection ends when the peer proc
+* the router already reaches every destination proc at a ``unix:``, ``tcp:`` or ``tls:``
+  address (a tls lane's socket is a `TlsLaneSocket`). A unix lane's connection ends when the peer proc
   stops or dies; a tcp lane to another machine may sit behind a partition that ends
   nothing here, so a thread waiting on one also checks every `GONE_CHECK_S` whether the
   system has declared the peer dead, and then fails the call as the loop path would;
@@ -51,11 +51,13 @@ then unknown, as when any peer dies mid-call.
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import heapq
 import itertools
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -121,9 +123,8 @@ class Failed:
         self.error = error
 
 
-# Transports lanes run over: unix within a machine, tcp to others (tls calls keep the
-# loop path: its sockets take no MSG_DONTWAIT).
-_LANE_TRANSPORTS = frozenset({"unix", "tcp"})
+# Transports lanes run over: unix within a machine, tcp and tls to others.
+_LANE_TRANSPORTS = frozenset({"unix", "tcp", "tls"})
 # How often a thread waiting on a tcp lane checks whether its peer was declared dead.
 GONE_CHECK_S: Final = 0.2
 
@@ -186,6 +187,107 @@ def _reply_value(reply: Envelope) -> Any:
     return value
 
 
+def _none() -> int:
+    return 0
+
+
+class TlsLaneSocket:
+    """A lane's TLS socket with the calls the lane makes of a plain one.
+
+    The lane writes with ``MSG_DONTWAIT`` and gathers, reads with ``SO_RCVTIMEO`` and
+    spins with non-blocking reads; an `ssl.SSLSocket` takes none of that. Here the TLS
+    socket stays non-blocking and: a write completes whole or fails (TLS must repeat an
+    unfinished record with the same bytes, so it is never left half done; a peer that
+    reads nothing for `config.Config.message_delivery_timeout_s` fails it with
+    ``ETIMEDOUT``), a read waits at most the timeout last set (`BlockingIOError` after
+    it, as ``SO_RCVTIMEO`` gives), ``MSG_DONTWAIT`` reads do not wait, and `pending`
+    says when decrypted bytes wait that a poll of the descriptor would not report.
+    """
+
+    __slots__ = ("_sock", "_timeout_s", "_readable")
+
+    def __init__(self, sock: ssl.SSLSocket) -> None:
+        sock.setblocking(False)
+        self._sock = sock
+        self._timeout_s = 1.0
+        self._readable = select.poll()
+        self._readable.register(sock.fileno(), select.POLLIN)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def pending(self) -> int:
+        return self._sock.pending()
+
+    def setblocking(self, flag: bool) -> None:
+        """Kept non-blocking: waits are this class's."""
+
+    def setsockopt(self, level: int, name: int, value: bytes) -> None:
+        if level == socket.SOL_SOCKET and name == socket.SO_RCVTIMEO:
+            whole, micros = _timeval.unpack(value)
+            self._timeout_s = whole + micros / 1e6
+
+    def _wait(self, events: int, timeout_s: float) -> bool:
+        if events == select.POLLIN:
+            return bool(self._readable.poll(poll_ms(timeout_s)))
+        poller = select.poll()
+        poller.register(self._sock.fileno(), events)
+        return bool(poller.poll(poll_ms(timeout_s)))
+
+    def recv(self, nbytes: int, flags: int = 0) -> bytes:
+        until = 0.0
+        while True:
+            try:
+                return self._sock.recv(nbytes)
+            except ssl.SSLWantReadError:
+                events = select.POLLIN
+            except ssl.SSLWantWriteError:
+                events = select.POLLOUT
+            except ssl.SSLZeroReturnError:  # the peer closed the TLS session
+                return b""
+            until = until or time.monotonic() + self._timeout_s
+            self._wait_or_raise(events, until, flags)
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        until = 0.0
+        while True:
+            try:
+                return self._sock.recv_into(buffer, nbytes)
+            except ssl.SSLWantReadError:
+                events = select.POLLIN
+            except ssl.SSLWantWriteError:
+                events = select.POLLOUT
+            except ssl.SSLZeroReturnError:
+                return 0
+            until = until or time.monotonic() + self._timeout_s
+            self._wait_or_raise(events, until, flags)
+
+    def _wait_or_raise(self, events: int, until: float, flags: int) -> None:
+        left = until - time.monotonic()
+        if flags & socket.MSG_DONTWAIT or left <= 0 or not self._wait(events, left):
+            raise BlockingIOError(errno.EAGAIN, "no data within the read timeout")
+
+    def send(self, data: Any, flags: int = 0) -> int:
+        until = 0.0
+        while True:
+            try:
+                return self._sock.send(data)
+            except ssl.SSLWantWriteError:
+                events = select.POLLOUT
+            except ssl.SSLWantReadError:
+                events = select.POLLIN
+            until = until or time.monotonic() + config.get().message_delivery_timeout_s
+            left = until - time.monotonic()
+            if left <= 0 or not self._wait(events, left):
+                raise OSError(errno.ETIMEDOUT, "the peer read nothing of a lane write")
+
+    def sendmsg(self, buffers: Any, ancdata: Any = (), flags: int = 0) -> int:
+        return self.send(b"".join(buffers), flags)
+
+
 class LaneConn:
     """One thread's connection to one proc's address; replies come back on it,
     addressed to the lane's own actor (``<client proc>.lane[n]``)."""
@@ -233,8 +335,11 @@ class LaneConn:
     ) -> LaneConn:
         actor = ActorId(client, "lane", next(_lane_ids))
         conn = BlockingConn.connect_configured(addr, lane=actor)
-        sock = conn.sock
-        sock.setblocking(True)  # waits are bounded by SO_RCVTIMEO (`read`) or poll
+        sock: Any = conn.sock
+        if isinstance(sock, ssl.SSLSocket):
+            sock = TlsLaneSocket(sock)
+        else:
+            sock.setblocking(True)  # waits are bounded by SO_RCVTIMEO (`read`) or poll
         return cls(addr, actor, sock, conn.parser, peer_gone)
 
     def close(self) -> None:
@@ -634,7 +739,10 @@ def gather(fut: LaneFuture, lanes: list[LaneConn]) -> dict[int, Any]:
             for rank, _lane, _port, _i in waiting.values():
                 errors[rank] = timeout_error(fut._what, _dest(fut, 0), fut._timeout_s)
             break
-        for fd, _ev in poll_spinning(poller, poll_ms(left), spin_s):
+        # decrypted bytes a TLS lane holds already are not on the descriptor any more
+        held = [fd for fd, w in waiting.items() if getattr(w[1].sock, "pending", _none)()]
+        ready = [(fd, select.POLLIN) for fd in held] or poll_spinning(poller, poll_ms(left), spin_s)
+        for fd, _ev in ready:
             rank, lane, reply_to, i = waiting[fd]
             try:
                 got, value = lane.take(reply_to, None)
