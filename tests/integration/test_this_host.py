@@ -205,3 +205,42 @@ def test_an_actor_returning_what_cannot_be_pickled_fails_that_call_only() -> Non
     ), text
     assert lines["AFTER"] == "[1, 1]"
     assert "panic" not in out.stderr and "evict" not in out.stderr, out.stderr[-2000:]
+
+
+QUIET = textwrap.dedent(
+    """
+    from palatine import Actor, endpoint, this_host
+
+    class Talker(Actor):
+        @endpoint
+        def say(self):
+            print("hello from an actor", flush=True)
+            return 1
+
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    procs.spawn("t", Talker).say.call().get(timeout=30)
+    procs.stop().get(timeout=30)
+    """
+)
+
+
+@pytest.mark.parametrize("level", ["INFO", "DEBUG"])
+def test_the_console_shows_the_programs_output_and_palatines_chatter_only_at_debug(
+    level: str,
+) -> None:
+    env = dict(os.environ)
+    env.pop("PALATINE_CLUSTER_TOKEN", None)
+    env["PALATINE_LOG_LEVEL"] = level
+    out = subprocess.run(
+        [sys.executable, "-c", QUIET], capture_output=True, text=True, timeout=80, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [line for line in out.stderr.splitlines() if line.endswith("hello from an actor")]
+    assert sorted(said) == ["[mesh0[0]] hello from an actor", "[mesh0[1]] hello from an actor"]
+    chatter = [
+        line for line in out.stderr.splitlines() if '"event": "ready"' in line or " INFO " in line
+    ]
+    if level == "INFO":
+        assert chatter == [], out.stderr
+    else:
+        assert any('"event": "ready"' in line for line in chatter), out.stderr

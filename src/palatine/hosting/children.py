@@ -66,7 +66,7 @@ from palatine.hosting.forkserver import (
     ForkServerError,
     fork_server_supported,
 )
-from palatine.output.console import ConsoleWriter
+from palatine.output.console import ConsoleWriter, chatter_shown
 
 if TYPE_CHECKING:
     from palatine.hosting.forkserver import ForkedProcess
@@ -320,6 +320,7 @@ class ChildProcs:
             if echo
             else None
         )
+        self._quiet = not chatter_shown()  # procs' INFO and ready lines: logs only
         self._kill_group_on_exit = kill_group_on_exit
         self._use_pidfd = hasattr(os, "pidfd_open") if use_pidfd is None else use_pidfd
         self._tail_lines = tail_lines
@@ -532,7 +533,7 @@ class ChildProcs:
         keep = child._tail.maxlen or len(lines)
         child._tail.extend(line.decode("utf-8", "replace").rstrip("\r") for line in lines[-keep:])
         if self._console is not None:
-            self._console.write_lines(lines, f"[{child.proc_id}] ")
+            self._console.write_lines(lines, f"[{child.proc_id}] ", drop_internal=self._quiet)
 
     def flush_echo(self, timeout_s: float) -> bool:
         """Wait (blocking, bounded) until the echoed lines so far are written; whether they were."""

@@ -30,6 +30,9 @@ import threading
 import time
 from typing import TextIO
 
+from palatine import config
+from palatine.errors import ConfigError
+
 __all__ = [
     "INTERNAL",
     "LOG_FORMAT",
@@ -37,6 +40,7 @@ __all__ = [
     "OUTPUT",
     "ConsoleWriter",
     "LineFormatter",
+    "chatter_shown",
     "classify",
 ]
 
@@ -78,6 +82,16 @@ class LineFormatter(logging.Formatter):
 INTERNAL, OUTPUT, NOTABLE = 0, 1, 2
 
 _NOTE_RE = re.compile(_PREFIXES + rb"\[palatine\] ")
+
+
+def chatter_shown() -> bool:
+    """Whether palatine's own chatter (INFO records, ready lines) reaches consoles: only
+    with ``PALATINE_LOG_LEVEL=DEBUG``. It is always in the log files; a console shows a
+    program's output, warnings and errors."""
+    try:
+        return config.get().log_level.upper() == "DEBUG"
+    except ConfigError:
+        return False
 
 
 def classify(line: bytes) -> int:

@@ -24,7 +24,7 @@ import time
 from typing import IO, Any
 
 from palatine.hosting.child_env import Handoff
-from palatine.output.console import ConsoleWriter
+from palatine.output.console import ConsoleWriter, chatter_shown
 
 __all__ = ["RoleProcess", "palatine_cmd"]
 
@@ -235,7 +235,7 @@ class RoleProcess:
                 while self._stderr_tail_bytes > _TAIL_BYTES and len(self._stderr_tail) > 1:
                     self._stderr_tail_bytes -= len(self._stderr_tail.popleft()) + 1
         if console is not None:
-            console.write_lines(lines, drop_internal=True)
+            console.write_lines(lines, drop_internal=not chatter_shown())
 
     def stderr(self) -> str:
         """The last lines the role wrote to stderr (about 1 MiB at most)."""
