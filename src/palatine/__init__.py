@@ -24,6 +24,9 @@ __all__ = [
     "this_host",
     "context",
     "current_rank",
+    "current_size",
+    "Point",
+    "Extent",
     "Future",
     "ActorRef",
     "ActorMesh",
@@ -51,8 +54,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from palatine.core.actor import Actor, context, current_rank, endpoint, handler
+    from palatine.core.actor import Actor, context, current_rank, current_size, endpoint, handler
     from palatine.core.future import Future
+    from palatine.core.shape import Extent, Point
     from palatine.core.supervision_hook import set_unhandled_fault_hook
     from palatine.errors import (
         CallTimeout,
@@ -79,6 +83,9 @@ _WHERE = {
     "handler": "palatine.core.actor",
     "context": "palatine.core.actor",
     "current_rank": "palatine.core.actor",
+    "current_size": "palatine.core.actor",
+    "Point": "palatine.core.shape",
+    "Extent": "palatine.core.shape",
     "this_host": "palatine.job.hostmesh",
     "Future": "palatine.core.future",
     "ActorRef": "palatine.mesh.actor_mesh",

@@ -152,8 +152,9 @@ class Pid(Actor):
         return os.getpid()
 
     @endpoint
-    def rank(self) -> dict[str, int]:
-        return dict(palatine.current_rank())
+    def rank(self) -> tuple[dict[str, int], int, dict[str, int]]:
+        point = palatine.current_rank()
+        return dict(point), point.rank, palatine.current_size()  # type: ignore[attr-defined]
 
 
 def test_a_local_jobs_host_mesh_spawns_proc_meshes_on_its_hosts_and_stops_them() -> None:
@@ -166,7 +167,11 @@ def test_a_local_jobs_host_mesh_spawns_proc_meshes_on_its_hosts_and_stops_them()
         assert len(set(pids.values())) == 4
         # each actor knows its point in the mesh, by the mesh's own dimension names
         ranks = procs.spawn("pid2", Pid).rank.call().get()
-        assert [(p, r) for p, r in ranks.items()] == [(p, p) for p, _ in ranks.items()]
+        for point, (coords, flat, size) in ranks.items():
+            assert coords == point and flat == point.rank
+            assert size == {"hosts": 2, "gpus": 2}
+        assert [p.rank for p, _ in ranks.items()] == [0, 1, 2, 3]
+        assert ranks.item(hosts=1, gpus=0)[0] == {"hosts": 1, "gpus": 0}
         procs.stop().get(timeout=30)
         assert all(not psutil.pid_exists(p) for p in pids.values())
         with pytest.raises(ValueError, match="per_host takes exactly one dimension"):

@@ -36,6 +36,7 @@ __all__ = [
     "actor_type_name",
     "context",
     "current_rank",
+    "current_size",
     "ENDPOINT_CALL_TID",
 ]
 
@@ -271,5 +272,13 @@ def context() -> Context:
 
 
 def current_rank() -> dict[str, int]:
-    """The running actor's coordinates in its mesh (``{"procs": 2}``)."""
+    """The running actor's coordinates in its mesh: a `palatine.core.shape.Point`
+    (``{"hosts": 1, "gpus": 3}``, with ``.rank`` and ``.extent``) for actors a proc
+    mesh spawned."""
     return context().rank
+
+
+def current_size() -> dict[str, int]:
+    """The sizes of the running actor's mesh by dimension (``{"hosts": 2, "gpus": 4}``)."""
+    extent = getattr(context().rank, "extent", None)
+    return dict(extent.items()) if extent is not None else {}

@@ -24,6 +24,7 @@ from palatine.channel.addr import ChannelAddr, any_addr
 from palatine.core.actor import Actor, SupervisionEvent, handler, lookup_actor_type
 from palatine.core.comm import CommActor
 from palatine.core.proc import Proc
+from palatine.core.shape import Extent
 from palatine.errors import (
     CallTimeout,
     DeliveryError,
@@ -262,8 +263,10 @@ class ProcAgent(Actor):
                     args = (msgspec.msgpack.decode(msg.params, type=ptype),)
         except Exception as e:
             raise SpawnError(f"cannot decode params for {msg.actor_type}: {e}") from e
-        rank = (
-            coordinates(proc.proc_id.rank, msg.dims) if msg.dims else {"procs": proc.proc_id.rank}
+        rank: dict[str, int] = (
+            Extent.of(msg.dims).point(proc.proc_id.rank)
+            if msg.dims
+            else {"procs": proc.proc_id.rank}
         )
         actor_id = await proc.spawn_by_type(
             msg.actor_type, msg.actor_name, args, kwargs, cls=cls, rank=rank
@@ -374,15 +377,6 @@ class ProcAgent(Actor):
             self.heartbeat.stop(timeout_s=1.0)
         if self._tick_task is not None:
             self._tick_task.cancel()
-
-
-def coordinates(rank: int, dims: list[tuple[str, int]]) -> dict[str, int]:
-    """``rank``'s point over ``dims``, row-major: ``5`` over hosts=2, gpus=4 is
-    ``{"hosts": 1, "gpus": 1}``."""
-    point: dict[str, int] = {}
-    for name, size in reversed(dims):
-        rank, point[name] = divmod(rank, max(1, size))
-    return dict(reversed(point.items()))
 
 
 class ProcHandle:

@@ -22,6 +22,7 @@ from palatine.core.actor import ENDPOINT_CALL_TID, Actor, _current_cx
 from palatine.core.comm import Cast, cast_envelope, normalize
 from palatine.core.future import LOOP_THREAD_ERROR, Future, on_loop_thread
 from palatine.core.mailbox import Mailbox
+from palatine.core.shape import Extent, Point
 from palatine.errors import PalatineError
 from palatine.fastpath import lane
 from palatine.ids import ActorId, GangId, PortId, ProcId
@@ -70,16 +71,30 @@ class ValueMesh:
         self._ranks = list(ranks)
         self._values = list(values)
 
-    def _coords(self, rank: int) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for name, size in reversed(self._dims):
-            out[name] = rank % size
-            rank //= size
-        return dict(reversed(list(out.items())))
+    def _coords(self, rank: int) -> Point:
+        return Extent.of(self._dims).point(rank)
 
-    def items(self) -> Iterator[tuple[dict[str, int], Any]]:
+    @property
+    def extent(self) -> Extent:
+        """The dimensions of the mesh the values came from."""
+        return Extent.of(self._dims)
+
+    def items(self) -> Iterator[tuple[Point, Any]]:
+        """``(point, value)`` per rank that answered, in rank order."""
+        extent = Extent.of(self._dims)
         for r, v in zip(self._ranks, self._values, strict=True):
-            yield self._coords(r), v
+            yield extent.point(r), v
+
+    def item(self, **point: int) -> Any:
+        """The value at ``point``, which names every dimension (``vm.item(hosts=1, gpus=0)``);
+        a mesh of one value takes no arguments."""
+        if not point and len(self._values) == 1:
+            return self._values[0]
+        rank = Extent.of(self._dims).rank_of(point)
+        try:
+            return self._values[self._ranks.index(rank)]
+        except ValueError:
+            raise KeyError(f"no value at {point}: this mesh holds ranks {self._ranks}") from None
 
     def values(self) -> list[Any]:
         return list(self._values)
@@ -482,7 +497,7 @@ class ActorMesh:
         return self
 
     def _coords(self, rank: int) -> dict[str, int]:
-        return ValueMesh(self._dims, [], [])._coords(rank)
+        return Extent.of(self._dims).point(rank)
 
     def slice(self, **sel: int | slice) -> ActorMesh:
         """Narrow the selection: ``mesh.slice(procs=2)`` or ``mesh.slice(procs=slice(0, 2))``."""
