@@ -46,6 +46,7 @@ __all__ = [
     "DeviceException",
     "StuckWorkersException",
     "TooManyOpenFiles",
+    "ValueTooLarge",
     "SchedulerError",
     "CallTimeout",
     "HostMesh",
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
         SchedulerError,
         StuckWorkersException,
         TooManyOpenFiles,
+        ValueTooLarge,
     )
     from palatine.job.hostmesh import HostMesh, ProcMesh, this_host
     from palatine.mesh.actor_mesh import ActorMesh, ActorRef, ValueMesh
@@ -106,6 +108,7 @@ _WHERE = {
     "DeviceException": "palatine.errors",
     "StuckWorkersException": "palatine.errors",
     "TooManyOpenFiles": "palatine.errors",
+    "ValueTooLarge": "palatine.errors",
     "SchedulerError": "palatine.errors",
     "CallTimeout": "palatine.errors",
     "HostMesh": "palatine.job.hostmesh",

@@ -28,7 +28,9 @@ __all__ = [
     "Setting",
     "describe",
     "format_seconds",
+    "format_size",
     "parse_seconds",
+    "value_too_large",
     "parse_size",
 ]
 
@@ -41,6 +43,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     message_ack_interval_s: float = 0.5
     message_ack_every_n: int = 1000
     max_frame_bytes: int = 10 * 1024**3
+    # the largest value an actor's endpoint returns or a fetch brings back; a larger one
+    # fails that call, naming its size and this limit (the proc and its mesh serve on)
+    max_value_bytes: int = 1024**3
     connect_timeout_s: float = 5.0
     auth_timeout_s: float = 5.0
     reconnect_backoff_initial_s: float = 0.05
@@ -119,6 +124,26 @@ _SIZE_UNITS = {None: 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
 def format_seconds(value: float) -> str:
     """A duration as people write it, in every message and variable: ``20``, ``0.5``, ``1.25``."""
     return f"{value:g}"
+
+
+def format_size(nbytes: int) -> str:
+    """``2.0 GiB``, ``64.0 MiB``, ``512 B``: a byte count for a person."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def value_too_large(what: str, nbytes: int) -> str | None:
+    """Why a value of ``nbytes`` may not be sent as ``what`` (None: it may): over
+    `Config.max_value_bytes`."""
+    limit = get().max_value_bytes
+    if nbytes <= limit:
+        return None
+    return (
+        f"{what} is {format_size(nbytes)}, over the limit of {format_size(limit)} "
+        f"for one value ({env_var('max_value_bytes')})"
+    )
 
 
 def parse_seconds(text: str, *, name: str = "value") -> float:

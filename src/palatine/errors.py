@@ -31,6 +31,7 @@ __all__ = [
     "StackDumpError",
     "InfrastructureError",
     "TooManyOpenFiles",
+    "ValueTooLarge",
     "SchedulerError",
     "error_text",
     "is_refusal",
@@ -254,6 +255,12 @@ class InfrastructureError(PalatineError):
     Raised inside the worker; it fails the worker actor with its message, which the
     client sees as ``DeviceException(actor_failed)``. Never sent as a user error.
     """
+
+
+class ValueTooLarge(PalatineError, ValueError):
+    """A value over the one-value limit (``PALATINE_MAX_VALUE``, `Config.max_value_bytes`):
+    an actor's result or a fetched value. That call fails, naming the size and the limit;
+    the proc that made the value and its mesh serve on."""
 
 
 class TooManyOpenFiles(PalatineError, OSError):

@@ -31,6 +31,7 @@ from palatine.core.mailbox import (
     StreamPort,
     Undeliverable,
 )
+from palatine.errors import ValueTooLarge
 from palatine.ids import ActorId, GangId, PortId
 from palatine.wire.codec import PICKLED_VALUE_TID, dumps, encode_message
 from palatine.wire.envelope import ENC_MSGPACK, ENC_PICKLE, Envelope
@@ -545,25 +546,24 @@ class ActorInstance:
         return None
 
     def _reply_value(self, req: Envelope, value: Any, method: str = "the call") -> None:
+        kind = type(value)
+        name = (
+            kind.__qualname__
+            if kind.__module__ == "builtins"
+            else f"{kind.__module__}.{kind.__qualname__}"
+        )
+        # Either failure is the caller's, not the actor's: the call fails, the actor serves on.
         try:
             data, bufs = dumps(value)
-        except Exception as e:  # the caller's error, not the actor's: it serves on
-            kind = type(value)
-            name = (
-                kind.__qualname__
-                if kind.__module__ == "builtins"
-                else f"{kind.__module__}.{kind.__qualname__}"
-            )
-            self.reply(
-                req.reply_to,  # type: ignore[arg-type]
-                ErrorReply(
-                    type_name=type(e).__qualname__,
-                    message=f"{method} returned a {name}, which cannot be sent: {e}",
-                    traceback="".join(traceback.format_exception(e)),
-                    actor_id=str(self.id),
-                ),
-                req,
-            )
+        except Exception as e:
+            why = f"{method} returned a {name}, which cannot be sent: {e}"
+            self._reply_error(req, type(e).__qualname__, why, e)
+            return
+        nbytes = len(data) + sum(memoryview(b).nbytes for b in bufs)
+        too_large = config.value_too_large(f"the result of {method} (a {name})", nbytes)
+        if too_large is not None:
+            del data, bufs
+            self._reply_error(req, ValueTooLarge.__qualname__, too_large)
             return
         env = Envelope(
             self.id,
@@ -577,6 +577,13 @@ class ActorInstance:
             bufs,
         )
         self.proc.post(env)
+
+    def _reply_error(
+        self, req: Envelope, type_name: str, message: str, exc: BaseException | None = None
+    ) -> None:
+        tb = "".join(traceback.format_exception(exc)) if exc is not None else ""
+        err = ErrorReply(type_name=type_name, message=message, traceback=tb, actor_id=str(self.id))
+        self.reply(req.reply_to, err, req)  # type: ignore[arg-type]
 
     def reply(self, port: PortId, msg: Any, req: Envelope | None = None) -> None:
         """Post a typed message (a reply or an ErrorReply) to ``port``."""

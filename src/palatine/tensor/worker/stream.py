@@ -30,7 +30,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from palatine.errors import InfrastructureError
+from palatine import config
+from palatine.errors import InfrastructureError, ValueTooLarge
 from palatine.ids import PortId
 from palatine.protocol.worker import (
     BackendNetworkInit,
@@ -344,6 +345,12 @@ class Stream:
                 else:
                     value = rf.fn(*args, **kwargs)
                 pickled = dumps_fetched(value)
+                nbytes = len(pickled.data) + sum(memoryview(b).nbytes for b in pickled.buffers)
+                what = "the fetched value" if rf is None else f"the value {label} returned"
+                too_large = config.value_too_large(what, nbytes)
+                if too_large is not None:
+                    del pickled
+                    raise ValueTooLarge(too_large)
                 msg = FetchResult(seq=seq, value=Ok(pickled))
                 del value, pickled
                 self.worker.send(msg)
