@@ -1,5 +1,6 @@
-"""Leaving a mesh on an interrupt: Ctrl-C during a pending fetch tears everything down
-within two seconds (a second Ctrl-C is no slower), and no role process is left."""
+"""Leaving a mesh fast when it cannot go on: Ctrl-C during a pending fetch tears
+everything down within two seconds (a second Ctrl-C is no slower), and so does leaving a
+mesh whose system was killed; no role process is left."""
 
 from __future__ import annotations
 
@@ -56,6 +57,43 @@ def test_ctrl_c_during_a_pending_fetch_tears_the_mesh_down_within_two_seconds(
     assert code == -signal.SIGINT or code == 1, code
     assert took < 2.0, took
     deadline = time.monotonic() + 5  # roles that lost their launcher follow it at once
+    while any(psutil.pid_exists(p) for p in roles) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in roles if psutil.pid_exists(p)] == []
+
+
+SYSTEM_KILLED = """
+import os, signal, time
+from palatine import DeviceException, fetch, local_mesh, remote
+
+def slow():
+    import time
+    time.sleep(60)
+    return 1
+
+with local_mesh(1, 2, supervision_update_timeout_in_sec=3) as mesh:
+    print("roles", *[rp.popen.pid for rp in mesh._local.procs], flush=True)
+    pending = fetch(remote(slow)())
+    time.sleep(0.3)
+    os.kill(mesh._local.procs[0].popen.pid, signal.SIGKILL)  # the system
+    try:
+        pending.result(timeout=60)
+    except DeviceException as e:
+        print("lost", e.kind, flush=True)
+    left_at = time.monotonic()
+print("teardown", round(time.monotonic() - left_at, 2), flush=True)
+"""
+
+
+def test_leaving_a_mesh_whose_system_was_killed_takes_under_two_seconds() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SYSTEM_KILLED], capture_output=True, text=True, timeout=50
+    )
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    assert lines.get("lost") == "system_lost", done.stdout + done.stderr[-3000:]
+    assert float(lines["teardown"]) < 2.0, lines
+    roles = [int(p) for p in lines["roles"].split()]
+    deadline = time.monotonic() + 10
     while any(psutil.pid_exists(p) for p in roles) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [p for p in roles if psutil.pid_exists(p)] == []

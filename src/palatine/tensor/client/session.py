@@ -767,6 +767,7 @@ def shutdown_session(
     if session.closed:
         return
     interrupted = error is not None and not isinstance(error, Exception)
+    system_gone = getattr(session.failure, "kind", None) == "system_lost"
     healthy = session.failure is None and not interrupted
     stop_s, gone_s = (0.5, 0.5) if interrupted else (5.0, 10.0)
     whole = Slice(offset=0, sizes=[session.world_size], strides=[1])
@@ -797,6 +798,11 @@ def shutdown_session(
                     await direct.aclose(2.0)
                 except LinkLost as e:
                     log.warning("shutdown: %s", e.reason)
+            if system_gone:  # nobody is left to ask: the hosts stop their procs themselves
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1.0):
+                        await client.close()
+                return
             try:
                 await client.stop(worlds, stop_s)
                 end = asyncio.get_running_loop().time() + gone_s
