@@ -45,11 +45,12 @@ def setup_logging() -> None:
         )
 
 
-def ready_line(role: str, addr: Any) -> None:
-    """The one JSON line a role prints on stdout once it can serve."""
-    sys.stdout.write(
-        json.dumps({"event": "ready", "role": role, "addr": str(addr), "pid": os.getpid()}) + "\n"
-    )
+def ready_line(role: str, addr: Any, **extra: str | None) -> None:
+    """The one JSON line a role prints on stdout once it can serve (``extra`` keys that
+    are not None follow the four fixed ones: the system's ``metrics_addr``)."""
+    line = {"event": "ready", "role": role, "addr": str(addr), "pid": os.getpid()}
+    line.update({k: v for k, v in extra.items() if v is not None})
+    sys.stdout.write(json.dumps(line) + "\n")
     sys.stdout.flush()
 
 

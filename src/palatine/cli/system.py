@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 from palatine.cli.role import ready_line, run_role
 
@@ -19,6 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="silence after which a proc is Expired (default 20)",
+    )
+    p.add_argument(
+        "--metrics-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on GET http://HOST:PORT/metrics (port 0: any free "
+        "port), to requests with the cluster token as a bearer token",
     )
     p.add_argument(
         "--world-eviction-timeout-in-sec",
@@ -43,13 +51,33 @@ async def serve_system(args: argparse.Namespace, stop: asyncio.Event) -> int:
         supervision_update_timeout_s=args.supervision_update_timeout_in_sec,
         world_eviction_timeout_s=args.world_eviction_timeout_in_sec,
     )
-    ready_line("system", handle.addr)
-    done = asyncio.ensure_future(handle.wait())
-    stopper = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([done, stopper], return_when=asyncio.FIRST_COMPLETED)
-    if stopper.done() and not done.done():
-        await handle.stop()
-    else:
-        stopper.cancel()
-        await handle.close()
+    metrics = None
+    if args.metrics_addr is not None:
+        from palatine.system.metrics import MetricsServer
+
+        host, _, port = args.metrics_addr.rpartition(":")
+        try:
+            metrics = MetricsServer(
+                host.strip("[]") or "127.0.0.1", int(port), handle.proc, handle.actor.reg
+            )
+        except (OSError, ValueError) as e:
+            await handle.close()
+            print(
+                f"palatine system: cannot serve metrics at {args.metrics_addr!r}: {e}",
+                file=sys.stderr,
+            )
+            return 2
+    ready_line("system", handle.addr, metrics_addr=metrics.addr if metrics else None)
+    try:
+        done = asyncio.ensure_future(handle.wait())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([done, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if stopper.done() and not done.done():
+            await handle.stop()
+        else:
+            stopper.cancel()
+            await handle.close()
+    finally:
+        if metrics is not None:
+            await asyncio.to_thread(metrics.close)
     return 0

@@ -22,6 +22,7 @@ Bookkeeping errors are replies (`Rejected`), never exceptions.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -222,6 +223,8 @@ class SystemRegistry:
         # world name -> subscriber ports (a dict as an insertion-ordered set)
         self._subs: dict[str, dict[PortId, None]] = {}
         self._unknown_told: dict[ProcId, float] = {}
+        # failures detected, by kind (``signal``, ``exit``, ``Expired``, ``actor``): metrics
+        self.detections: collections.Counter[str] = collections.Counter()
         self._generation = 0
         self._shutting_down = False
         self._starting_shutdown = False
@@ -453,6 +456,7 @@ class SystemRegistry:
         if first:
             rec.failed_at = now
             rec.declared_wall = self._wall()
+            self.detections["actor"] += 1
         out.append(Log(logging.WARNING, rec.describe()))
         if self._expected(rec) or not first:
             return
@@ -486,6 +490,10 @@ class SystemRegistry:
         rec.checking = False
         if rec.failed_at is None:
             rec.failed_at = now
+        if health != EXITED:
+            self.detections[health] += 1
+        else:
+            self.detections["signal" if exit_signal else "exit"] += 1
         rec.declared_wall = self._wall()
         out.append(Log(logging.WARNING, rec.describe()))
         self._peer_gone(rec, out)

@@ -37,7 +37,11 @@ log = logging.getLogger("palatine")
 WORKER_LABEL = "world.palatine.dev/worker"
 CONTROLLER_LABEL = "world.palatine.dev/controllerActorId"
 
-_SYSTEM_OPTS = ("supervision_update_timeout_in_sec", "world_eviction_timeout_in_sec")
+_SYSTEM_OPTS = (
+    "supervision_update_timeout_in_sec",
+    "world_eviction_timeout_in_sec",
+    "metrics_addr",
+)
 _HOST_OPTS = ("supervision_update_interval_in_sec",)
 _CONTROLLER_OPTS = (
     "supervision_query_interval_in_sec",
