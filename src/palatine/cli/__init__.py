@@ -21,6 +21,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("palatine.cli.serve", "run system/host/controller roles on JSON-lines requests"),
     "snapshot": ("palatine.cli.snapshot", "print the worlds and procs of a running system"),
     "stacks": ("palatine.cli.stacks", "print the Python stacks of a running job's procs"),
+    "top": ("palatine.cli.top", "a live view of a running system's worlds and procs"),
     "stop": ("palatine.cli.stop", "stop worlds (or everything) of a running system"),
     "launch": ("palatine.cli.launch", "run a client program against a job on Slurm or locally"),
     "job": ("palatine.cli.job", "status or cancel of a Slurm job that palatine launched"),
