@@ -24,7 +24,7 @@ from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import raise_open_files_limit
 from palatine.output.console import LineFormatter
 
-__all__ = ["run_role", "ready_line", "add_seconds_flag", "setup_logging"]
+__all__ = ["run_role", "ready_line", "add_seconds_flag", "setup_logging", "ask_system"]
 
 log = logging.getLogger("palatine")
 
@@ -43,6 +43,31 @@ def setup_logging() -> None:
         logging.getLogger("palatine").warning(
             "PALATINE_LOG_LEVEL=%s is not a level (DEBUG, INFO, WARNING, ERROR); using INFO", name
         )
+
+
+def ask_system(
+    command: str,
+    system_addr: str,
+    work: Callable[[], Awaitable[Any]],
+    timeout_s: float | None = None,
+) -> Any:
+    """Run ``work()`` (a client command's talk with the system) on a fresh palatine loop
+    and return its result; a timeout (``timeout_s``: the bound to name) or an error is
+    printed as ``palatine COMMAND: ...`` and raises `SystemExit` with status 1."""
+    loop = runtime.new_event_loop()
+    try:
+        return loop.run_until_complete(work())
+    except TimeoutError:
+        within = f" within {timeout_s:g} s" if timeout_s is not None else ""
+        print(
+            f"palatine {command}: no answer from system at {system_addr}{within}",
+            file=sys.stderr,
+        )
+    except Exception as e:  # noqa: BLE001 - a CLI reports and exits
+        print(f"palatine {command}: {e}", file=sys.stderr)
+    finally:
+        loop.close()
+    raise SystemExit(1)
 
 
 def ready_line(role: str, addr: Any, **extra: str | None) -> None:

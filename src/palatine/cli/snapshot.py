@@ -39,8 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from palatine.cli.role import setup_logging
-    from palatine.core.runtime import new_event_loop
+    from palatine.cli.role import ask_system, setup_logging
 
     setup_logging()
     wl, pl = parse_kv(args.world_label), parse_kv(args.proc_label)
@@ -51,20 +50,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    loop = new_event_loop()
-    try:
-        snap = loop.run_until_complete(_snapshot(args, wl, pl))
-    except TimeoutError:
-        print(
-            f"palatine snapshot: no answer from system at {args.system_addr} within {t:g} s",
-            file=sys.stderr,
-        )
-        return 1
-    except Exception as e:  # noqa: BLE001 - a CLI reports and exits
-        print(f"palatine snapshot: {e}", file=sys.stderr)
-        return 1
-    finally:
-        loop.close()
+    snap = ask_system("snapshot", args.system_addr, lambda: _snapshot(args, wl, pl), t)
     import msgspec
 
     if args.json:

@@ -79,21 +79,10 @@ def _label(procs: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from palatine.cli.role import setup_logging
-    from palatine.core.runtime import new_event_loop
+    from palatine.cli.role import ask_system, setup_logging
 
     setup_logging()
-    loop = new_event_loop()
-    try:
-        results = loop.run_until_complete(_collect(args))
-    except TimeoutError:
-        print(f"palatine stacks: no answer from system at {args.system_addr}", file=sys.stderr)
-        return 1
-    except Exception as e:  # noqa: BLE001 - a CLI reports and exits
-        print(f"palatine stacks: {e}", file=sys.stderr)
-        return 1
-    finally:
-        loop.close()
+    results = ask_system("stacks", args.system_addr, lambda: _collect(args))
     if not results:
         print("palatine stacks: no running proc matches", file=sys.stderr)
         return 1

@@ -79,25 +79,14 @@ def frame(snap: Any, cpu: dict[int, Any]) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from palatine.cli.role import setup_logging
-    from palatine.core.runtime import new_event_loop
+    from palatine.cli.role import ask_system, setup_logging
 
     setup_logging()
     t = args.interval_in_sec
     if not (t > 0 and math.isfinite(t)):
         print(f"palatine top: --interval-in-sec must be > 0, got {t:g}", file=sys.stderr)
         return 2
-    loop = new_event_loop()
-    try:
-        return loop.run_until_complete(_main(args))
-    except TimeoutError:
-        print(f"palatine top: no answer from system at {args.system_addr}", file=sys.stderr)
-        return 1
-    except Exception as e:  # noqa: BLE001 - a CLI reports and exits
-        print(f"palatine top: {e}", file=sys.stderr)
-        return 1
-    finally:
-        loop.close()
+    return int(ask_system("top", args.system_addr, lambda: _main(args)))
 
 
 @contextlib.contextmanager
