@@ -31,10 +31,10 @@ from palatine.core.mailbox import Mailbox, Undeliverable
 from palatine.core.router import Router
 from palatine.errors import ChannelClosed, PeerGoneError, SpawnError
 from palatine.ids import RESERVED_ACTOR_NAMES, UNKNOWN_ACTOR, ActorId, PortId, ProcId
-from palatine.wire.codec import encode_message
+from palatine.wire.codec import Message, encode_message
 from palatine.wire.envelope import ENC_MSGPACK, Envelope
 
-__all__ = ["Proc", "ClientInstance", "ActorSnapshot", "PeerGoneNotice"]
+__all__ = ["Proc", "ClientInstance", "ActorSnapshot", "PeerGoneNotice", "StopActor", "ActorStopped"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,25 @@ class ClientInstance:
             self.closed = True
             self.mailbox.close("client closed")
             self.proc.mailboxes.pop(self.id, None)
+
+
+class StopActor(Message, kw_only=True):
+    """Stop root actor ``name`` of this proc (its children first): it handles what it has
+    queued (``drain``), and is aborted after ``timeout_s``. The proc and its other actors
+    serve on. Sent to the proc's agent (`ActorMesh.stop`); replies `ActorStopped` (also for an actor
+    already stopped or never there)."""
+
+    name: str
+    timeout_s: float = 10.0
+    reason: str = ""
+
+
+class ActorStopped(Message, kw_only=True):
+    """Reply to `StopActor`: the actor's final status (``stopped``, ``failed: ...``), or
+    ``absent`` when this proc has no such actor."""
+
+    actor_id: ActorId
+    status: str
 
 
 class Proc:

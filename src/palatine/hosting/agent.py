@@ -10,6 +10,7 @@ request: every problem is an error reply.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -23,7 +24,7 @@ from palatine import config
 from palatine.channel.addr import ChannelAddr, any_addr
 from palatine.core.actor import Actor, SupervisionEvent, handler, lookup_actor_type
 from palatine.core.comm import CommActor
-from palatine.core.proc import Proc
+from palatine.core.proc import ActorStopped, Proc, StopActor
 from palatine.core.shape import Extent
 from palatine.errors import (
     CallTimeout,
@@ -33,7 +34,7 @@ from palatine.errors import (
     SystemRequestError,
     is_refusal,
 )
-from palatine.ids import SYSTEM_ACTOR, SYSTEM_WORLD, ActorId, ProcId
+from palatine.ids import RESERVED_ACTOR_NAMES, SYSTEM_ACTOR, SYSTEM_WORLD, ActorId, ProcId
 from palatine.protocol.agent import (
     Addr,
     AgentState,
@@ -272,6 +273,23 @@ class ProcAgent(Actor):
             msg.actor_type, msg.actor_name, args, kwargs, cls=cls, rank=rank
         )
         return Spawned(actor_id=actor_id, rank=proc.proc_id.rank)
+
+    @handler
+    async def on_stop_actor(self, msg: StopActor) -> ActorStopped:
+        proc = self.proc
+        actor_id = proc.proc_id.actor(msg.name)
+        inst = proc.roots.get(msg.name)
+        if inst is None or msg.name in RESERVED_ACTOR_NAMES:
+            return ActorStopped(actor_id=actor_id, status="absent")
+        reason = msg.reason or "stopped by its mesh's owner"
+        inst.request_stop("drain", reason)
+        try:
+            await asyncio.wait_for(asyncio.shield(inst.terminal), msg.timeout_s)
+        except TimeoutError:
+            inst.request_stop("abort", f"{reason}; not stopped within {msg.timeout_s:g} s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(inst.terminal), 1.0)
+        return ActorStopped(actor_id=actor_id, status=inst.status)
 
     @handler
     async def on_proc_stop(self, msg: ProcStop) -> None:

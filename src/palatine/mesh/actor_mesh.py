@@ -22,6 +22,7 @@ from palatine.core.actor import ENDPOINT_CALL_TID, Actor, _current_cx
 from palatine.core.comm import Cast, cast_envelope, normalize
 from palatine.core.future import LOOP_THREAD_ERROR, Future, on_loop_thread
 from palatine.core.mailbox import Mailbox
+from palatine.core.proc import StopActor
 from palatine.core.shape import Extent, Point
 from palatine.errors import PalatineError
 from palatine.fastpath import lane
@@ -84,6 +85,18 @@ class ValueMesh:
         extent = Extent.of(self._dims)
         for r, v in zip(self._ranks, self._values, strict=True):
             yield extent.point(r), v
+
+    def flatten(self, name: str) -> ValueMesh:
+        """The same values over one dimension ``name``."""
+        return ValueMesh([(name, math.prod(s for _, s in self._dims))], self._ranks, self._values)
+
+    def rename(self, **names: str) -> ValueMesh:
+        """The same values with dimensions renamed."""
+        known = [n for n, _ in self._dims]
+        for old in names:
+            if old not in known:
+                raise ValueError(f"unknown dimension {old!r}; this mesh has {known}")
+        return ValueMesh([(names.get(n, n), s) for n, s in self._dims], self._ranks, self._values)
 
     def item(self, **point: int) -> Any:
         """The value at ``point``, which names every dimension (``vm.item(hosts=1, gpus=0)``);
@@ -524,6 +537,34 @@ class ActorMesh:
             if ok:
                 keep.append(r)
         return self._slice_ranks(keep)
+
+    def flatten(self, name: str) -> ActorMesh:
+        """The same actors over one dimension ``name`` (ranks keep their row-major order)."""
+        return ActorMesh(self.gang, [(name, self._size)], self._ranks, self._cls)
+
+    def rename(self, **names: str) -> ActorMesh:
+        """The same actors with dimensions renamed: ``mesh.rename(procs="gpus")``."""
+        known = [n for n, _ in self._dims]
+        for old in names:
+            if old not in known:
+                raise ValueError(f"unknown dimension {old!r}; this mesh has {known}")
+        dims = [(names.get(n, n), s) for n, s in self._dims]
+        return ActorMesh(self.gang, dims, self._ranks, self._cls)
+
+    def stop(self, timeout: float | None = None) -> Future[None]:
+        """Stop the selected actors (each handles what it has queued, and is aborted after
+        ``timeout``, `Config.stop_actor_timeout_s` by default); their procs and the
+        other actors on them serve on. Later calls to them fail with "is stopped"."""
+        t = config.get().stop_actor_timeout_s if timeout is None else timeout
+        world, name = self.gang.world, self.gang.name
+        ranks = list(self._ranks)
+
+        async def go() -> None:
+            mb = caller_mailbox()
+            msg = StopActor(name=name, timeout_s=t)
+            await asyncio.gather(*(mb.ask(world.proc(r).actor("proc"), msg, t + 5) for r in ranks))
+
+        return runtime.submit(go)
 
     def _slice_ranks(self, ranks: list[int]) -> ActorMesh:
         return ActorMesh(self.gang, self._dims, ranks, self._cls)
