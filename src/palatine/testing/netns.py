@@ -16,8 +16,10 @@ test bed cannot be made here, for a test to skip with.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 from typing import Self
 
@@ -120,10 +122,24 @@ class TestBed:
         ]
         return found
 
+    def _kill_inside(self, ns: str) -> None:
+        """SIGKILL what still runs in ``ns`` (a job step whose daemon was stopped, say):
+        a namespace lives on, unnamed, as long as a process is in it."""
+        try:
+            done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
+                                  timeout=_IP_TIMEOUT_S, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return
+        for pid in done.stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+
     def close(self) -> None:
-        """Remove the veth pairs, the namespaces and the bridge; idempotent."""
+        """Kill what still runs in the namespaces, then remove the veth pairs, the
+        namespaces and the bridge; idempotent."""
         problems = []
         for ns in reversed(self._made):
+            self._kill_inside(ns)
             i = self.namespaces.index(ns)
             try:  # the pair goes at once, even while a process still lives in the namespace
                 _ip("link", "del", f"{self.tag}v{i}")
