@@ -15,7 +15,7 @@ from palatine.cli.serving import (
     finished_line,
     parse_request,
 )
-from palatine.tensor.controller.bootstrap import ControllerCommand
+from palatine.tensor.controller.startup import ControllerCommand
 
 
 def line(obj: object) -> bytes:

@@ -19,7 +19,7 @@ __all__ = ["add_arguments", "parse_label", "run"]
 
 def parse_label(text: str) -> tuple[str, str]:
     """argparse type of ``--extra-proc-labels``: ``KEY=VALUE`` split at the first ``=``."""
-    from palatine.tensor.controller.bootstrap import parse_key_val
+    from palatine.tensor.controller.startup import parse_key_val
 
     try:
         return parse_key_val(text)
@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def command_from_args(args: argparse.Namespace) -> Any:
     """The `ControllerCommand` of parsed flags (not yet validated)."""
-    from palatine.tensor.controller.bootstrap import ControllerCommand
+    from palatine.tensor.controller.startup import ControllerCommand
 
     return ControllerCommand(
         worker_world=args.worker_world,
@@ -116,7 +116,7 @@ def command_from_args(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from palatine.errors import ConfigError, TooManyOpenFiles
     from palatine.hosting.limits import check_open_files
-    from palatine.tensor.controller.bootstrap import ControllerTimeouts, validate_command
+    from palatine.tensor.controller.startup import ControllerTimeouts, validate_command
 
     cmd = command_from_args(args)
     try:

@@ -34,7 +34,8 @@ from palatine.channel.addr import ChannelAddr
 from palatine.core.supervision_hook import set_unhandled_fault_hook
 from palatine.errors import ConfigError, JoinError
 from palatine.ids import WorldId, is_host_world
-from palatine.tensor.controller.bootstrap import BootstrapError, ControllerCommand, validate_command
+from palatine.tensor.controller.bootstrap import BootstrapError
+from palatine.tensor.controller.startup import ControllerCommand, validate_command
 
 __all__ = [
     "ControllerCommand",

@@ -187,10 +187,6 @@ def _reply_value(reply: Envelope) -> Any:
     return value
 
 
-def _none() -> int:
-    return 0
-
-
 class TlsLaneSocket:
     """A lane's TLS socket with the calls the lane makes of a plain one.
 
@@ -238,37 +234,26 @@ class TlsLaneSocket:
         return bool(poller.poll(poll_ms(timeout_s)))
 
     def recv(self, nbytes: int, flags: int = 0) -> bytes:
+        return self._read(self._sock.recv, (nbytes,), flags, b"")  # type: ignore[no-any-return]
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        return self._read(self._sock.recv_into, (buffer, nbytes), flags, 0)  # type: ignore[no-any-return]
+
+    def _read(self, op: Callable[..., Any], args: tuple[Any, ...], flags: int, at_end: Any) -> Any:
         until = 0.0
         while True:
             try:
-                return self._sock.recv(nbytes)
+                return op(*args)
             except ssl.SSLWantReadError:
                 events = select.POLLIN
             except ssl.SSLWantWriteError:
                 events = select.POLLOUT
             except ssl.SSLZeroReturnError:  # the peer closed the TLS session
-                return b""
+                return at_end
             until = until or time.monotonic() + self._timeout_s
-            self._wait_or_raise(events, until, flags)
-
-    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
-        until = 0.0
-        while True:
-            try:
-                return self._sock.recv_into(buffer, nbytes)
-            except ssl.SSLWantReadError:
-                events = select.POLLIN
-            except ssl.SSLWantWriteError:
-                events = select.POLLOUT
-            except ssl.SSLZeroReturnError:
-                return 0
-            until = until or time.monotonic() + self._timeout_s
-            self._wait_or_raise(events, until, flags)
-
-    def _wait_or_raise(self, events: int, until: float, flags: int) -> None:
-        left = until - time.monotonic()
-        if flags & socket.MSG_DONTWAIT or left <= 0 or not self._wait(events, left):
-            raise BlockingIOError(errno.EAGAIN, "no data within the read timeout")
+            left = until - time.monotonic()
+            if flags & socket.MSG_DONTWAIT or left <= 0 or not self._wait(events, left):
+                raise BlockingIOError(errno.EAGAIN, "no data within the read timeout")
 
     def send(self, data: Any, flags: int = 0) -> int:
         until = 0.0
@@ -730,6 +715,12 @@ def gather(fut: LaneFuture, lanes: list[LaneConn]) -> dict[int, Any]:
             continue
         waiting[lane.sock.fileno()] = (rank, lane, reply_to, i)
     spin_s = spin_seconds()
+    # (a TLS lane's socket is a TlsLaneSocket where the lane's type says socket)
+    tls = [
+        (fd, cast(TlsLaneSocket, w[1].sock))
+        for fd, w in waiting.items()
+        if isinstance(w[1].sock, TlsLaneSocket)
+    ]
     poller = select.poll()
     for fd in waiting:
         poller.register(fd, select.POLLIN)
@@ -740,7 +731,7 @@ def gather(fut: LaneFuture, lanes: list[LaneConn]) -> dict[int, Any]:
                 errors[rank] = timeout_error(fut._what, _dest(fut, 0), fut._timeout_s)
             break
         # decrypted bytes a TLS lane holds already are not on the descriptor any more
-        held = [fd for fd, w in waiting.items() if getattr(w[1].sock, "pending", _none)()]
+        held = [fd for fd, sock in tls if fd in waiting and sock.pending()] if tls else []
         ready = [(fd, select.POLLIN) for fd in held] or poll_spinning(poller, poll_ms(left), spin_s)
         for fd, _ev in ready:
             rank, lane, reply_to, i = waiting[fd]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Self
 
+from palatine.channel.token import token_env
 from palatine.hosting.child_env import Handoff
 from palatine.job.hostmesh import JobHosts
 from palatine.tensor.client.local import LocalCluster, check_shape, connect, start_local
@@ -52,12 +53,10 @@ class LocalJob:
         """What a client program needs to attach with ``palatine.connect()``."""
         self.apply()
         assert self._cluster is not None
-        return {
-            **Handoff(
-                system_addr=self._cluster.system_addr, worker_world="worker", job_id="local"
-            ).to_env(),
-            "PALATINE_CLUSTER_TOKEN": self._cluster.env["PALATINE_CLUSTER_TOKEN"],
-        }
+        handed = Handoff(
+            system_addr=self._cluster.system_addr, worker_world="worker", job_id="local"
+        )
+        return handed.to_env() | token_env(self._cluster.env["PALATINE_CLUSTER_TOKEN"])
 
     def mesh(self) -> DeviceMesh:
         """The job's `DeviceMesh` (dims ``host`` and ``proc``)."""

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Self
 import msgspec
 
 from palatine import config
+from palatine.channel.token import token_env
 from palatine.errors import SchedulerError
 from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import check_open_files
@@ -228,12 +229,10 @@ class SlurmJob:
         launch`` hands it over), once applied."""
         if self._cluster is None or self.job_id is None:
             raise RuntimeError("the job is not applied: call apply() first")
-        return {
-            **Handoff(
-                system_addr=self._cluster.system_addr, worker_world="worker", job_id=self.job_id
-            ).to_env(),
-            "PALATINE_CLUSTER_TOKEN": self._token,
-        }
+        handed = Handoff(
+            system_addr=self._cluster.system_addr, worker_world="worker", job_id=self.job_id
+        )
+        return handed.to_env() | token_env(self._token)
 
     def _job_env(self) -> dict[str, str]:
         """What the hosts inherit: this environment, less what names this machine or process."""

@@ -20,7 +20,7 @@ A stop (signal, serve ``Exit``) during the bootstrap cleans up the same way and 
 normally.
 
 The pure parts — the command and its validation, labels, the live-wait verdicts and
-messages — live in `palatine.tensor.controller.startup` (re-exported here).
+messages — live in `palatine.tensor.controller.startup`.
 ``PALATINE_CONTROLLER_WORKER_ACTOR_TYPE`` **(ours, for tests and tools)** overrides the
 worker actor type spawned in step 6.
 """
@@ -46,47 +46,20 @@ from palatine.protocol.controller import CONTROLLER_ACTOR_TYPE, ControllerParams
 from palatine.protocol.system import Snapshot, SnapshotFilter, SystemSnapshot, WorldSnapshot
 from palatine.protocol.worker import WorkerParams
 from palatine.tensor.controller.startup import (
-    LABEL_CONTROLLER_ACTOR_ID,
-    LABEL_ROLE,
-    LABEL_WORKER,
-    LABEL_WORKER_WORLD,
     WORKER_ACTOR_TYPE,
     ControllerCommand,
     ControllerTimeouts,
-    WaitState,
     format_ranks,
     inspect_worker_world,
     not_live_text,
-    parse_key_val,
     poll_delay,
     proc_labels,
-    startup_failure_text,
     validate_command,
     worker_records,
     world_labels,
 )
 
-__all__ = [
-    "LABEL_CONTROLLER_ACTOR_ID",
-    "LABEL_ROLE",
-    "LABEL_WORKER",
-    "LABEL_WORKER_WORLD",
-    "WORKER_ACTOR_TYPE",
-    "BootstrapError",
-    "ControllerCommand",
-    "ControllerTimeouts",
-    "WaitState",
-    "format_ranks",
-    "inspect_worker_world",
-    "not_live_text",
-    "parse_key_val",
-    "poll_delay",
-    "proc_labels",
-    "run_controller",
-    "startup_failure_text",
-    "validate_command",
-    "world_labels",
-]
+__all__ = ["BootstrapError", "run_controller"]
 
 log = logging.getLogger(__name__)
 
