@@ -253,5 +253,6 @@ async def test_long_deadlines_share_one_sweep_and_still_fire(
             CallTimeout, match=r"call slow to w\[0\].nobody\[0\] timed out: no reply within 0.3 s"
         ):
             await asyncio.wait_for(late.future, 5)
-        assert 0.3 <= loop.time() - t0 < 2.0  # never early; late only by the sweep (+ stalls)
+        # never early (up to float rounding of the loop clock); late only by the sweep
+        assert 0.3 - 1e-6 <= loop.time() - t0 < 2.0
         assert not sweep.due and sweep.handle is None  # nothing left: the sweep stops
