@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
+from palatine.core import suspend
+
 __all__ = ["Future", "LOOP_THREAD_ERROR"]
 
 T = TypeVar("T")
@@ -144,7 +146,13 @@ class Future(Generic[T]):
         if self._state:
             return
         if on_loop_thread():
-            raise RuntimeError(LOOP_THREAD_ERROR)
+            if not suspend.can_suspend():
+                raise RuntimeError(LOOP_THREAD_ERROR)
+            # a synchronous endpoint: the loop serves on until the result is here
+            suspend.wait(self.add_done_callback, timeout)
+            if not self._state:
+                raise TimeoutError(f"no result within {timeout} s")
+            return
         with _state_lock:
             if self._state:
                 return

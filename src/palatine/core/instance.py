@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from palatine import config
+from palatine.core import suspend
 from palatine.core.actor import (
     ENDPOINT_CALL_TID,
     Actor,
@@ -48,6 +49,7 @@ _HANDLER = 1
 _UNDELIVERABLE = 2
 _TASK_FAILED = 3
 _FAILED = 4  # a failure raised while processing inline: the task re-raises it
+_RESUME = 5  # the rest of an inline endpoint call that waits in a blocking call
 
 
 class _Failure(Exception):
@@ -255,28 +257,33 @@ class ActorInstance:
         self._push(item)
 
     def _process_inline(self, item: tuple[int, Any, Any, Envelope | None]) -> None:
-        """Run a synchronous endpoint call now; its failure goes to the task (teardown)."""
-        coro = self._process(item)
+        """Run a synchronous endpoint call now; its failure goes to the task (teardown), and
+        so does the rest of a call that waits in a blocking palatine call (`_RESUME`, ahead
+        of anything queued after it). The same steps as `_process`, without a coroutine."""
+        env = item[3]
+        self.processed += 1
+        cx = self.cx
+        cx.env = env
+        token = _current_cx.set(cx)
         try:
-            coro.send(None)
-        except StopIteration:
-            pass
+            pending = self._start_endpoint(item[2], env)  # type: ignore[arg-type]
         except _Failure as f:
+            pending = None
             self._push((_FAILED, None, f, None))
         except BaseException as e:  # (CancelledError and such) a panic, as on the task
+            pending = None
             tb = traceback.format_exc()
-            self._push(
-                (
-                    _FAILED,
-                    None,
-                    _Failure(f"serving {self.id}: panic: {type(e).__name__}: {e}", tb),
-                    None,
-                )
-            )
-        else:  # cannot happen for a plain def endpoint; never leave a coroutine half-run
-            coro.close()
-            raise RuntimeError(f"endpoint of {self.id} suspended while running inline")
-        self.cx.env = None  # idle again: do not pin the message
+            why = f"serving {self.id}: panic: {type(e).__name__}: {e}"
+            self._push((_FAILED, None, _Failure(why, tb), None))
+        finally:
+            _current_cx.reset(token)
+        if pending is not None:  # processing until `_finish_endpoint` is over
+            self._push((_RESUME, pending, None, env))
+            return
+        if self.state == "processing":
+            self.state = "idle"
+        self.current_handler = None
+        cx.env = None  # idle again: do not pin the message
 
     def _enqueue_handler(self, payload: Any, env: Envelope) -> None:
         self._push((_HANDLER, self._handlers[env.type_id], payload, env))
@@ -406,13 +413,16 @@ class ActorInstance:
 
     async def _process(self, item: tuple[int, Any, Any, Envelope | None]) -> None:
         kind, meta, payload, env = item
-        self.processed += 1
+        if kind != _RESUME:
+            self.processed += 1
         cx = self.cx
         cx.env = env
         token = _current_cx.set(cx)
         try:
             if kind == _ENDPOINT:
                 await self._run_endpoint(payload, env)  # type: ignore[arg-type]
+            elif kind == _RESUME:
+                await self._finish_endpoint(meta, env)  # type: ignore[arg-type]
             elif kind == _HANDLER:
                 await self._run_handler(meta, payload, env)  # type: ignore[arg-type]
             elif kind == _UNDELIVERABLE:
@@ -442,28 +452,68 @@ class ActorInstance:
     async def _run_endpoint(
         self, payload: tuple[str, tuple[Any, ...], dict[str, Any]], env: Envelope
     ) -> None:
+        susp = self._start_endpoint(payload, env)
+        if susp is not None:
+            await self._finish_endpoint(susp, env)
+
+    def _start_endpoint(
+        self, payload: tuple[str, tuple[Any, ...], dict[str, Any]], env: Envelope
+    ) -> tuple[str, Any] | None:
+        """Run the endpoint call as far as it goes without waiting: None when it is over
+        (replied to, or its failure raised), else what `_finish_endpoint` waits on: an
+        async endpoint's coroutine, or a synchronous one suspended in a blocking palatine
+        call (`palatine.core.suspend`)."""
         try:
             method, args, kwargs = payload
             info = self._endpoints.get(method)
         except (TypeError, ValueError):
-            return self._dispatch_error(env, "malformed endpoint call")
+            self._dispatch_error(env, "malformed endpoint call")
+            return None
         if info is None:
-            return self._dispatch_error(
+            self._dispatch_error(
                 env, f"actor {self.id} ({self._type_name}) has no endpoint {method!r}"
             )
+            return None
         fn = getattr(self.actor, method)
         self.state = "processing"
         self.current_handler = method
         self.processing_since = self.loop.time()
         try:
-            result = fn(*args, **kwargs)
             if info.is_async:
-                result = await result
+                return method, fn(*args, **kwargs)
+            result = suspend.call(fn, args, kwargs)
+            if type(result) is suspend.Suspension:
+                return method, result
+        except suspend.BadArguments as e:
+            self._dispatch_error(env, f"bad arguments for {method}: {e}")
+            return None
         except TypeError as e:
             if e.__traceback__ is not None and e.__traceback__.tb_next is None:
-                return self._dispatch_error(env, f"bad arguments for {method}: {e}")
+                self._dispatch_error(env, f"bad arguments for {method}: {e}")
+                return None
             self._handler_raised(e, env)
-            return
+            return None
+        except Exception as e:
+            self._handler_raised(e, env)
+            return None
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._panic(e, env)
+        if env.reply_to is not None:
+            self._reply_value(env, result, method)
+        return None
+
+    async def _finish_endpoint(self, pending: tuple[str, Any], env: Envelope) -> None:
+        """Wait for the rest of an endpoint call `_start_endpoint` began, then reply."""
+        method, waiting = pending
+        self.state = "processing"
+        self.current_handler = method
+        try:
+            if type(waiting) is suspend.Suspension:
+                result = await waiting.outcome
+            else:
+                result = await waiting
         except Exception as e:
             self._handler_raised(e, env)
             return
@@ -655,7 +705,7 @@ class ActorInstance:
             why += f": it failed: {self.failure}"
         while self.queue:
             kind, _meta, _payload, env = self.queue.popleft()
-            if env is not None and kind in (_ENDPOINT, _HANDLER):
+            if env is not None and kind in (_ENDPOINT, _HANDLER, _RESUME):
                 self.proc.return_envelope(env, why)
         self.mailbox.close(reason)
         self.proc.unregister(self)

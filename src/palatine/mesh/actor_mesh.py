@@ -13,11 +13,11 @@ import itertools
 import math
 import queue
 import random
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from palatine import config
-from palatine.core import runtime
+from palatine.core import runtime, suspend
 from palatine.core.actor import ENDPOINT_CALL_TID, Actor, _current_cx
 from palatine.core.comm import Cast, cast_envelope, normalize
 from palatine.core.future import LOOP_THREAD_ERROR, Future, on_loop_thread
@@ -339,23 +339,44 @@ class _Stream:
         self._q: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self._aq: asyncio.Queue[tuple[int, Any]] | None = None
         self._seen = 0
+        self._on_push: Callable[[Any], None] | None = None  # a suspended endpoint's wake-up
 
     def push(self, rank: int, value: Any, exc: BaseException | None) -> None:
         self._q.put((rank, exc if exc is not None else value))
+        wake = self._on_push
+        if wake is not None:
+            self._on_push = None
+            wake(None)
+
+    def _when_pushed(self, fn: Callable[[Any], None]) -> None:
+        self._on_push = fn
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         while self._seen < self.expected:
             try:
                 item = self._q.get_nowait()
             except queue.Empty:
-                # The items arrive on this thread's loop: waiting here would block them
-                # (and everything else on the loop) until the timeout. Fail at once, as a
-                # blocking `Future.get` does there.
                 if on_loop_thread():
-                    raise RuntimeError(LOOP_THREAD_ERROR) from None
-                item = self._q.get(timeout=_stream_wait_s())
+                    item = self._next_on_loop()
+                else:
+                    item = self._q.get(timeout=_stream_wait_s())
             self._seen += 1
             yield item
+
+    def _next_on_loop(self) -> tuple[int, Any]:
+        """The next item, on the loop thread the items arrive on: a synchronous endpoint
+        gives the loop back meanwhile (`palatine.core.suspend`); anywhere else, waiting
+        would block the items (and everything else on the loop) until the timeout, so it
+        fails at once, as a blocking `Future.get` does there."""
+        if not suspend.can_suspend():
+            raise RuntimeError(LOOP_THREAD_ERROR) from None
+        timeout = _stream_wait_s()
+        suspend.wait(self._when_pushed, timeout)
+        self._on_push = None
+        try:
+            return self._q.get_nowait()
+        except queue.Empty:
+            raise TimeoutError(f"no stream item within {timeout} s") from None
 
     def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
         return self._agen()
