@@ -52,11 +52,17 @@ __all__ = [
     "HostMesh",
     "ProcMesh",
     "Stream",
+    "Port",
+    "PortReceiver",
+    "Channel",
+    "Accumulator",
+    "send",
 ]
 
 if TYPE_CHECKING:
     from palatine.core.actor import Actor, context, current_rank, current_size, endpoint, handler
     from palatine.core.future import Future
+    from palatine.core.ports import Channel, Port, PortReceiver
     from palatine.core.shape import Extent, Point
     from palatine.core.supervision_hook import set_unhandled_fault_hook
     from palatine.errors import (
@@ -70,7 +76,8 @@ if TYPE_CHECKING:
         ValueTooLarge,
     )
     from palatine.job.hostmesh import HostMesh, ProcMesh, this_host
-    from palatine.mesh.actor_mesh import ActorMesh, ActorRef, ValueMesh
+    from palatine.mesh.accumulator import Accumulator
+    from palatine.mesh.actor_mesh import ActorMesh, ActorRef, ValueMesh, send
     from palatine.system.service import System
     from palatine.tensor.client.local import connect, local_mesh
     from palatine.tensor.client.mesh import DeviceMesh
@@ -114,6 +121,11 @@ _WHERE = {
     "HostMesh": "palatine.job.hostmesh",
     "ProcMesh": "palatine.job.hostmesh",
     "Stream": "palatine.tensor.client",
+    "Port": "palatine.core.ports",
+    "PortReceiver": "palatine.core.ports",
+    "Channel": "palatine.core.ports",
+    "Accumulator": "palatine.mesh.accumulator",
+    "send": "palatine.mesh.actor_mesh",
 }
 
 

@@ -624,7 +624,7 @@ def test_a_lane_whose_caller_stops_reading_is_not_served_further_until_it_reads(
 
         big = procs.spawn("big", Big).slice(procs=0)
         big.marks_seen.call_one().get()
-        mb = M._default_client.mailbox
+        mb = M.default_client().mailbox
         dest = big.gang.actor(0)
         addr = mb.proc.router.lookup(dest)
         lane = LaneConn.open(addr, mb.proc.proc_id)

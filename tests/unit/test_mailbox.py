@@ -210,7 +210,7 @@ def test_proc_routes_to_itself_without_channels() -> None:
         await p.spawn("echo", Echo)
         client = p.attach("client")
         from palatine.core import runtime
-        from palatine.mesh.actor_mesh import set_default_client
+        from palatine.core.sender import set_default_client
 
         runtime.adopt_current_loop()
         set_default_client(client)

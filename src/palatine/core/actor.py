@@ -67,26 +67,39 @@ class SupervisionEvent(Message, kw_only=True):
 class EndpointInfo:
     """What ``@endpoint`` records on a method."""
 
-    __slots__ = ("name", "is_async", "timeout_s")
+    __slots__ = ("name", "is_async", "timeout_s", "explicit_port")
 
-    def __init__(self, name: str, is_async: bool, timeout_s: float | None) -> None:
+    def __init__(
+        self, name: str, is_async: bool, timeout_s: float | None, explicit_port: bool = False
+    ) -> None:
         self.name = name
         self.is_async = is_async
         self.timeout_s = timeout_s
+        self.explicit_port = explicit_port
 
 
 @overload
 def endpoint(fn: F) -> F: ...
 @overload
-def endpoint(*, timeout: float | None = None) -> Callable[[F], F]: ...
+def endpoint(
+    *, timeout: float | None = None, explicit_response_port: bool = False
+) -> Callable[[F], F]: ...
 
 
-def endpoint(fn: Any = None, *, timeout: float | None = None) -> Any:
-    """Mark a ``def`` or ``async def`` method as an endpoint (callable through refs/meshes)."""
+def endpoint(
+    fn: Any = None, *, timeout: float | None = None, explicit_response_port: bool = False
+) -> Any:
+    """Mark a ``def`` or ``async def`` method as an endpoint (callable through refs/meshes).
+
+    ``timeout``: the callers' deadline for this endpoint (else `Config.call_timeout_s`).
+    ``explicit_response_port``: the method gets its caller's reply port
+    (`palatine.core.ports.Port`) as its first argument and answers by sending to it, at
+    any time, instead of by returning; an exception it raises still reaches the caller.
+    """
 
     def mark(f: F) -> F:
         f.__palatine_endpoint__ = EndpointInfo(  # type: ignore[attr-defined]
-            f.__name__, inspect.iscoroutinefunction(f), timeout
+            f.__name__, inspect.iscoroutinefunction(f), timeout, explicit_response_port
         )
         return f
 

@@ -182,6 +182,23 @@ class Future(Generic[T]):
             raise self._exc
         return self._exc
 
+    def with_timeout(self, timeout: float) -> Future[T]:
+        """This result, or `TimeoutError` if it is not there within ``timeout`` seconds
+        (counted from now). The operation itself goes on; only this view gives up."""
+        out: Future[T] = Future(self._loop)
+        loop = self._loop
+
+        def expire() -> None:
+            out._finish(None, TimeoutError(f"no result within {timeout:g} s"))
+
+        def copy(f: Future[T]) -> None:
+            out._finish(f._value, f._exc)
+
+        self.add_done_callback(copy)
+        if not out._state:
+            loop.call_soon_threadsafe(loop.call_later, max(0.0, timeout), expire)
+        return out
+
     def add_done_callback(self, fn: Callable[[Future[T]], Any]) -> None:
         with _state_lock:
             if not self._state:

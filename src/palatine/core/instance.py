@@ -32,6 +32,7 @@ from palatine.core.mailbox import (
     StreamPort,
     Undeliverable,
 )
+from palatine.core.ports import Port
 from palatine.errors import ValueTooLarge
 from palatine.ids import ActorId, GangId, PortId
 from palatine.wire.codec import PICKLED_VALUE_TID, dumps, encode_message
@@ -458,7 +459,7 @@ class ActorInstance:
 
     def _start_endpoint(
         self, payload: tuple[str, tuple[Any, ...], dict[str, Any]], env: Envelope
-    ) -> tuple[str, Any] | None:
+    ) -> tuple[str, Any, bool] | None:
         """Run the endpoint call as far as it goes without waiting: None when it is over
         (replied to, or its failure raised), else what `_finish_endpoint` waits on: an
         async endpoint's coroutine, or a synchronous one suspended in a blocking palatine
@@ -478,15 +479,14 @@ class ActorInstance:
         self.state = "processing"
         self.current_handler = method
         self.processing_since = self.loop.time()
+        explicit = info.explicit_port
+        if explicit:  # it answers through the port; what it returns is dropped
+            rank = env.headers.get("cast_rank") if env.headers else None
+            args = (Port(env.reply_to, rank if isinstance(rank, int) else None), *args)
         try:
             if info.is_async:
-                return method, fn(*args, **kwargs)
+                return method, fn(*args, **kwargs), explicit
             result = suspend.call(fn, args, kwargs)
-            if type(result) is suspend.Suspension:
-                return method, result
-        except suspend.BadArguments as e:
-            self._dispatch_error(env, f"bad arguments for {method}: {e}")
-            return None
         except TypeError as e:
             if e.__traceback__ is not None and e.__traceback__.tb_next is None:
                 self._dispatch_error(env, f"bad arguments for {method}: {e}")
@@ -500,13 +500,27 @@ class ActorInstance:
             raise
         except BaseException as e:
             self._panic(e, env)
-        if env.reply_to is not None:
+        kind = type(result)
+        if kind is suspend.Suspension:
+            return method, result, explicit
+        if kind is suspend.Raised:
+            error = result.error
+            if isinstance(error, suspend.BadArguments):
+                self._dispatch_error(env, f"bad arguments for {method}: {error}")
+            elif isinstance(error, Exception):
+                self._handler_raised(error, env)
+            elif isinstance(error, asyncio.CancelledError):
+                raise error
+            else:
+                self._panic(error, env)
+            return None
+        if env.reply_to is not None and not explicit:
             self._reply_value(env, result, method)
         return None
 
-    async def _finish_endpoint(self, pending: tuple[str, Any], env: Envelope) -> None:
+    async def _finish_endpoint(self, pending: tuple[str, Any, bool], env: Envelope) -> None:
         """Wait for the rest of an endpoint call `_start_endpoint` began, then reply."""
-        method, waiting = pending
+        method, waiting, explicit = pending
         self.state = "processing"
         self.current_handler = method
         try:
@@ -521,7 +535,7 @@ class ActorInstance:
             raise
         except BaseException as e:
             self._panic(e, env)
-        if env.reply_to is not None:
+        if env.reply_to is not None and not explicit:
             self._reply_value(env, result, method)
 
     async def _run_handler(

@@ -27,7 +27,7 @@ from typing import Any
 
 import greenlet
 
-__all__ = ["Suspension", "BadArguments", "call", "can_suspend", "wait"]
+__all__ = ["Suspension", "Raised", "BadArguments", "call", "can_suspend", "wait"]
 
 
 class BadArguments(TypeError):
@@ -57,7 +57,7 @@ class _EndpointLet(greenlet.greenlet):  # type: ignore[misc]
             try:
                 outcome: tuple[int, Any] = (_RETURNED, _enter(fn, args, kwargs))
             except BaseException as e:  # noqa: BLE001 - the endpoint's own error, for its caller
-                outcome = (_RAISED, e)
+                outcome = (_RAISED, _from_the_endpoint(e))
             self.suspension = None
             _idle().append(self)
             fn, args, kwargs = main.switch(outcome)
@@ -76,11 +76,24 @@ def _idle() -> list[_EndpointLet]:
     return idle
 
 
-def _outcome(out: tuple[int, Any]) -> Any:
-    kind, value = out
-    if kind == _RAISED:
-        raise value
-    return value
+def _from_the_endpoint(e: BaseException) -> BaseException:
+    """``e`` with its traceback starting at the endpoint's own frame (not this module's)."""
+    tb = e.__traceback__
+    for _ in range(2):  # `_serve`, `_enter`
+        if tb is None or tb.tb_next is None or tb.tb_frame.f_globals.get("__name__") != __name__:
+            break
+        tb = tb.tb_next
+    return e.with_traceback(tb)
+
+
+class Raised:
+    """What `call` returns when the endpoint raised: the exception, traceback from the
+    endpoint's own frame (raising it again would prepend the caller's frames)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 class Suspension:
@@ -116,17 +129,21 @@ def _enter(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 
 def call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``fn(*args, **kwargs)`` in an endpoint greenlet of this (loop) thread: its return
-    value, or a `Suspension` when it is waiting in `wait`. Raises what ``fn`` raises
+    value, a `Suspension` when it is waiting in `wait`, or `Raised` with what it raised
     (`BadArguments` when the arguments do not fit its signature)."""
     if isinstance(greenlet.getcurrent(), _EndpointLet):  # nested: it may wait in the outer one
-        return _enter(fn, args, kwargs)
+        try:
+            return _enter(fn, args, kwargs)
+        except BaseException as e:  # noqa: BLE001 - as from a greenlet of its own
+            return Raised(e)
     idle = _idle()
     let = idle.pop() if idle else _EndpointLet()
     let.gr_context = contextvars.copy_context()  # the caller's context (the actor's) inside
     out = let.switch(fn, args, kwargs)
     if out is _SUSPENDED:
         return let.suspension
-    return _outcome(out)
+    kind, value = out
+    return Raised(value) if kind == _RAISED else value
 
 
 def can_suspend() -> bool:

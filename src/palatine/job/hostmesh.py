@@ -27,13 +27,14 @@ from palatine.channel.addr import any_addr
 from palatine.core import runtime
 from palatine.core.actor import Actor, actor_type_name
 from palatine.core.future import Future
+from palatine.core.sender import set_default_client
 from palatine.errors import PalatineError, SpawnError
 from palatine.hosting.agent import ProcHandle, bootstrap_proc
 from palatine.hosting.forkserver import ForkServer, fork_server_supported
 from palatine.hosting.host import HostAgent
 from palatine.hosting.limits import check_open_files
 from palatine.ids import GangId, ProcId, WorldId
-from palatine.mesh.actor_mesh import ActorMesh, set_default_client
+from palatine.mesh.actor_mesh import ActorMesh
 from palatine.output.logs import LogSession
 from palatine.protocol.agent import Spawn, Spawned, StartHost, StopHost
 from palatine.system.service import System, SystemClient, SystemHandle

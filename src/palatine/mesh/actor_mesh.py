@@ -22,37 +22,16 @@ from palatine.core.actor import ENDPOINT_CALL_TID, Actor, _current_cx
 from palatine.core.comm import Cast, cast_envelope, normalize
 from palatine.core.future import LOOP_THREAD_ERROR, Future, on_loop_thread
 from palatine.core.mailbox import Mailbox
+from palatine.core.ports import Port
 from palatine.core.proc import StopActor
+from palatine.core.sender import caller_mailbox, default_client
 from palatine.core.shape import Extent, Point
-from palatine.errors import PalatineError
 from palatine.fastpath import lane
 from palatine.ids import ActorId, GangId, PortId, ProcId
 from palatine.wire.codec import dumps, encode_message
 from palatine.wire.envelope import ENC_MSGPACK, ENC_PICKLE, Envelope
 
-__all__ = ["ActorRef", "ActorMesh", "ValueMesh", "Endpoint", "set_default_client", "caller_mailbox"]
-
-_default_client: Any = None
-
-
-def set_default_client(client: Any) -> None:
-    """Install the client instance that non-actor code in this process sends from."""
-    global _default_client
-    _default_client = client
-
-
-def caller_mailbox() -> Mailbox:
-    """The sending mailbox: the running actor's, else this process's client instance."""
-    cx = _current_cx.get()
-    if cx is not None:
-        return cx.mailbox
-    if _default_client is None:
-        raise PalatineError(
-            "no palatine proc in this process: create one with this_host().spawn_procs(...) "
-            "or System(addr).attach()"
-        )
-    mailbox: Mailbox = _default_client.mailbox
-    return mailbox
+__all__ = ["ActorRef", "ActorMesh", "ValueMesh", "Endpoint", "send"]
 
 
 def _self_call_check(mb: Mailbox, dest: ActorId) -> None:
@@ -172,7 +151,7 @@ def _call_via(dests: tuple[tuple[int, ActorId], ...], call: lane.Call) -> Future
     else through the loop (``call.go`` runs there). ``dests``: as `palatine.fastpath.lane.try_call`."""
     if on_loop_thread():
         return runtime.call(call.go, call.transform)
-    client = _default_client
+    client = default_client()
     if client is not None and _current_cx.get() is None:
         on_lane = lane.try_call(client.mailbox, dests, call)
         if on_lane is not None:
@@ -329,6 +308,25 @@ class Endpoint:
     def stream(self, *args: Any, **kwargs: Any) -> _Stream:
         """Replies as ``(rank, reply)`` in arrival order (sync and async iterator)."""
         return self._target._as_mesh()._stream(self._name, args, kwargs, self._timeout())
+
+
+def send(
+    endpoint: Endpoint,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    port: Port[Any] | None = None,
+    selection: str = "all",
+) -> None:
+    """Invoke ``endpoint`` one-way on its mesh's actors (``selection="all"``) or on one
+    of them (``"choose"``); with ``port``, every reply is sent there (read it with the
+    port's `palatine.PortReceiver`). Monarch's ``monarch.actor.send``."""
+    mesh = endpoint._target._as_mesh()
+    if selection == "choose":
+        mesh = mesh._slice_ranks([random.choice(mesh._ranks)])
+    elif selection != "all":
+        raise ValueError(f"selection must be 'all' or 'choose', not {selection!r}")
+    reply_to = port.port_id if port is not None else None
+    mesh._broadcast(endpoint._name, tuple(args), dict(kwargs or {}), reply_to)
 
 
 class _Stream:
@@ -647,11 +645,17 @@ class ActorMesh:
             return runtime.call(call.go)
         return _call_via(((-1, call.dest),), call)
 
-    def _broadcast(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _broadcast(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reply_to: PortId | None = None,
+    ) -> None:
         data = _encode_in_band(method, args, kwargs)
 
         def go() -> None:
-            self._cast(caller_mailbox(), data, None)
+            self._cast(caller_mailbox(), data, reply_to)
 
         runtime.post(go)
 

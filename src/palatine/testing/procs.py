@@ -6,10 +6,9 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from palatine.channel.addr import any_addr
-from palatine.core import runtime
+from palatine.core import runtime, sender
 from palatine.core.proc import ClientInstance, Proc
 from palatine.ids import WorldId
-from palatine.mesh import actor_mesh as mesh
 
 __all__ = ["proc_cluster"]
 
@@ -37,10 +36,10 @@ async def proc_cluster(
                     assert q.addr is not None
                     p.router.bind(q.proc_id, q.addr)
         client = client_proc.attach("client")
-        mesh.set_default_client(client)
+        sender.set_default_client(client)
         yield procs, client
     finally:
-        mesh.set_default_client(None)
+        sender.set_default_client(None)
         for p in everyone:
             await p.stop(1.0)
             await p.close()
