@@ -57,6 +57,7 @@ __all__ = [
     "Channel",
     "Accumulator",
     "send",
+    "MeshFailure",
 ]
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
     from palatine.errors import (
         CallTimeout,
         DeviceException,
+        MeshFailure,
         PalatineError,
         RemoteException,
         SchedulerError,
@@ -126,6 +128,7 @@ _WHERE = {
     "Channel": "palatine.core.ports",
     "Accumulator": "palatine.mesh.accumulator",
     "send": "palatine.mesh.actor_mesh",
+    "MeshFailure": "palatine.errors",
 }
 
 

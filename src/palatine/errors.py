@@ -225,6 +225,48 @@ class StuckWorkersException(DeviceException):
         super().__init__(message, kind, **details)
 
 
+class MeshFailure(PalatineError):
+    """An actor of a mesh this code owns failed: what ``__supervise__`` receives, and what
+    the unhandled-fault hook gets when nobody handles it (Monarch's ``MeshFailure``).
+
+    ``actor_id`` names the actor (``mesh3[1].trainer[0]``), ``rank`` its rank in the
+    mesh, ``host`` and ``pid`` where it ran, ``message`` why it failed (its exception),
+    ``traceback`` the actor's traceback. Its proc, and the other actors there, serve on.
+    """
+
+    def __init__(
+        self,
+        actor_id: str,
+        message: str,
+        traceback: str = "",
+        rank: int | None = None,
+        host: str = "",
+        pid: int = 0,
+    ) -> None:
+        self.actor_id = actor_id
+        self.message = message
+        self.traceback = traceback
+        self.rank = rank
+        self.host = host
+        self.pid = pid
+        where = ", ".join(
+            part
+            for part in (
+                f"rank {rank}" if rank is not None else "",
+                f"pid {pid}" if pid else "",
+                f"on {host}" if host else "",
+            )
+            if part
+        )
+        super().__init__(f"actor {actor_id}{f' ({where})' if where else ''} failed: {message}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            MeshFailure,
+            (self.actor_id, self.message, self.traceback, self.rank, self.host, self.pid),
+        )
+
+
 class SystemRequestError(PalatineError):
     """The system (or a proc agent) answered a request with ``Rejected{code, message}``."""
 

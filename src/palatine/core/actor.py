@@ -18,6 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, overload
 
 from palatine.core.mailbox import Mailbox, OncePort, ProcLink, StreamPort
+from palatine.errors import MeshFailure
 from palatine.ids import ActorId, GangId, PortId
 from palatine.wire.codec import Message, register
 
@@ -62,6 +63,16 @@ class SupervisionEvent(Message, kw_only=True):
     message: str
     traceback: str = ""
     caused_by: SupervisionEvent | None = None
+    host: str = ""  # where it ran (filled in by the proc's agent for a mesh's owner)
+    pid: int = 0
+
+    def failure(self) -> MeshFailure:
+        """This event as the `palatine.errors.MeshFailure` a user's code handles."""
+        try:
+            rank: int | None = ActorId.parse(self.actor_id).rank
+        except ValueError:
+            rank = None
+        return MeshFailure(self.actor_id, self.message, self.traceback, rank, self.host, self.pid)
 
 
 class EndpointInfo:
@@ -165,6 +176,9 @@ class Context(Protocol):
     def stop(self, reason: str = "stopped by itself") -> None: ...
     def reply(self, port: PortId, msg: Any, req: Envelope | None = None) -> None: ...
     def tell_self(self, msg: Any) -> None: ...
+    def supervision_port(self) -> PortId:
+        """Where the failures of meshes this actor spawns are sent (its supervision)."""
+        ...
 
 
 class Actor:
@@ -224,8 +238,14 @@ class Actor:
         """Runs during teardown, after children stopped; raising fails the actor."""
 
     def handle_supervision_event(self, event: SupervisionEvent) -> bool:
-        """A child failed. True: handled. False (default): this actor fails too."""
-        return False
+        """A child, or an actor of a mesh this actor spawned, failed. True: handled. False:
+        this actor fails too, and its own owner hears of it. The default asks
+        ``__supervise__(failure: MeshFailure) -> bool`` (Monarch's name) when the class
+        defines it, else returns False."""
+        supervise = getattr(self, "__supervise__", None)
+        if supervise is None:
+            return False
+        return bool(supervise(event.failure()))
 
     def handle_undeliverable(self, returned: Envelope) -> None:
         """A message this actor sent was returned; the default logs (rate-limited)."""

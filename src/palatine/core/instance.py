@@ -149,6 +149,11 @@ class ActorContext:
         """Send a typed message to this actor's own handler port (while it is open)."""
         self._inst.tell_self(msg)
 
+    def supervision_port(self) -> PortId:
+        """Where the failures of meshes this actor spawns are sent: they reach its
+        ``handle_supervision_event`` (``__supervise__``) as its children's do."""
+        return self._inst.supervision_port()
+
 
 _STRENGTH = {"drain": 0, "stop": 1, "abort": 2}
 
@@ -202,6 +207,7 @@ class ActorInstance:
         self.task: asyncio.Task[None] | None = None
         self.terminal: asyncio.Future[str] = self.loop.create_future()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._supervision_port: PortId | None = None
         cls = type(actor)
         self._endpoints = cls._palatine_endpoints
         self._handlers = cls._handler_table()
@@ -679,6 +685,17 @@ class ActorInstance:
 
     def child_failed(self, event: SupervisionEvent) -> None:
         self.signal("supervision", event)
+
+    def supervision_port(self) -> PortId:
+        """A port of this actor for `SupervisionEvent`s from afar (opened once)."""
+        port = self._supervision_port
+        if port is None:
+            port = self._supervision_port = self.mailbox.open_handler_port(
+                SupervisionEvent.__palatine_type_id__,
+                lambda event, _env: self.child_failed(event),
+                "SupervisionEvent",
+            )
+        return port
 
     # ---------------------------------------------------------------- teardown
     async def _teardown(self) -> None:

@@ -549,6 +549,14 @@ class Mailbox:
         self.ports[type_id] = port
         return port.id
 
+    def open_handler_port(
+        self, type_id: int, sink: Callable[[Any, Envelope], None], type_name: str
+    ) -> PortId:
+        """A fresh port (index ≥ 1024) that hands messages of ``type_id`` to ``sink``."""
+        port = HandlerPort(self, self._alloc(), sink, type_name, type_id.__eq__)
+        self.ports[port.index] = port
+        return port.id
+
     def open_port(self) -> StreamPort:
         """A streaming port (index ≥ 1024, never reused)."""
         port = StreamPort(self, self._alloc())

@@ -27,6 +27,7 @@ __all__ = [
     "call",
     "post",
     "at_exit",
+    "run_exit_hooks",
     "unless_stopped",
 ]
 
@@ -241,21 +242,24 @@ def at_exit(hook: Callable[[], Coroutine[Any, Any, Any]]) -> None:
     _exit_hooks.append(hook)
 
 
+async def run_exit_hooks() -> None:
+    """Run (once) the hooks `at_exit` registered, newest first, each bounded to 2 s: at
+    interpreter exit, or when a role process's main proc stops (its loop is not ours)."""
+    while _exit_hooks:
+        hook = _exit_hooks.pop()
+        try:
+            async with asyncio.timeout(2.0):
+                await hook()
+        except BaseException as e:  # noqa: BLE001 - best effort at exit
+            log.debug("exit hook failed: %s", e)
+
+
 def _shutdown() -> None:
     loop = _loop
     if loop is None or _thread is None or not loop.is_running():
         return
-
-    async def run_hooks() -> None:
-        for hook in reversed(_exit_hooks):
-            try:
-                async with asyncio.timeout(2.0):
-                    await hook()
-            except BaseException as e:  # noqa: BLE001 - best effort at exit
-                log.debug("exit hook failed: %s", e)
-
     try:
-        asyncio.run_coroutine_threadsafe(run_hooks(), loop).result(timeout=5.0)
+        asyncio.run_coroutine_threadsafe(run_exit_hooks(), loop).result(timeout=5.0)
     except BaseException as e:  # noqa: BLE001
         log.debug("palatine shutdown: %s", e)
     loop.call_soon_threadsafe(loop.stop)

@@ -8,13 +8,16 @@ installed by whoever made this process a palatine proc (`this_host().spawn_procs
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
-from palatine.core.actor import _current_cx
+from palatine.core.actor import Context, SupervisionEvent, _current_cx
 from palatine.core.mailbox import Mailbox
+from palatine.core.supervision_hook import unhandled_fault
 from palatine.errors import PalatineError
+from palatine.ids import PortId
 
-__all__ = ["set_default_client", "default_client", "caller_mailbox"]
+__all__ = ["set_default_client", "default_client", "caller_mailbox", "caller_supervision_port"]
 
 _default_client: Any = None
 
@@ -42,3 +45,23 @@ def caller_mailbox() -> Mailbox:
         )
     mailbox: Mailbox = _default_client.mailbox
     return mailbox
+
+
+_client_ports: weakref.WeakKeyDictionary[Mailbox, PortId] = weakref.WeakKeyDictionary()
+
+
+def caller_supervision_port(cx: Context | None) -> PortId:
+    """Where the failures of a mesh spawned by ``cx`` (an actor's context, or None for
+    this process's client) go: the actor's supervision (``__supervise__``), or the
+    unhandled-fault hook (`palatine.set_unhandled_fault_hook`). Call on the loop."""
+    if cx is not None:
+        return cx.supervision_port()
+    mb = caller_mailbox()
+    port = _client_ports.get(mb)
+    if port is None:
+        port = _client_ports[mb] = mb.open_handler_port(
+            SupervisionEvent.__palatine_type_id__,
+            lambda event, _env: unhandled_fault(event.failure()),
+            "SupervisionEvent",
+        )
+    return port

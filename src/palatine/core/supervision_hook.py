@@ -1,7 +1,8 @@
 """The unhandled-fault hook: where a root actor's failure goes when no coordinator exists.
 
 A proc without a supervision coordinator (a bare proc) calls the hook set by
-`set_unhandled_fault_hook`; the default logs at ERROR. Role processes install a hook
+`set_unhandled_fault_hook`, and so does a client whose mesh's actor failed (with a
+`palatine.errors.MeshFailure`); the default logs at ERROR. Role processes install a hook
 that exits the process with status 1.
 """
 
@@ -17,7 +18,10 @@ log = logging.getLogger(__name__)
 
 
 def _default(event: Any) -> None:
-    log.error("unhandled actor failure: %s: %s", event.actor_id, event.message)
+    if isinstance(event, Exception):  # a `palatine.errors.MeshFailure`: it names everything
+        log.error("unhandled actor failure: %s", event)
+    else:
+        log.error("unhandled actor failure: %s: %s", event.actor_id, event.message)
 
 
 _hook: Callable[[Any], None] = _default

@@ -22,6 +22,7 @@ import msgspec
 
 from palatine import config
 from palatine.channel.addr import ChannelAddr, any_addr
+from palatine.core import runtime
 from palatine.core.actor import Actor, SupervisionEvent, handler, lookup_actor_type
 from palatine.core.comm import CommActor
 from palatine.core.proc import ActorStopped, Proc, StopActor
@@ -34,7 +35,7 @@ from palatine.errors import (
     SystemRequestError,
     is_refusal,
 )
-from palatine.ids import RESERVED_ACTOR_NAMES, SYSTEM_ACTOR, SYSTEM_WORLD, ActorId, ProcId
+from palatine.ids import RESERVED_ACTOR_NAMES, SYSTEM_ACTOR, SYSTEM_WORLD, ActorId, PortId, ProcId
 from palatine.protocol.agent import (
     Addr,
     AgentState,
@@ -97,6 +98,7 @@ class ProcAgent(Actor):
         self.incarnation = random.getrandbits(63)
         self.joined: Joined | None = None
         self.failed_actors: list[ActorFailure] = []
+        self.supervisors: dict[str, PortId] = {}  # root actor -> its mesh owner's port
         self.heartbeat: Any = None
         self.stopped = asyncio.Event()
         self.stop_reason = ""
@@ -212,6 +214,12 @@ class ProcAgent(Actor):
 
     # ------------------------------------------------------------ supervision
     def _root_failed(self, event: SupervisionEvent) -> None:
+        owner = self.supervisors.pop(event.actor_id, None)
+        if owner is not None:
+            # A mesh's actor: its failure is its owner's to handle; the proc serves on.
+            event = msgspec.structs.replace(event, host=socket.gethostname(), pid=os.getpid())
+            self.cx.mailbox.tell(owner, event)
+            return
         self.failed_actors.append(
             ActorFailure(
                 actor_id=ActorId.parse(event.actor_id),
@@ -272,6 +280,8 @@ class ProcAgent(Actor):
         actor_id = await proc.spawn_by_type(
             msg.actor_type, msg.actor_name, args, kwargs, cls=cls, rank=rank
         )
+        if msg.supervisor is not None:
+            self.supervisors[str(actor_id)] = msg.supervisor
         return Spawned(actor_id=actor_id, rank=proc.proc_id.rank)
 
     @handler
@@ -310,6 +320,10 @@ class ProcAgent(Actor):
         self.state = "Stopping"
         if self.heartbeat is not None:
             self.heartbeat.stop(timeout_s=0.0)
+        if self.main_proc:
+            # What this process started for its actors goes first (the proc meshes an
+            # actor spawned with `this_host()`), while the system still hears from us.
+            await runtime.run_exit_hooks()
         stopped, aborted = await self.proc.stop(timeout_s, skip=self.cx.actor_id)
         return stopped, aborted
 

@@ -12,6 +12,7 @@ Live — a child that exits first fails the call at once with its stderr tail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -25,11 +26,12 @@ from palatine import config
 from palatine.channel import token as token_mod
 from palatine.channel.addr import any_addr
 from palatine.core import runtime
-from palatine.core.actor import Actor, actor_type_name
+from palatine.core.actor import Actor, Context, _current_cx, actor_type_name
 from palatine.core.future import Future
-from palatine.core.sender import set_default_client
+from palatine.core.sender import caller_supervision_port, set_default_client
 from palatine.errors import PalatineError, SpawnError
 from palatine.hosting.agent import ProcHandle, bootstrap_proc
+from palatine.hosting.child_env import Handoff
 from palatine.hosting.forkserver import ForkServer, fork_server_supported
 from palatine.hosting.host import HostAgent
 from palatine.hosting.limits import check_open_files
@@ -46,16 +48,23 @@ log = logging.getLogger(__name__)
 
 
 class _Cluster:
-    """The process's private embedded system plus its attached client proc."""
+    """The system this process's `this_host()` meshes live in, plus its attached client
+    proc: a private embedded system, or, in a process that is itself a proc of a system
+    (an actor's worker spawning procs of its own), that system, with world names
+    prefixed by this proc's so they cannot collide with anyone else's."""
 
     def __init__(
         self,
-        system: SystemHandle,
+        system: SystemHandle | None,
+        system_addr: str,
         client: SystemClient,
         fork_server: ForkServer | None,
         logs: LogSession,
+        prefix: str = "",
     ) -> None:
-        self.system = system
+        self.system = system  # None: not ours (nested in the system of this proc)
+        self.system_addr = system_addr
+        self.prefix = prefix
         self.client = client
         # The procs' log files; removed at exit unless a proc failed (palatine.output.logs).
         self.logs = logs
@@ -78,17 +87,30 @@ async def _get_cluster() -> _Cluster:
         _cluster_lock = asyncio.Lock()
     async with _cluster_lock:
         if _cluster is None:
-            token_mod.set_token(token_mod.generate_token())
             fork_server = None
             if fork_server_supported():
                 # Started first: its imports overlap the system's start-up.
                 fork_server = ForkServer()
                 fork_server.start()
             logs = LogSession.create("procs")
-            system = await System.serve(any_addr("unix"))
-            client = await System(system.addr).attach()
+            outer = Handoff.from_env()
+            if outer.bootstrap_addr and outer.proc_id:  # a proc of a system already
+                me = ProcId.parse(outer.proc_id)
+                client = await System(outer.bootstrap_addr).attach()
+                _cluster = _Cluster(
+                    None,
+                    outer.bootstrap_addr,
+                    client,
+                    fork_server,
+                    logs,
+                    prefix=f"{me.world.name}_{me.rank}_",
+                )
+            else:
+                token_mod.set_token(token_mod.generate_token())
+                system = await System.serve(any_addr("unix"))
+                client = await System(system.addr).attach()
+                _cluster = _Cluster(system, str(system.addr), client, fork_server, logs)
             set_default_client(client.client)
-            _cluster = _Cluster(system, client, fork_server, logs)
             runtime.at_exit(_shutdown)
     return _cluster
 
@@ -101,7 +123,11 @@ async def _shutdown() -> None:
     _cluster = None
     set_default_client(None)
     try:
-        await c.system.stop(1.0)
+        if c.system is not None:
+            await c.system.stop(1.0)
+        elif c.meshes:  # nested: stop our worlds in the system we share
+            with contextlib.suppress(Exception):
+                await c.client.stop([m.world.name for m in c.meshes], 1.0)
     finally:
         for h in c.hosts:
             agent = h.agent
@@ -149,11 +175,22 @@ class ProcMesh:
         return f"ProcMesh({self.world}, {dict(self._dims)})"
 
     def spawn(self, name: str, cls: type[Actor], *args: Any, **kwargs: Any) -> ActorMesh:
-        """Spawn ``cls(*args, **kwargs)`` as ``name`` on every proc; an `ActorMesh` of them."""
-        return runtime.submit(lambda: self._spawn(name, cls, args, kwargs)).get()
+        """Spawn ``cls(*args, **kwargs)`` as ``name`` on every proc; an `ActorMesh` of them.
+
+        The caller owns the mesh: when one of its actors fails, the proc serves on and
+        the failure (a `palatine.errors.MeshFailure`) goes to the calling actor's
+        ``__supervise__``, or, from a script, to the unhandled-fault hook
+        (`palatine.set_unhandled_fault_hook`; by default an ERROR line naming it)."""
+        owner = _current_cx.get()
+        return runtime.submit(lambda: self._spawn(name, cls, args, kwargs, owner)).get()
 
     async def _spawn(
-        self, name: str, cls: type[Actor], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        name: str,
+        cls: type[Actor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        owner: Context | None = None,
     ) -> ActorMesh:
         params, _ = dumps((args, kwargs))
         type_name = actor_type_name(cls)
@@ -168,6 +205,7 @@ class ProcMesh:
             params_encoding="pickle",
             actor_class=actor_class,
             dims=self._dims,
+            supervisor=caller_supervision_port(owner),
         )
         mb = self._client.mailbox
         timeout = config.get().spawn_procs_timeout_s
@@ -255,10 +293,10 @@ async def _spawn_procs(dim: str, n: int) -> ProcMesh:
     total = n + sum(len(m) for m in cluster.meshes)
     check_open_files(total, f"{total} procs of this_host()")
     k = next(cluster.counter)
-    world = WorldId(f"mesh{k}")
+    world = WorldId(f"{cluster.prefix}mesh{k}")
     host = await bootstrap_proc(
-        WorldId(f"hostmesh{k}").proc(0),
-        cluster.system.addr,
+        WorldId(f"host{world.name}").proc(0),  # (the host world of W is hostW)
+        cluster.system_addr,
         labels={"proc.palatine.dev/role": "host"},
         agent_cls=HostAgent,
         agent_args={"fork_server": cluster.fork_server, "log_dir": str(cluster.logs.path)},

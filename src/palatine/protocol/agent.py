@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from palatine.ids import ActorId, ProcId, WorldId
+from palatine.ids import ActorId, PortId, ProcId, WorldId
 from palatine.protocol.system import (
     ActorSnapshot,
     AgentStateName,
@@ -74,6 +74,10 @@ class Spawn(Message, kw_only=True):
     params_encoding: Literal["msgpack", "pickle"] = "msgpack"
     actor_class: bytes | None = None
     dims: list[tuple[str, int]] = []
+    # The mesh's owner: where this actor's failure is sent (a `SupervisionEvent`),
+    # instead of counting against its proc's health. None: the proc's own actor (the
+    # tensor engine's workers), whose failure makes the proc failed.
+    supervisor: PortId | None = None
 
 
 class Spawned(Message, kw_only=True):
