@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Actor",
     "endpoint",
+    "concurrent_endpoint",
     "handler",
     "this_host",
     "context",
@@ -61,7 +62,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from palatine.core.actor import Actor, context, current_rank, current_size, endpoint, handler
+    from palatine.core.actor import (
+        Actor,
+        concurrent_endpoint,
+        context,
+        current_rank,
+        current_size,
+        endpoint,
+        handler,
+    )
     from palatine.core.future import Future
     from palatine.core.ports import Channel, Port, PortReceiver
     from palatine.core.shape import Extent, Point
@@ -91,6 +100,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "Actor": "palatine.core.actor",
     "endpoint": "palatine.core.actor",
+    "concurrent_endpoint": "palatine.core.actor",
     "handler": "palatine.core.actor",
     "context": "palatine.core.actor",
     "current_rank": "palatine.core.actor",

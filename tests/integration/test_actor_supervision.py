@@ -160,3 +160,77 @@ def test_an_actor_spawns_procs_and_supervises_its_mesh() -> None:
     assert lines["DONE"] == "1"
     # Stopping the outer mesh stops the inner one first: no failures reported for it.
     assert "failed: connection lost" not in stderr, stderr[-3000:]
+
+
+MESH_SHAPES = """
+    import time
+    from palatine import Actor, concurrent_endpoint, context, current_rank, endpoint, this_host
+    from palatine.errors import SpawnError
+
+    class Where(Actor):
+        @endpoint
+        def where(self):
+            return dict(current_rank()), dict(context().message_rank)
+
+    class Ping(Actor):
+        def __init__(self):
+            self.acks = 0
+
+        @concurrent_endpoint
+        def ping(self, pong):
+            return pong.pong.call_one(self.me).get(timeout=10)
+
+        @endpoint
+        def ack(self):
+            self.acks += 1
+            return self.acks
+
+        @endpoint
+        def set_me(self, me):
+            self.me = me
+
+    class Pong(Actor):
+        @endpoint
+        def pong(self, ping):
+            return ("pong", ping.ack.call_one().get(timeout=10))
+
+    class Spawner(Actor):
+        @endpoint
+        def spawn_on(self, procs):
+            mesh = procs.spawn("where_from_actor", Where)
+            return [p for p, _ in mesh.where.call().get().values()]
+
+    grid = this_host().spawn_procs(per_host={"rows": 2, "cols": 3})
+    print("SIZES", grid.sizes, len(grid))
+    where = grid.spawn("where", Where)
+    got = where.slice(rows=1, cols=2).where.call_one().get(timeout=20)
+    print("POINT", got[0], got[1])
+
+    # two meshes calling each other back: Ping waits on Pong, which calls Ping again
+    pings = grid.spawn("ping", Ping).slice(rows=0, cols=0)
+    pongs = grid.spawn("pong", Pong).slice(rows=1, cols=0)
+    pings.set_me.call_one(pings).get(timeout=20)
+    t0 = time.monotonic()
+    print("REENTRANT", pings.ping.call_one(pongs).get(timeout=20), time.monotonic() - t0 < 5)
+
+    # a proc mesh passed to an actor, which spawns on it
+    other = this_host().spawn_procs(per_host={"procs": 1})
+    spawner = other.spawn("spawner", Spawner)
+    print("PASSED", len(spawner.spawn_on.call_one(grid).get(timeout=30)))
+    grid.stop().get(timeout=20)
+    try:
+        grid.spawn("late", Where)
+    except SpawnError as e:
+        print("STOPPED", str(e))
+    other.stop().get(timeout=20)
+"""
+
+
+def test_mesh_shapes_reentrant_calls_and_a_proc_mesh_passed_to_an_actor() -> None:
+    lines, _ = run_script(MESH_SHAPES)
+    assert lines["SIZES"] == "{'rows': 2, 'cols': 3} 6"
+    assert lines["POINT"] == "{'rows': 1, 'cols': 2} {'rows': 1, 'cols': 2}"
+    assert lines["REENTRANT"] == "('pong', 1) True"
+    assert lines["PASSED"] == "6"
+    assert lines["STOPPED"].startswith("cannot spawn late on ProcMesh(mesh0")
+    assert lines["STOPPED"].endswith("it was stopped")

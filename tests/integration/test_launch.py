@@ -174,5 +174,12 @@ def test_a_local_jobs_host_mesh_spawns_proc_meshes_on_its_hosts_and_stops_them()
         assert ranks.item(hosts=1, gpus=0)[0] == {"hosts": 1, "gpus": 0}
         procs.stop().get(timeout=30)
         assert all(not psutil.pid_exists(p) for p in pids.values())
-        with pytest.raises(ValueError, match="per_host takes exactly one dimension"):
-            hosts.spawn_procs(per_host={"a": 1, "b": 1})
+        with pytest.raises(ValueError, match="per_host cannot name 'hosts'"):
+            hosts.spawn_procs(per_host={"hosts": 1, "b": 1})
+        # several dimensions per host: row-major after the hosts
+        grid = hosts.spawn_procs(per_host={"a": 1, "b": 2})
+        points = grid.spawn("pid3", Pid).rank.call().get()
+        assert [c for _, (c, _f, _s) in points.items()] == [
+            {"hosts": h, "a": 0, "b": b} for h in range(2) for b in range(2)
+        ]
+        grid.stop().get(timeout=30)

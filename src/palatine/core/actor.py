@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Actor",
     "endpoint",
+    "concurrent_endpoint",
     "handler",
     "EndpointInfo",
     "SupervisionEvent",
@@ -78,27 +79,40 @@ class SupervisionEvent(Message, kw_only=True):
 class EndpointInfo:
     """What ``@endpoint`` records on a method."""
 
-    __slots__ = ("name", "is_async", "timeout_s", "explicit_port")
+    __slots__ = ("name", "is_async", "timeout_s", "explicit_port", "concurrent")
 
     def __init__(
-        self, name: str, is_async: bool, timeout_s: float | None, explicit_port: bool = False
+        self,
+        name: str,
+        is_async: bool,
+        timeout_s: float | None,
+        explicit_port: bool = False,
+        concurrent: bool = False,
     ) -> None:
         self.name = name
         self.is_async = is_async
         self.timeout_s = timeout_s
         self.explicit_port = explicit_port
+        self.concurrent = concurrent
 
 
 @overload
 def endpoint(fn: F) -> F: ...
 @overload
 def endpoint(
-    *, timeout: float | None = None, explicit_response_port: bool = False
+    *,
+    timeout: float | None = None,
+    explicit_response_port: bool = False,
+    concurrent: bool = False,
 ) -> Callable[[F], F]: ...
 
 
 def endpoint(
-    fn: Any = None, *, timeout: float | None = None, explicit_response_port: bool = False
+    fn: Any = None,
+    *,
+    timeout: float | None = None,
+    explicit_response_port: bool = False,
+    concurrent: bool = False,
 ) -> Any:
     """Mark a ``def`` or ``async def`` method as an endpoint (callable through refs/meshes).
 
@@ -106,14 +120,28 @@ def endpoint(
     ``explicit_response_port``: the method gets its caller's reply port
     (`palatine.core.ports.Port`) as its first argument and answers by sending to it, at
     any time, instead of by returning; an exception it raises still reaches the caller.
+    ``concurrent``: while a call waits (``await``, or a blocking palatine call in a plain
+    ``def``), the actor goes on with its next messages instead of waiting for it: two
+    actors that call each other back do not deadlock. Such calls may interleave, so
+    they must not rely on the actor's state staying put across a wait.
     """
 
     def mark(f: F) -> F:
         f.__palatine_endpoint__ = EndpointInfo(  # type: ignore[attr-defined]
-            f.__name__, inspect.iscoroutinefunction(f), timeout, explicit_response_port
+            f.__name__,
+            inspect.iscoroutinefunction(f),
+            timeout,
+            explicit_response_port,
+            concurrent,
         )
         return f
 
+    return mark(fn) if fn is not None else mark
+
+
+def concurrent_endpoint(fn: Any = None, *, timeout: float | None = None) -> Any:
+    """``@endpoint(concurrent=True)`` (Monarch's ``concurrent_endpoint``)."""
+    mark = endpoint(timeout=timeout, concurrent=True)
     return mark(fn) if fn is not None else mark
 
 
@@ -163,6 +191,11 @@ class Context(Protocol):
     def rank(self) -> dict[str, int]: ...
     @property
     def sender(self) -> ActorId | None: ...
+    @property
+    def message_rank(self) -> dict[str, int]:
+        """The point of the called mesh the handled message was cast to."""
+        ...
+
     @property
     def headers(self) -> dict[str, str | int]: ...
     async def spawn(

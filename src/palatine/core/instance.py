@@ -112,6 +112,18 @@ class ActorContext:
         return self.env.sender if self.env is not None else None
 
     @property
+    def message_rank(self) -> dict[str, int]:
+        """Which rank of the called mesh the message being handled was cast to: a point
+        over this actor's mesh (its own rank, for a call that named it alone)."""
+        rank = self._inst.rank
+        cast_rank = self.env.headers.get("cast_rank") if self.env and self.env.headers else None
+        extent = getattr(rank, "extent", None)
+        if extent is None or not isinstance(cast_rank, int) or not 0 <= cast_rank < extent.nelements:
+            return rank
+        point: dict[str, int] = extent.point(cast_rank)
+        return point
+
+    @property
     def headers(self) -> dict[str, str | int]:
         return (self.env.headers or {}) if self.env is not None else {}
 
@@ -491,7 +503,8 @@ class ActorInstance:
             args = (Port(env.reply_to, rank if isinstance(rank, int) else None), *args)
         try:
             if info.is_async:
-                return method, fn(*args, **kwargs), explicit
+                pending = (method, fn(*args, **kwargs), explicit)
+                return self._unless_concurrent(info.concurrent, pending, env)
             result = suspend.call(fn, args, kwargs)
         except TypeError as e:
             if e.__traceback__ is not None and e.__traceback__.tb_next is None:
@@ -508,7 +521,7 @@ class ActorInstance:
             self._panic(e, env)
         kind = type(result)
         if kind is suspend.Suspension:
-            return method, result, explicit
+            return self._unless_concurrent(info.concurrent, (method, result, explicit), env)
         if kind is suspend.Raised:
             error = result.error
             if isinstance(error, suspend.BadArguments):
@@ -524,11 +537,24 @@ class ActorInstance:
             self._reply_value(env, result, method)
         return None
 
-    async def _finish_endpoint(self, pending: tuple[str, Any, bool], env: Envelope) -> None:
+    def _unless_concurrent(
+        self, concurrent: bool, pending: tuple[str, Any, bool], env: Envelope
+    ) -> tuple[str, Any, bool] | None:
+        """What is left of a call, for the actor to wait on; a concurrent endpoint's rest
+        runs as a task of the actor's instead, and the actor goes on (None)."""
+        if not concurrent:
+            return pending
+        self.spawn_task(self._finish_endpoint(pending, env, concurrent=True))
+        return None
+
+    async def _finish_endpoint(
+        self, pending: tuple[str, Any, bool], env: Envelope, concurrent: bool = False
+    ) -> None:
         """Wait for the rest of an endpoint call `_start_endpoint` began, then reply."""
         method, waiting, explicit = pending
-        self.state = "processing"
-        self.current_handler = method
+        if not concurrent:
+            self.state = "processing"
+            self.current_handler = method
         try:
             if type(waiting) is suspend.Suspension:
                 result = await waiting.outcome

@@ -28,7 +28,7 @@ from palatine.channel.addr import any_addr
 from palatine.core import runtime
 from palatine.core.actor import Actor, Context, _current_cx, actor_type_name
 from palatine.core.future import Future
-from palatine.core.sender import caller_supervision_port, set_default_client
+from palatine.core.sender import caller_mailbox, caller_supervision_port, set_default_client
 from palatine.errors import PalatineError, SpawnError
 from palatine.hosting.agent import ProcHandle, bootstrap_proc
 from palatine.hosting.child_env import Handoff
@@ -153,16 +153,21 @@ class ProcMesh:
 
     def __init__(
         self,
-        client: SystemClient,
+        client: SystemClient | None,
         world: WorldId,
         dims: list[tuple[str, int]],
-        release: Callable[[], Awaitable[None]],
+        release: Callable[[], Awaitable[None]] | None,
     ) -> None:
-        self._client = client
+        self._client = client  # None: a copy that travelled (it spawns, its owner stops)
         self.world = world
         self._dims = dims
         self._release = release  # what stopping gives back once the world is gone: its hosts
         self._stopped = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A proc mesh travels as its world and dimensions: an actor that receives one
+        spawns on it (from its own mailbox); stopping stays with the owner."""
+        return (ProcMesh, (None, self.world, self._dims, None))
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -181,6 +186,8 @@ class ProcMesh:
         the failure (a `palatine.errors.MeshFailure`) goes to the calling actor's
         ``__supervise__``, or, from a script, to the unhandled-fault hook
         (`palatine.set_unhandled_fault_hook`; by default an ERROR line naming it)."""
+        if self._stopped:
+            raise SpawnError(f"cannot spawn {name} on {self}: it was stopped")
         owner = _current_cx.get()
         return runtime.submit(lambda: self._spawn(name, cls, args, kwargs, owner)).get()
 
@@ -207,7 +214,7 @@ class ProcMesh:
             dims=self._dims,
             supervisor=caller_supervision_port(owner),
         )
-        mb = self._client.mailbox
+        mb = owner.mailbox if owner is not None else caller_mailbox()
         timeout = config.get().spawn_procs_timeout_s
         n = len(self)
         results = await asyncio.gather(
@@ -227,8 +234,12 @@ class ProcMesh:
     async def _stop(self) -> None:
         if self._stopped:
             return
+        client, release = self._client, self._release
+        if client is None or release is None:
+            raise PalatineError(
+                f"{self} was passed here: only the process that spawned it stops it"
+            )
         self._stopped = True
-        client = self._client
         try:
             await client.stop([self.world.name], config.get().proc_stop_timeout_s)
         except Exception as e:  # noqa: BLE001 - the system may be gone already
@@ -242,7 +253,7 @@ class ProcMesh:
             if state.state is None:
                 break
             await asyncio.sleep(0.02)
-        await self._release()
+        await release()
 
 
 async def _wait_live(
@@ -277,17 +288,31 @@ class HostMesh:
     """The calling machine as a mesh of one host."""
 
     def spawn_procs(self, per_host: dict[str, int] | None = None) -> ProcMesh:
-        """Start ``per_host`` procs (one named dimension) as OS processes; a `ProcMesh`."""
-        per_host = per_host or {"procs": 1}
-        if len(per_host) != 1:
-            raise ValueError(f"per_host takes exactly one dimension, got {per_host}")
-        ((dim, n),) = per_host.items()
-        if n < 1:
-            raise ValueError(f"per_host[{dim!r}] must be >= 1, got {n}")
-        return runtime.submit(lambda: _spawn_procs(dim, n)).get()
+        """Start ``per_host`` procs as OS processes; a `ProcMesh` over its dimensions
+        (``{"gpus": 4}``, or several: ``{"replicas": 2, "gpus": 4}`` is 8 procs, row-major)."""
+        dims = _per_host_dims(per_host)
+        return runtime.submit(lambda: _spawn_procs(dims)).get()
 
 
-async def _spawn_procs(dim: str, n: int) -> ProcMesh:
+def _per_host_dims(per_host: dict[str, int] | None) -> list[tuple[str, int]]:
+    """``per_host`` checked, as dimensions: at least one, each an int from 1 to 4096, and
+    at most 4096 procs per host in all; none named ``hosts`` (a host mesh's own)."""
+    per_host = per_host if per_host is not None else {"procs": 1}
+    if not per_host:
+        raise ValueError("per_host names at least one dimension")
+    for dim, n in per_host.items():
+        if dim == "hosts":
+            raise ValueError("per_host cannot name 'hosts': it is the host mesh's dimension")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4096:
+            raise ValueError(f"per_host[{dim!r}] must be an int from 1 to 4096, got {n!r}")
+    dims = list(per_host.items())
+    if math.prod(n for _, n in dims) > 4096:
+        raise ValueError(f"per_host asks for more than 4096 procs per host: {per_host}")
+    return dims
+
+
+async def _spawn_procs(dims: list[tuple[str, int]]) -> ProcMesh:
+    n = math.prod(size for _, size in dims)
     cluster = await _get_cluster()
     # The embedded system and this client hold connections to every proc of every mesh.
     total = n + sum(len(m) for m in cluster.meshes)
@@ -325,7 +350,7 @@ async def _spawn_procs(dim: str, n: int) -> ProcMesh:
     except BaseException:
         await _abandon(client, world, release)
         raise
-    mesh = ProcMesh(client, world, [(dim, n)], release)
+    mesh = ProcMesh(client, world, dims, release)
     cluster.meshes.append(mesh)
     return mesh
 
@@ -374,16 +399,10 @@ class JobHosts:
         return f"HostMesh({self.host_world}, hosts={self.hosts})"
 
     def spawn_procs(self, per_host: dict[str, int] | None = None) -> ProcMesh:
-        """Start ``per_host`` procs (one named dimension) on every host; a `ProcMesh`."""
-        per_host = per_host or {"procs": 1}
-        if len(per_host) != 1:
-            raise ValueError(f"per_host takes exactly one dimension, got {per_host}")
-        ((dim, n),) = per_host.items()
-        if dim == "hosts":
-            raise ValueError("per_host cannot name 'hosts': it is the host mesh's dimension")
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4096:
-            raise ValueError(f"per_host[{dim!r}] must be an int from 1 to 4096, got {n!r}")
-        return runtime.submit(lambda: self._spawn_procs(dim, n)).get()
+        """Start ``per_host`` procs on every host; a `ProcMesh` of dimensions ``hosts`` and
+        those ``per_host`` names (``{"gpus": 4}``, ``{"replicas": 2, "gpus": 2}``)."""
+        dims = _per_host_dims(per_host)
+        return runtime.submit(lambda: self._spawn_procs(dims)).get()
 
     async def _attach(self) -> SystemClient:
         if self._client is None:
@@ -392,7 +411,8 @@ class JobHosts:
             set_default_client(self._client.client)
         return self._client
 
-    async def _spawn_procs(self, dim: str, n: int) -> ProcMesh:
+    async def _spawn_procs(self, dims: list[tuple[str, int]]) -> ProcMesh:
+        n = math.prod(size for _, size in dims)
         client = await self._attach()
         k = next(self._counter)
         world, host_world = WorldId(f"procs{k}"), WorldId(f"hostprocs{k}")
@@ -423,7 +443,7 @@ class JobHosts:
         except BaseException:
             await _abandon(client, world, release)
             raise
-        mesh = ProcMesh(client, world, [("hosts", self.hosts), (dim, n)], release)
+        mesh = ProcMesh(client, world, [("hosts", self.hosts), *dims], release)
         self._meshes.append(mesh)
         return mesh
 
