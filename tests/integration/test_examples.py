@@ -1,0 +1,51 @@
+"""The actor examples in ``examples/`` run as a user runs them, and print what they say."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def run_example(name: str) -> list[str]:
+    env = dict(os.environ)
+    env.pop("PALATINE_CLUSTER_TOKEN", None)
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=100, env=env
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout.splitlines()
+
+
+def test_ping_pong_between_two_meshes_with_call_backs() -> None:
+    assert run_example("ping_pong.py") == ["pong 0 after 1 volley", "pong 1 after 1 volley"]
+
+
+def test_trainers_fed_by_dataloaders_learn_the_line() -> None:
+    lines = run_example("trainer_dataloader.py")
+    assert lines[0].startswith("step 0: summed loss ")
+    final = float(lines[-2].removeprefix("final summed loss "))
+    assert final < 0.01
+    assert lines[-1] == "weights: [(3.0, 1.0), (3.0, 1.0)]"
+
+
+def test_accumulator_ports_and_channels() -> None:
+    assert run_example("accumulator.py") == [
+        "sum after incr(1): 10",
+        "sum after incr(1): 20",
+        "reports: [(0, 2), (1, 4), (2, 6), (3, 8)]",
+        "got: first item",
+    ]
+
+
+def test_the_basic_actor_example() -> None:
+    lines = run_example("actors.py")
+    assert lines[0] == "call: [1, 1, 1, 1]"
+    assert lines[-1] == "stopped"
