@@ -103,6 +103,11 @@ class ActorStopping(PalatineError):
     """The calling actor stopped while a reply was pending; raised at the caller."""
 
 
+class ActorAborted(PalatineError):
+    """An actor ended failed (it aborted, or a handler failed it): what its
+    ``__cleanup__`` receives, with the failure as its message."""
+
+
 class ActorStopped(PalatineError):
     """A message was sent through a local handle to an actor that has stopped."""
 

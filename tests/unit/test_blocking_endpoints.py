@@ -142,3 +142,57 @@ async def test_stopping_an_actor_that_waits_fails_its_pending_call() -> None:
         inst.request_stop("abort", "test")
         with pytest.raises(RemoteException, match="was aborted: test"):
             await asyncio.wait_for(pending, 5)
+
+
+class Aborts(Actor):
+    """Monarch's lifecycle hooks: ``abort`` from a handler, ``__cleanup__`` at the end."""
+
+    cleaned: list[str] = []
+
+    @endpoint
+    def give_up(self, why: str) -> None:
+        context().abort(why)
+
+    @endpoint
+    async def give_up_later(self, why: str) -> None:
+        await asyncio.sleep(0)
+        context().abort(why)
+
+    @endpoint
+    def ok(self) -> str:
+        return "ok"
+
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        Aborts.cleaned.append("none" if exc is None else f"{type(exc).__name__}: {exc}")
+
+
+@pytest.mark.parametrize("method", ["give_up", "give_up_later"])
+async def test_abort_fails_the_actor_and_cleanup_sees_why(method: str) -> None:
+    from palatine.core.actor import SupervisionEvent
+
+    Aborts.cleaned = []
+    async with proc_cluster(1) as (procs, _):
+        seen: list[SupervisionEvent] = []
+        procs[0].set_supervision_coordinator(seen.append)
+        ref = ActorRef(await procs[0].spawn("a", Aborts), Aborts)
+        inst = procs[0].instance(ref.actor_id)
+        assert inst is not None
+        with pytest.raises(RemoteException, match="aborted: enough") as ei:
+            await getattr(ref, method).call_one("enough")
+        assert ei.value.type_name == "ActorAborted"
+        await asyncio.wait_for(inst.terminal, 5)
+        assert inst.status.startswith("failed: ") and "aborted: enough" in inst.status
+        assert [e.actor_id for e in seen] == [str(ref.actor_id)]
+        assert Aborts.cleaned == [f"ActorAborted: serving {ref.actor_id}: aborted: enough"]
+
+
+async def test_cleanup_runs_with_none_when_an_actor_stops_cleanly() -> None:
+    Aborts.cleaned = []
+    async with proc_cluster(1) as (procs, _):
+        ref = ActorRef(await procs[0].spawn("a", Aborts), Aborts)
+        inst = procs[0].instance(ref.actor_id)
+        assert inst is not None
+        assert await ref.ok.call_one() == "ok"
+        inst.request_stop("drain", "done")
+        await asyncio.wait_for(inst.terminal, 5)
+        assert Aborts.cleaned == ["none"]

@@ -15,7 +15,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol, TypeVar, overload
 
 from palatine.core.mailbox import Mailbox, OncePort, ProcLink, StreamPort
 from palatine.errors import MeshFailure
@@ -207,6 +207,10 @@ class Context(Protocol):
     def schedule(self, delay_s: float, msg: Any) -> asyncio.TimerHandle: ...
     def cast(self, gang: GangId, msg: Any, ranks: Any = None) -> None: ...
     def stop(self, reason: str = "stopped by itself") -> None: ...
+    def abort(self, reason: str = "aborted by itself") -> NoReturn:
+        """Fail this actor now (raises; from one of its own handlers)."""
+        ...
+
     def reply(self, port: PortId, msg: Any, req: Envelope | None = None) -> None: ...
     def tell_self(self, msg: Any) -> None: ...
     def supervision_port(self) -> PortId:

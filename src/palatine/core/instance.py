@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import logging
 import traceback
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from palatine import config
 from palatine.core import suspend
@@ -33,7 +34,7 @@ from palatine.core.mailbox import (
     Undeliverable,
 )
 from palatine.core.ports import Port
-from palatine.errors import ValueTooLarge
+from palatine.errors import ActorAborted, ValueTooLarge
 from palatine.ids import ActorId, GangId, PortId
 from palatine.wire.codec import PICKLED_VALUE_TID, dumps, encode_message
 from palatine.wire.envelope import ENC_MSGPACK, ENC_PICKLE, Envelope
@@ -118,7 +119,11 @@ class ActorContext:
         rank = self._inst.rank
         cast_rank = self.env.headers.get("cast_rank") if self.env and self.env.headers else None
         extent = getattr(rank, "extent", None)
-        if extent is None or not isinstance(cast_rank, int) or not 0 <= cast_rank < extent.nelements:
+        if (
+            extent is None
+            or not isinstance(cast_rank, int)
+            or not 0 <= cast_rank < extent.nelements
+        ):
             return rank
         point: dict[str, int] = extent.point(cast_rank)
         return point
@@ -152,6 +157,11 @@ class ActorContext:
 
     def stop(self, reason: str = "stopped by itself") -> None:
         self._inst.request_stop("drain", reason)
+
+    def abort(self, reason: str = "aborted by itself") -> NoReturn:
+        """Fail this actor now, from one of its handlers: the call being handled fails,
+        queued messages are returned, and its owner is told (``__supervise__``)."""
+        raise _Failure(f"serving {self._inst.id}: aborted: {reason}")
 
     def reply(self, port: PortId, msg: Any, req: Envelope | None = None) -> None:
         """Post a typed message (a reply or an ErrorReply) to ``port``."""
@@ -524,6 +534,10 @@ class ActorInstance:
             return self._unless_concurrent(info.concurrent, (method, result, explicit), env)
         if kind is suspend.Raised:
             error = result.error
+            if isinstance(error, _Failure):  # `abort`
+                if env.reply_to is not None:
+                    self._reply_error(env, "ActorAborted", error.message)
+                raise error
             if isinstance(error, suspend.BadArguments):
                 self._dispatch_error(env, f"bad arguments for {method}: {error}")
             elif isinstance(error, Exception):
@@ -560,6 +574,10 @@ class ActorInstance:
                 result = await waiting.outcome
             else:
                 result = await waiting
+        except _Failure as f:  # `abort`
+            if env.reply_to is not None:
+                self._reply_error(env, "ActorAborted", f.message)
+            raise
         except Exception as e:
             self._handler_raised(e, env)
             return
@@ -582,6 +600,10 @@ class ActorInstance:
             result = fn(payload)
             if is_async:
                 result = await result
+        except _Failure as f:  # `abort`
+            if env.reply_to is not None:
+                self._reply_error(env, "ActorAborted", f.message)
+            raise
         except Exception as e:
             self._handler_raised(e, env)
             return
@@ -753,6 +775,20 @@ class ActorInstance:
                 self.failure = f"serving {self.id}: on_stop error: {type(e).__name__}: {e}"
                 self.failure_tb = traceback.format_exc()
                 failed = True
+            finally:
+                _current_cx.reset(token)
+        cleanup = getattr(self.actor, "__cleanup__", None)
+        if cleanup is not None:  # Monarch's hook: runs however the actor ends
+            token = _current_cx.set(self.cx)
+            try:
+                done = cleanup(ActorAborted(self.failure) if failed else None)
+                if inspect.isawaitable(done):
+                    await done
+            except Exception as e:
+                if not failed:
+                    self.failure = f"serving {self.id}: __cleanup__ error: {type(e).__name__}: {e}"
+                    self.failure_tb = traceback.format_exc()
+                    failed = True
             finally:
                 _current_cx.reset(token)
         # 3. return queued messages, unbind ports, fail pending calls
