@@ -59,6 +59,7 @@ __all__ = [
     "Accumulator",
     "send",
     "MeshFailure",
+    "get_or_spawn_controller",
 ]
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ if TYPE_CHECKING:
         TooManyOpenFiles,
         ValueTooLarge,
     )
+    from palatine.job.controllers import get_or_spawn_controller
     from palatine.job.hostmesh import HostMesh, ProcMesh, this_host
     from palatine.mesh.accumulator import Accumulator
     from palatine.mesh.actor_mesh import ActorMesh, ActorRef, ValueMesh, send
@@ -139,6 +141,7 @@ _WHERE = {
     "Accumulator": "palatine.mesh.accumulator",
     "send": "palatine.mesh.actor_mesh",
     "MeshFailure": "palatine.errors",
+    "get_or_spawn_controller": "palatine.job.controllers",
 }
 
 

@@ -76,6 +76,7 @@ class _Cluster:
 
 
 _cluster: _Cluster | None = None
+CONTROLLER_REGISTRY = "palatine.job.controllers.ControllerRegistry"
 _cluster_lock: asyncio.Lock | None = None
 
 
@@ -108,11 +109,19 @@ async def _get_cluster() -> _Cluster:
             else:
                 token_mod.set_token(token_mod.generate_token())
                 system = await System.serve(any_addr("unix"))
+                # The job's controller registry (`palatine.job.controllers`), by name: it
+                # builds on this module.
+                await system.proc.spawn_by_type(CONTROLLER_REGISTRY, "controllers", (), {})
                 client = await System(system.addr).attach()
                 _cluster = _Cluster(system, str(system.addr), client, fork_server, logs)
             set_default_client(client.client)
             runtime.at_exit(_shutdown)
     return _cluster
+
+
+async def ensure_cluster() -> None:
+    """Make this process's `this_host()` system now (it is made on first use anyway)."""
+    await _get_cluster()
 
 
 async def _shutdown() -> None:

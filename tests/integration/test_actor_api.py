@@ -1,5 +1,6 @@
-"""A mesh's actor failures go to the mesh's owner, and actors spawn procs of their own:
-real OS processes, scripts as a user writes them."""
+"""Monarch's actor API on real OS processes, in scripts as a user writes them:
+supervision by a mesh's owner, actors that spawn procs, re-entrant calls, shapes, and
+job-wide controllers."""
 
 from __future__ import annotations
 
@@ -234,3 +235,45 @@ def test_mesh_shapes_reentrant_calls_and_a_proc_mesh_passed_to_an_actor() -> Non
     assert lines["PASSED"] == "6"
     assert lines["STOPPED"].startswith("cannot spawn late on ProcMesh(mesh0")
     assert lines["STOPPED"].endswith("it was stopped")
+
+
+CONTROLLERS = """
+    import os
+    from palatine import Actor, endpoint, get_or_spawn_controller, this_host
+
+    class Counter(Actor):
+        def __init__(self, start):
+            self.n = start
+
+        @endpoint
+        def incr(self):
+            self.n += 1
+            return self.n, os.getpid()
+
+    class User(Actor):
+        @endpoint
+        def use(self):
+            c = get_or_spawn_controller("counter", Counter, 100).get()
+            return c.incr.call_one().get()
+
+    first = get_or_spawn_controller("counter", Counter, 100).get(timeout=60)
+    n, pid = first.incr.call_one().get(timeout=20)
+    print("FIRST", n, pid != os.getpid())
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    users = procs.spawn("user", User)
+    got = users.use.call().get(timeout=60).values()
+    print("USERS", sorted(n for n, _ in got), {p for _, p in got} == {pid})
+    again = get_or_spawn_controller("counter", Counter, 0).get(timeout=20)
+    print("AGAIN", again.incr.call_one().get(timeout=20)[0])
+    other = get_or_spawn_controller("other", Counter, 0).get(timeout=60)
+    print("OTHER", other.incr.call_one().get(timeout=20)[0])
+    procs.stop().get(timeout=20)
+"""
+
+
+def test_get_or_spawn_controller_gives_one_actor_per_name_to_everyone() -> None:
+    lines, _ = run_script(CONTROLLERS)
+    assert lines["FIRST"] == "101 True"
+    assert lines["USERS"] == "[102, 103] True"  # the actors reach the same one
+    assert lines["AGAIN"] == "104"  # the arguments of a later request do not matter
+    assert lines["OTHER"] == "1"
