@@ -115,6 +115,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     keep_logs: int = 10
     # text a console writer queues before it drops output with a count (palatine.output.console)
     console_buffer_bytes: int = 4 * 1024 * 1024
+    # workers' output at the client (palatine.hosting.output): streamed, and identical
+    # lines from many ranks within this window shown once
+    stream_output: bool = True
+    output_window_s: float = 0.5
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*(KiB|MiB|GiB|B)?\s*$")

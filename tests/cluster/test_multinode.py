@@ -288,3 +288,30 @@ def test_a_thread_waiting_on_a_lane_to_a_cut_off_node_fails_within_the_heartbeat
             print(f"{transport} lane, link cut -> caller's error in {took:.2f} s: {ei.value}")
         finally:
             hosts.close()
+
+
+def say_where(rank: object) -> object:
+    print("hello from a node", flush=True)
+    print(f"only rank {rank} says this", flush=True)
+    return rank
+
+
+def test_prints_on_other_nodes_reach_the_client_aggregated(
+    bed: TestBed, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The hosts run in other namespaces; what their workers print comes to this client
+    # over the network (not through any host's console), identical lines shown once.
+    with two_node_mesh(bed) as mesh:
+        capfd.readouterr()
+        inspect(remote(say_where)(mesh.rank(("host", "proc"))), shard={"host": 1, "proc": 1})
+        seen = ""
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            seen += capfd.readouterr().err
+            if "[worker 0-3] hello from a node" in seen and "only rank 3 says" in seen:
+                break
+            time.sleep(0.1)
+        assert "[worker 0-3] hello from a node" in seen, seen[-3000:]
+        for r in range(4):
+            assert f"[worker {r}] only rank {r} says this" in seen
+        assert "[worker[" not in seen  # no host echoed them

@@ -321,6 +321,9 @@ class ChildProcs:
             else None
         )
         self._quiet = not chatter_shown()  # procs' INFO and ready lines: logs only
+        # Takes a child's lines before the echo; True: taken, not echoed
+        # (`palatine.hosting.output.OutputFanout.take`).
+        self.forward: Callable[[Child, list[bytes]], bool] | None = None
         self._kill_group_on_exit = kill_group_on_exit
         self._use_pidfd = hasattr(os, "pidfd_open") if use_pidfd is None else use_pidfd
         self._tail_lines = tail_lines
@@ -532,6 +535,9 @@ class ChildProcs:
         # only the lines the tail can keep are decoded here (the echo decodes its own)
         keep = child._tail.maxlen or len(lines)
         child._tail.extend(line.decode("utf-8", "replace").rstrip("\r") for line in lines[-keep:])
+        forward = self.forward
+        if forward is not None and forward(child, lines):
+            return
         if self._console is not None:
             self._console.write_lines(lines, f"[{child.proc_id}] ", drop_internal=self._quiet)
 

@@ -24,11 +24,13 @@ from palatine.hosting.agent import MANAGED, ProcAgent, ProcHandle, bootstrap_pro
 from palatine.hosting.child_env import child_env, log_path_for, stack_path_for
 from palatine.hosting.children import Child, ChildProcs
 from palatine.hosting.forkserver import ForkServer
+from palatine.hosting.output import OutputFanout
 from palatine.ids import SYSTEM_ACTOR, ProcId, WorldId, is_host_world, served_world_of
 from palatine.protocol.agent import (
     HostStarted,
     KilledProcs,
     KillProcs,
+    OutputWatched,
     ProcSnapshot,
     ProcSnapshotRequest,
     ProcStop,
@@ -38,6 +40,7 @@ from palatine.protocol.agent import (
     StackTrace,
     StartHost,
     StopHost,
+    WatchOutput,
 )
 from palatine.protocol.system import (
     ChildProc,
@@ -69,6 +72,7 @@ class HostAgent(ProcAgent):
         # Where the procs' logs go: the job's log directory, else the configured one.
         self.log_dir = log_dir
         self.children = ChildProcs(on_exit=self._child_exited, fork_server=fork_server)
+        self.output = OutputFanout()  # workers' output for clients that watch it
         self.local_procs: dict[ProcId, ProcHandle] = {}
         # Hosts of other host worlds started in this process (`StartHost`), by world.
         self.more_hosts: dict[WorldId, ProcHandle] = {}
@@ -78,7 +82,16 @@ class HostAgent(ProcAgent):
         # Without a shared fork server, start ours now: its imports overlap the join and
         # whatever comes before the first SpawnProc.
         self.children.start_fork_server()
+        self.output.bind(self.cx.mailbox, str(self.cx.actor_id.proc))
+        self.children.forward = self.output.take
         await super().init()
+
+    @handler
+    def on_watch_output(self, msg: WatchOutput) -> OutputWatched:
+        """Send a world's output to a client's sink (`palatine.hosting.output`)."""
+        self.output.watch(msg.world, msg.sink, msg.max_bytes)
+        log_dir = self.log_dir if self.log_dir is not None else config.get().log_dir
+        return OutputWatched(host=self.proc.proc_id, log_dir=str(log_dir))
 
     # ------------------------------------------------------------ spawning
     @handler
@@ -263,6 +276,7 @@ class HostAgent(ProcAgent):
 
     async def on_stop(self, reason: str) -> None:
         await self.kill_children(1.0)
+        self.output.close()
         await super().on_stop(reason)
 
     # ------------------------------------------------------------ introspection

@@ -35,6 +35,7 @@ from palatine.hosting.child_env import Handoff
 from palatine.hosting.forkserver import ForkServer, fork_server_supported
 from palatine.hosting.host import HostAgent
 from palatine.hosting.limits import check_open_files
+from palatine.hosting.output import flush_output, watch_output
 from palatine.ids import GangId, ProcId, WorldId
 from palatine.mesh.actor_mesh import ActorMesh
 from palatine.output.logs import LogSession
@@ -137,6 +138,7 @@ async def _shutdown() -> None:
         elif c.meshes:  # nested: stop our worlds in the system we share
             with contextlib.suppress(Exception):
                 await c.client.stop([m.world.name for m in c.meshes], 1.0)
+        flush_output(c.client.proc)  # the last lines the procs printed
     finally:
         for h in c.hosts:
             agent = h.agent
@@ -166,17 +168,41 @@ class ProcMesh:
         world: WorldId,
         dims: list[tuple[str, int]],
         release: Callable[[], Awaitable[None]] | None,
+        hosts: list[ProcId] | None = None,
     ) -> None:
         self._client = client  # None: a copy that travelled (it spawns, its owner stops)
         self.world = world
         self._dims = dims
         self._release = release  # what stopping gives back once the world is gone: its hosts
+        self._hosts = hosts or []  # the hosts its procs run on (their output comes from them)
         self._stopped = False
 
     def __reduce__(self) -> tuple[Any, ...]:
         """A proc mesh travels as its world and dimensions: an actor that receives one
         spawns on it (from its own mailbox); stopping stays with the owner."""
         return (ProcMesh, (None, self.world, self._dims, None))
+
+    def logging_option(
+        self, stream_to_client: bool = True, aggregate_window_sec: float | None = None
+    ) -> None:
+        """Where this mesh's output goes: to this process's console (``[mesh0 2] text``,
+        identical lines of several procs within ``aggregate_window_sec`` shown once as
+        ``[mesh0 0-3] text``; 0: every line at once), or, with ``stream_to_client``
+        False, only to the procs' log files (their directory is named once)."""
+        client = self._client
+        if client is None:
+            raise PalatineError(f"{self} was passed here: its owner sets its logging")
+        window = aggregate_window_sec
+        runtime.submit(
+            lambda: watch_output(
+                client.proc,
+                client.mailbox,
+                self.world.name,
+                self._hosts,
+                stream=stream_to_client,
+                window_s=window,
+            )
+        ).get(config.get().rpc_timeout_s + 5)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -356,10 +382,11 @@ async def _spawn_procs(dims: list[tuple[str, int]]) -> ProcMesh:
     try:
         await client.upsert_world(world.name, [n], n, program)
         await _wait_live(client, world, tail_of)
+        await watch_output(client.proc, client.mailbox, world.name, [host.proc.proc_id])
     except BaseException:
         await _abandon(client, world, release)
         raise
-    mesh = ProcMesh(client, world, dims, release)
+    mesh = ProcMesh(client, world, dims, release, [host.proc.proc_id])
     cluster.meshes.append(mesh)
     return mesh
 
@@ -449,10 +476,12 @@ class JobHosts:
                     ) from res
             await client.upsert_world(world.name, [self.hosts * n], n, self._program)
             await _wait_live(client, world, lambda pid: "")
+            hosts = [host_world.proc(h) for h in range(self.hosts)]
+            await watch_output(client.proc, client.mailbox, world.name, hosts)
         except BaseException:
             await _abandon(client, world, release)
             raise
-        mesh = ProcMesh(client, world, [("hosts", self.hosts), *dims], release)
+        mesh = ProcMesh(client, world, [("hosts", self.hosts), *dims], release, hosts)
         self._meshes.append(mesh)
         return mesh
 

@@ -48,7 +48,7 @@ __all__ = [
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 #: A line of a log record in `LOG_FORMAT`, possibly behind ``[proc] `` echo prefixes.
-_PREFIXES = rb"(?:\[\S*\] )*"
+_PREFIXES = rb"(?:\[\S*(?: [\d,-]+)?\] )*"  # [worker[3]] (a host's echo), [worker 0-3] (a sink's)
 _RECORD_RE = re.compile(
     _PREFIXES + rb"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) "
 )

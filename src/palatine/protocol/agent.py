@@ -43,6 +43,10 @@ __all__ = [
     "StartHost",
     "HostStarted",
     "StopHost",
+    "WatchOutput",
+    "OutputWatched",
+    "OutputLines",
+    "OutputTaken",
 ]
 
 
@@ -212,3 +216,37 @@ class StackTrace(Message, kw_only=True):
     method: str = ""
     text: str = ""
     error: str | None = None
+
+
+class WatchOutput(Message, kw_only=True):
+    """Client to host: send the output of ``world``'s procs on this host to ``sink`` (an
+    `palatine.hosting.output.OutputSink`) instead of echoing it on the host's console;
+    ``sink`` None: neither (their log files only). At most ``max_bytes`` of lines wait
+    for a sink that does not keep up; more are dropped and counted. Replies
+    `OutputWatched`."""
+
+    world: str
+    sink: ActorId | None = None
+    max_bytes: int = 8 << 20
+
+
+class OutputWatched(Message, kw_only=True):
+    """Reply to `WatchOutput`: the host, and where its procs' log files are."""
+
+    host: ProcId
+    log_dir: str
+
+
+class OutputLines(Message, kw_only=True):
+    """Host to sink: ``(rank, line)`` of ``world``'s procs, in order per proc; ``dropped``
+    lines were left out since the last batch (the sink did not keep up). Replies
+    `OutputTaken`: one batch is in flight per sink, which bounds what a host sends."""
+
+    world: str
+    host: str
+    lines: list[tuple[int, str]]
+    dropped: int = 0
+
+
+class OutputTaken(Message, kw_only=True):
+    """Reply to `OutputLines`."""

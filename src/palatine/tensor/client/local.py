@@ -22,7 +22,8 @@ from palatine.core import runtime
 from palatine.fastpath.direct_tx import open_direct
 from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import check_open_files
-from palatine.ids import ActorId
+from palatine.hosting.output import watch_output
+from palatine.ids import ActorId, ProcId
 from palatine.output.console import ConsoleWriter
 from palatine.output.logs import LogSession
 from palatine.protocol.controller import Attach, AttachRejected, AttachReply
@@ -351,7 +352,7 @@ async def _connect(system_addr: str, worker_world: str | None, timeout: float) -
     client = await System(system_addr).attach(timeout_s=timeout)
     session: Session | None = None
     try:
-        _world, controller = await _find_worlds(
+        world, controller, hosts = await _find_worlds(
             client, system_addr, worker_world, deadline, timeout
         )
         actor = ClientActor()
@@ -374,6 +375,7 @@ async def _connect(system_addr: str, worker_world: str | None, timeout: float) -
             loop=loop,
         )
         session.direct = await open_direct(client.proc, reply.controller_actor_id)
+        await watch_output(client.proc, client.mailbox, world, hosts)
         session.start_keepalive()
         session.watch_controller(client.proc, reply.controller_actor_id.proc)
         return session
@@ -390,7 +392,9 @@ async def _connect(system_addr: str, worker_world: str | None, timeout: float) -
 
 async def _find_worlds(
     client: Any, addr: str, wanted: str | None, deadline: float, timeout: float
-) -> tuple[str, ActorId]:
+) -> tuple[str, ActorId, list[ProcId]]:
+    """The worker world, its controller and the hosts its procs run on, once both worlds
+    are Live."""
     loop = asyncio.get_running_loop()
     last = "no worker world"
     while True:
@@ -411,7 +415,8 @@ async def _find_worlds(
                 cw = csnap.worlds.get(controller.proc.world.name)
                 ctl_status = cw.status if cw is not None else "absent"
                 if w.status == "Live" and ctl_status == "Live":
-                    return name, controller
+                    hosts = {p.host_proc for p in w.procs.values() if p.host_proc}
+                    return name, controller, [ProcId.parse(h) for h in sorted(hosts)]
             joined = sum(1 for p in w.procs.values() if p.health == "Alive")
             last = (
                 f"{name}: {w.status} {joined}/{len(w.procs) or '?'} procs; controller: {ctl_status}"
