@@ -20,6 +20,11 @@ Metrics (targets in ``bench/run.py``):
   issuing (``issue_s``) and draining (``drain_s``), and show the CPU seconds each process
   spent per 1,000 calls (``cpu_ms_per_1k_calls``: client, controller, workers, system,
   host).
+* ``controller_invocations_printing_per_s``: the same, with a function that prints one
+  line per call (``identity_printing``): every rank's line travels from its host to this
+  client, where the four identical lines of a call are shown once. The extras give the
+  ratio to the silent figure of the same run (``vs_silent``; goal ≥ 0.5). The lines go
+  to this process's stderr.
 * ``fetch_roundtrip_ms``: ``fetch(remote(identity)(i), shard=0).result()`` one at a time,
   on the same mesh; mean milliseconds per round trip over one repetition of
   ``--rep-seconds``.
@@ -67,7 +72,12 @@ DETECT_VICTIM = 2
 DETECT_CAP_S = 30.0
 DETECT_SETTLE_S = 0.2
 
-THROUGHPUT = ("controller_invocations_per_s", "fetch_roundtrip_ms")
+THROUGHPUT = (
+    "controller_invocations_per_s",
+    "controller_invocations_printing_per_s",
+    "fetch_roundtrip_ms",
+)
+IDENTITY_PRINTING = "palatine.tensor.worker.functions.identity_printing"
 LIFECYCLE = ("local_mesh_4_to_first_fetch_s", "detect_sigkill_client_s")
 
 
@@ -137,6 +147,7 @@ def bench_throughput(args: Any) -> None:
         if mesh is not None:
             _shutdown(mesh)
     _report(args, "controller_invocations_per_s", "calls/s", True, results)
+    _report(args, "controller_invocations_printing_per_s", "calls/s", True, results)
     _report(args, "fetch_roundtrip_ms", "ms", False, results)
 
 
@@ -145,12 +156,14 @@ def _measure_throughput(mesh: Any, args: Any, results: dict[str, Any]) -> None:
     meter = CpuMeter(mesh)
     rep_s = 2 * args.rep_seconds
 
-    def burst(n: int) -> tuple[float, float]:
+    printing = remote(IDENTITY_PRINTING)
+
+    def burst(n: int, fn: Any = identity) -> tuple[float, float]:
         """n no-op calls then one fetch of the last; (issue seconds, total seconds)."""
         v = None
         t0 = time.perf_counter()
         for i in range(n):
-            v = identity(i)
+            v = fn(i)
         t1 = time.perf_counter()
         got = fetch(v, shard=0).result(timeout=FETCH_TIMEOUT_S)
         t2 = time.perf_counter()
@@ -192,6 +205,26 @@ def _measure_throughput(mesh: Any, args: Any, results: dict[str, Any]) -> None:
                 )
             except Exception as exc:  # noqa: BLE001 - one metric must not end the other
                 results["controller_invocations_per_s"] = exc
+
+        if wanted(args, "controller_invocations_printing_per_s"):
+            try:
+                burst(WARMUP_CALLS, printing)
+                loud: list[float] = []
+                silent: list[float] = []
+                for _ in range(args.reps):  # interleaved with silent runs of the same size
+                    loud.append(n / burst(n, printing)[1])
+                    silent.append(n / burst(n)[1])
+                results["controller_invocations_printing_per_s"] = (
+                    loud,
+                    {
+                        "procs": PROCS,
+                        "calls_per_rep": n,
+                        "silent_calls_per_s": [round(x, 1) for x in silent],
+                        "vs_silent": round(median(loud) / median(silent), 3),
+                    },
+                )
+            except Exception as exc:  # noqa: BLE001
+                results["controller_invocations_printing_per_s"] = exc
 
         if wanted(args, "fetch_roundtrip_ms"):
             try:

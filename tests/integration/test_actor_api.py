@@ -277,3 +277,72 @@ def test_get_or_spawn_controller_gives_one_actor_per_name_to_everyone() -> None:
     assert lines["USERS"] == "[102, 103] True"  # the actors reach the same one
     assert lines["AGAIN"] == "104"  # the arguments of a later request do not matter
     assert lines["OTHER"] == "1"
+
+
+PROC_DIES = """
+    import os, signal, time
+    from palatine import Actor, endpoint, set_unhandled_fault_hook, this_host
+
+    got = []
+    set_unhandled_fault_hook(got.append)
+
+    class Leaf(Actor):
+        @endpoint
+        def pid(self):
+            return os.getpid()
+
+    class Boss(Actor):
+        def __init__(self):
+            self.failures = []
+
+        @endpoint
+        def start(self):
+            self.procs = this_host().spawn_procs(per_host={"procs": 2})
+            self.leaves = self.procs.spawn("leaf", Leaf)
+            return self.leaves.pid.call().get().values()
+
+        @endpoint
+        def seen(self):
+            return self.failures
+
+        def __supervise__(self, failure):
+            self.failures.append((failure.rank, failure.message))
+            return True
+
+    # a proc of the script's own mesh dies: the script's hook hears of it
+    procs = this_host().spawn_procs(per_host={"gpus": 2, "x": 2})
+    leaves = procs.slice(gpus=1).spawn("leaf", Leaf)
+    pids = leaves.pid.call().get(timeout=30).values()
+    print("SLICE", [dict(p) for p, _ in leaves.pid.call().get(timeout=30).items()])
+    os.kill(pids[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    while not got and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    print("SCRIPT", got[0].rank, got[0].message, round(time.monotonic() - t0, 2) < 2)
+
+    # a proc of an actor's mesh dies: the actor's __supervise__ hears of it
+    owner = this_host().spawn_procs(per_host={"procs": 1})
+    boss = owner.spawn("boss", Boss)
+    inner = boss.start.call_one().get(timeout=60)
+    os.kill(inner[1], signal.SIGKILL)
+    seen = []
+    t0 = time.monotonic()
+    while not seen and time.monotonic() - t0 < 10:
+        seen = boss.seen.call_one().get(timeout=20)
+        time.sleep(0.02)
+    print("ACTOR", seen)
+    procs.stop().get(timeout=20)
+    owner.stop().get(timeout=20)
+    print("STOPS_REPORTED", len(got))
+"""
+
+
+def test_a_dead_proc_of_a_mesh_is_reported_to_its_owner() -> None:
+    lines, _ = run_script(PROC_DIES)
+    assert lines["SLICE"] == "[{'gpus': 1, 'x': 0}, {'gpus': 1, 'x': 1}]"
+    rank, message = lines["SCRIPT"].split(" ", 1)
+    assert rank == "2"  # gpus=1, x=0 in a 2 x 2 mesh
+    assert message.startswith("its proc died: ") and "signal 9" in message, message
+    assert message.endswith("True")
+    assert lines["ACTOR"].startswith("[(1, 'its proc died: ")
+    assert lines["STOPS_REPORTED"] == "1"  # stopping meshes is not a failure

@@ -52,6 +52,27 @@ def test_metrics_show_procs_by_health_and_count_a_killed_worker() -> None:
         assert got[("palatine_worlds", (("status", "Live"),))] >= 2  # worker, controller, ...
         ages = [v for (name, _), v in got.items() if name == "palatine_proc_heartbeat_age_seconds"]
         assert ages and all(0 <= a < 30 for a in ages)
+        # the controller's invocations and the workers' delivered messages, as reported
+        # with their heartbeats
+        with mesh.activate():
+            for i in range(50):
+                y = remote(abs)(-i)
+            assert fetch(y, shard={"host": 0, "proc": 0}).result() == 49
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            got = samples(scrape(addr, token)[1])
+            calls = got.get(("palatine_controller_invocations_total", (("world", "controller"),)))
+            if calls is not None and calls >= 51:
+                break
+            time.sleep(0.2)
+        assert calls is not None and calls >= 51, got
+        assert got[("palatine_controller_stalls_total", (("world", "controller"),))] == 0
+        delivered = [
+            v
+            for (name, labels), v in got.items()
+            if name == "palatine_proc_messages_delivered_total" and ("world", "worker") in labels
+        ]
+        assert len(delivered) == 2 and all(v > 0 for v in delivered), got
         with mesh.activate():
             pid = fetch(remote(os.getpid)(), shard={"host": 0, "proc": 1}).result()
         os.kill(pid, signal.SIGKILL)

@@ -55,3 +55,33 @@ def test_top_shows_each_world_and_its_procs_and_quits_on_q() -> None:
         _, err = wrong.communicate(timeout=30)
         assert wrong.returncode == 1
         assert "authentication failed" in err.decode()
+
+
+def nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_top_shows_the_op_each_worker_runs_and_for_how_long() -> None:
+    import cloudpickle
+
+    from palatine import remote
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    with local_mesh(1, 2) as mesh:
+        cluster = mesh._local
+        assert cluster is not None
+        addr, token = cluster.system_addr, cluster.env["PALATINE_CLUSTER_TOKEN"]
+        with mesh.activate():
+            pending = remote(nap)(8.0)  # on both ranks; the next heartbeats report it
+            deadline = time.monotonic() + 15
+            rows: list[str] = []
+            while time.monotonic() < deadline:
+                once = top(addr, token, "--once", "--world", "worker")
+                out, _ = once.communicate(timeout=60)
+                rows = [line for line in out.decode().splitlines() if "worker[" in line]
+                if len(rows) == 2 and all("nap on main for " in r for r in rows):
+                    break
+                time.sleep(0.3)
+            assert len(rows) == 2 and all("nap on main for " in r for r in rows), rows
+            del pending

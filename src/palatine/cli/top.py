@@ -65,15 +65,16 @@ def frame(snap: Any, cpu: dict[int, Any]) -> Any:
             title_justify="left",
         )
         for col in ("proc", "health", "host", "pid", "heartbeat", "loop lag", "cpu", "rss",
-                    "failed actors", "reason"):  # fmt: skip
+                    "doing", "failed actors", "reason"):  # fmt: skip
             table.add_column(col)
         for proc, e in world.procs.items():
             age = "-" if e.last_heartbeat_age_s is None else f"{e.last_heartbeat_age_s:.1f} s ago"
             lag = "-" if e.loop_lag_s is None else f"{e.loop_lag_s * 1e3:.1f} ms"
             use, rss = _local_usage(e.pid, e.host, cpu) if e.health == "Alive" else ("-", "-")
             failed = ", ".join(f.actor_id for f in e.failed_actors) or "-"
+            doing = e.activity or "-"
             table.add_row(proc, e.health, e.host, str(e.pid or "-"), age, lag, use, rss,
-                          failed, e.reason or "")  # fmt: skip
+                          doing, failed, e.reason or "")  # fmt: skip
         tables.append(table)
     return Group(*tables) if tables else "no worlds"
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol, TypeVar, ov
 
 from palatine.core.mailbox import Mailbox, OncePort, ProcLink, StreamPort
 from palatine.errors import MeshFailure
-from palatine.ids import ActorId, GangId, PortId
+from palatine.ids import ActorId, GangId, PortId, ProcId
 from palatine.wire.codec import Message, register
 
 if TYPE_CHECKING:
@@ -69,10 +69,13 @@ class SupervisionEvent(Message, kw_only=True):
 
     def failure(self) -> MeshFailure:
         """This event as the `palatine.errors.MeshFailure` a user's code handles."""
-        try:
-            rank: int | None = ActorId.parse(self.actor_id).rank
-        except ValueError:
-            rank = None
+        rank: int | None = None
+        for kind in (ActorId, ProcId):  # an actor failed, or the proc under a mesh died
+            try:
+                rank = kind.parse(self.actor_id).rank
+                break
+            except ValueError:
+                continue
         return MeshFailure(self.actor_id, self.message, self.traceback, rank, self.host, self.pid)
 
 

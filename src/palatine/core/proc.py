@@ -162,6 +162,14 @@ class Proc:
         self._watches: dict[ProcId, list[asyncio.Future[PeerGoneNotice]]] = {}
         self.gone: dict[ProcId, PeerGoneNotice] = {}
         self.coordinator: Callable[[SupervisionEvent], None] | None = None
+        # What this proc reports with its heartbeats (`palatine.hosting.agent`): messages
+        # and bytes delivered to its actors, what its actors add (``counters``: name ->
+        # a running total), and what it is busy with (``activity``; a tensor worker's op).
+        # Read from the heartbeat thread: plain attribute reads.
+        self.delivered = 0
+        self.delivered_bytes = 0
+        self.counters: dict[str, Callable[[], float]] = {}
+        self.activity: Callable[[], str] | None = None
         self.on_peer_lost: Callable[[set[ProcId]], None] | None = None
         self.return_sender: ActorId = UNKNOWN_ACTOR
         self.stopping = False
@@ -268,6 +276,8 @@ class Proc:
             self.post(env)
 
     def _deliver_local(self, env: Envelope) -> None:
+        self.delivered += 1
+        self.delivered_bytes += len(env.data)
         mb = self.mailboxes.get(env.dest.actor)
         err: str | None
         if mb is None:

@@ -159,14 +159,30 @@ class ProcAgent(Actor):
             await asyncio.sleep(min(0.5, max(0.0, deadline - loop.time())))
 
     def _state(self) -> ProcSupervisionState:
-        assert self.proc.addr is not None
+        """This proc's heartbeat (built on the heartbeat thread, or the loop)."""
+        proc = self.proc
+        assert proc.addr is not None
+        counters = {
+            "messages_delivered": float(proc.delivered),
+            "bytes_delivered": float(proc.delivered_bytes),
+        }
+        activity = ""
+        try:
+            for name, total in list(proc.counters.items()):
+                counters[name] = float(total())
+            if proc.activity is not None:
+                activity = proc.activity()
+        except Exception as e:  # noqa: BLE001 - a report must never stop the heartbeat
+            log.debug("%s: heartbeat report: %s", proc.proc_id, e)
         return ProcSupervisionState(
-            proc_id=self.proc.proc_id,
-            addr=str(self.proc.addr),
+            proc_id=proc.proc_id,
+            addr=str(proc.addr),
             pid=os.getpid(),
             incarnation=self.incarnation,
             failed_actors=list(self.failed_actors),
             loop_lag_s=max(0.0, time.monotonic() - self._last_tick - 0.1),
+            activity=activity,
+            counters=counters,
         )
 
     def _start_heartbeat(self) -> None:

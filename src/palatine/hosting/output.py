@@ -37,6 +37,7 @@ from palatine.protocol.agent import OutputLines, OutputTaken, OutputWatched, Wat
 if TYPE_CHECKING:
     from palatine.core.proc import Proc
     from palatine.hosting.children import Child
+    from palatine.wire.envelope import Envelope
 
 __all__ = [
     "OutputFanout",
@@ -203,6 +204,10 @@ class OutputSink(Actor):
         self._write(out)
         self._arm(loop)
         return OutputTaken()
+
+    def handle_undeliverable(self, returned: Envelope) -> None:
+        """An `OutputTaken` to a host that has ended meanwhile: nothing to tell anyone."""
+        log.debug("output sink: %s is gone: %s", returned.dest, "; ".join(returned.errors or ()))
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._timer is not None:

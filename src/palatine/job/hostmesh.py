@@ -26,9 +26,10 @@ from palatine import config
 from palatine.channel import token as token_mod
 from palatine.channel.addr import any_addr
 from palatine.core import runtime
-from palatine.core.actor import Actor, Context, _current_cx, actor_type_name
+from palatine.core.actor import Actor, Context, SupervisionEvent, _current_cx, actor_type_name
 from palatine.core.future import Future
 from palatine.core.sender import caller_mailbox, caller_supervision_port, set_default_client
+from palatine.core.shape import Extent
 from palatine.errors import PalatineError, SpawnError
 from palatine.hosting.agent import ProcHandle, bootstrap_proc
 from palatine.hosting.child_env import Handoff
@@ -132,6 +133,8 @@ async def _shutdown() -> None:
         return
     _cluster = None
     set_default_client(None)
+    for mesh in c.meshes:
+        mesh._stopped = True  # (their procs end now: not a failure to report)
     try:
         if c.system is not None:
             await c.system.stop(1.0)
@@ -175,12 +178,64 @@ class ProcMesh:
         self._dims = dims
         self._release = release  # what stopping gives back once the world is gone: its hosts
         self._hosts = hosts or []  # the hosts its procs run on (their output comes from them)
+        self._ranks: list[int] | None = None  # a slice's procs (None: all of them)
         self._stopped = False
 
     def __reduce__(self) -> tuple[Any, ...]:
         """A proc mesh travels as its world and dimensions: an actor that receives one
         spawns on it (from its own mailbox); stopping stays with the owner."""
-        return (ProcMesh, (None, self.world, self._dims, None))
+        return (_travelled, (self.world, self._dims, self._ranks))
+
+    def slice(self, **sel: int | slice) -> ProcMesh:
+        """Some of the procs, by dimension (``procs.slice(gpus=0)``,
+        ``procs.slice(gpus=slice(0, 2))``): spawning there puts actors on those procs only."""
+        extent = Extent.of(self._dims)
+        for k, v in sel.items():
+            if k not in extent.labels:
+                raise ValueError(f"unknown dimension {k!r}; this mesh has {list(extent.labels)}")
+            size = self.sizes[k]
+            if isinstance(v, int) and not 0 <= v < size:
+                raise IndexError(f"index {v} out of range for dimension {k!r} of size {size}")
+        keep = []
+        for r in self._ranks if self._ranks is not None else range(len(self)):
+            point = extent.point(r)
+            if all(
+                point[k] in range(self.sizes[k])[v] if isinstance(v, slice) else point[k] == v
+                for k, v in sel.items()
+            ):
+                keep.append(r)
+        view = ProcMesh(self._client, self.world, self._dims, None, self._hosts)
+        view._ranks = keep
+        return view
+
+    async def _watch_procs(self, owner: Context | None) -> None:
+        """Tell ``owner`` (an actor's ``__supervise__``, or the script's unhandled-fault
+        hook) when a proc of this mesh dies, unless the mesh was being stopped. Call on
+        the loop, once the world is Live."""
+        client = self._client
+        assert client is not None
+        port = caller_supervision_port(owner)
+        procs = [self.world.proc(r) for r in range(len(self))]
+        # The system tells a proc of another's death once it resolved its address.
+        await asyncio.gather(
+            *(client.proc.address_of(p.actor("proc")) for p in procs), return_exceptions=True
+        )
+        for proc in procs:
+
+            def died(fut: asyncio.Future[Any], proc: ProcId = proc) -> None:
+                if self._stopped or fut.cancelled():
+                    return
+                notice = fut.result()
+                event = SupervisionEvent(
+                    actor_id=str(proc),
+                    status="failed",
+                    message=f"its proc died: {notice.reason}",
+                    host=notice.host,
+                    pid=notice.pid or 0,
+                )
+                client.mailbox.tell(port, event)
+
+            client.proc.watch(proc).add_done_callback(died)
 
     def logging_option(
         self, stream_to_client: bool = True, aggregate_window_sec: float | None = None
@@ -212,7 +267,8 @@ class ProcMesh:
         return math.prod(s for _, s in self._dims)
 
     def __repr__(self) -> str:
-        return f"ProcMesh({self.world}, {dict(self._dims)})"
+        sel = "" if self._ranks is None else f", ranks={self._ranks}"
+        return f"ProcMesh({self.world}, {dict(self._dims)}{sel})"
 
     def spawn(self, name: str, cls: type[Actor], *args: Any, **kwargs: Any) -> ActorMesh:
         """Spawn ``cls(*args, **kwargs)`` as ``name`` on every proc; an `ActorMesh` of them.
@@ -251,16 +307,16 @@ class ProcMesh:
         )
         mb = owner.mailbox if owner is not None else caller_mailbox()
         timeout = config.get().spawn_procs_timeout_s
-        n = len(self)
+        ranks = self._ranks if self._ranks is not None else list(range(len(self)))
         results = await asyncio.gather(
-            *(mb.ask(self.world.proc(r).actor("proc"), msg, timeout) for r in range(n)),
+            *(mb.ask(self.world.proc(r).actor("proc"), msg, timeout) for r in ranks),
             return_exceptions=True,
         )
-        for r, res in enumerate(results):
+        for r, res in zip(ranks, results, strict=True):
             if isinstance(res, BaseException):
                 raise SpawnError(f"spawning {name} on {self.world}[{r}] failed: {res}") from res
             assert isinstance(res, Spawned)
-        return ActorMesh(GangId(self.world, name), self._dims, None, cls)
+        return ActorMesh(GangId(self.world, name), self._dims, self._ranks, cls)
 
     def stop(self) -> Future[None]:
         """Stop the world's procs; a Future that completes when the world is gone."""
@@ -270,6 +326,8 @@ class ProcMesh:
         if self._stopped:
             return
         client, release = self._client, self._release
+        if self._ranks is not None:
+            raise PalatineError(f"{self} is a slice: stop the proc mesh it was sliced from")
         if client is None or release is None:
             raise PalatineError(
                 f"{self} was passed here: only the process that spawned it stops it"
@@ -289,6 +347,13 @@ class ProcMesh:
                 break
             await asyncio.sleep(0.02)
         await release()
+
+
+def _travelled(world: WorldId, dims: list[tuple[str, int]], ranks: list[int] | None) -> ProcMesh:
+    """A proc mesh unpickled in another process (`ProcMesh.__reduce__`)."""
+    mesh = ProcMesh(None, world, dims, None)
+    mesh._ranks = ranks
+    return mesh
 
 
 async def _wait_live(
@@ -326,7 +391,8 @@ class HostMesh:
         """Start ``per_host`` procs as OS processes; a `ProcMesh` over its dimensions
         (``{"gpus": 4}``, or several: ``{"replicas": 2, "gpus": 4}`` is 8 procs, row-major)."""
         dims = _per_host_dims(per_host)
-        return runtime.submit(lambda: _spawn_procs(dims)).get()
+        owner = _current_cx.get()
+        return runtime.submit(lambda: _spawn_procs(dims, owner)).get()
 
 
 def _per_host_dims(per_host: dict[str, int] | None) -> list[tuple[str, int]]:
@@ -346,7 +412,7 @@ def _per_host_dims(per_host: dict[str, int] | None) -> list[tuple[str, int]]:
     return dims
 
 
-async def _spawn_procs(dims: list[tuple[str, int]]) -> ProcMesh:
+async def _spawn_procs(dims: list[tuple[str, int]], owner: Context | None = None) -> ProcMesh:
     n = math.prod(size for _, size in dims)
     cluster = await _get_cluster()
     # The embedded system and this client hold connections to every proc of every mesh.
@@ -387,6 +453,7 @@ async def _spawn_procs(dims: list[tuple[str, int]]) -> ProcMesh:
         await _abandon(client, world, release)
         raise
     mesh = ProcMesh(client, world, dims, release, [host.proc.proc_id])
+    await mesh._watch_procs(owner)
     cluster.meshes.append(mesh)
     return mesh
 
@@ -438,7 +505,8 @@ class JobHosts:
         """Start ``per_host`` procs on every host; a `ProcMesh` of dimensions ``hosts`` and
         those ``per_host`` names (``{"gpus": 4}``, ``{"replicas": 2, "gpus": 2}``)."""
         dims = _per_host_dims(per_host)
-        return runtime.submit(lambda: self._spawn_procs(dims)).get()
+        owner = _current_cx.get()
+        return runtime.submit(lambda: self._spawn_procs(dims, owner)).get()
 
     async def _attach(self) -> SystemClient:
         if self._client is None:
@@ -447,7 +515,9 @@ class JobHosts:
             set_default_client(self._client.client)
         return self._client
 
-    async def _spawn_procs(self, dims: list[tuple[str, int]]) -> ProcMesh:
+    async def _spawn_procs(
+        self, dims: list[tuple[str, int]], owner: Context | None = None
+    ) -> ProcMesh:
         n = math.prod(size for _, size in dims)
         client = await self._attach()
         k = next(self._counter)
@@ -482,6 +552,7 @@ class JobHosts:
             await _abandon(client, world, release)
             raise
         mesh = ProcMesh(client, world, [("hosts", self.hosts), *dims], release, hosts)
+        await mesh._watch_procs(owner)
         self._meshes.append(mesh)
         return mesh
 

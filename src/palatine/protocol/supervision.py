@@ -87,7 +87,8 @@ class ProcSupervisionState(msgspec.Struct, kw_only=True):
     """Supervision state of one proc: identity, health and liveness.
 
     Wire invariants: a heartbeat (``SupervisionUpdate``) fills only ``proc_id``, ``addr``,
-    ``health = Alive``, ``failed_actors``, ``incarnation`` and ``loop_lag_s``; the system
+    ``health = Alive``, ``failed_actors``, ``incarnation``, ``loop_lag_s``, ``activity``
+    and ``counters``; the system
     fills the rest when it reports a record. ``last_heartbeat`` is a time on the system's
     monotonic clock (compare it with ``Joined.system_time`` only through ages), ``None``
     for a rank that never joined.
@@ -109,6 +110,10 @@ class ProcSupervisionState(msgspec.Struct, kw_only=True):
     last_heartbeat: float | None = None
     loop_lag_s: float = 0.0
     stderr_tail: list[str] = []
+    # what the proc is busy with, as its heartbeat saw it (a tensor worker: its running op)
+    activity: str = ""
+    # running totals the proc reports with each heartbeat (`palatine.core.proc.Proc.counters`)
+    counters: dict[str, float] = {}
 
 
 def signal_text(sig: int) -> str:
@@ -167,6 +172,8 @@ class ProcRecord:
         "last_heartbeat",
         "left",
         "loop_lag_s",
+        "activity",
+        "counters",
         "mode",
         "pid",
         "proc_id",
@@ -212,6 +219,8 @@ class ProcRecord:
         self.stderr_tail: list[str] = []
         self.last_heartbeat: float | None = now
         self.loop_lag_s = 0.0
+        self.activity = ""  # what its last heartbeat said it was busy with
+        self.counters: dict[str, float] = {}  # its running totals, as last reported
         self.failed_at: float | None = None
         self.declared_wall: float | None = None
         self.reported = False

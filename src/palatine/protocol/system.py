@@ -180,8 +180,9 @@ class FailedActorEntry(msgspec.Struct, kw_only=True):
 class ProcEntry(msgspec.Struct, kw_only=True):
     """One proc in ``palatine snapshot --json``.
 
-    The first eight fields are the public snapshot format, in this order; the last four
-    are documented additions and may be null.
+    The first eight fields are the public snapshot format, in this order; the others are
+    documented additions (null, empty or absent when unknown): ``activity`` is what the proc
+    was busy with at its last heartbeat, ``counters`` its running totals.
     """
 
     labels: dict[str, str]
@@ -196,6 +197,8 @@ class ProcEntry(msgspec.Struct, kw_only=True):
     host_proc: str | None = None
     last_heartbeat_age_s: float | None = None
     loop_lag_s: float | None = None
+    activity: str = ""
+    counters: dict[str, float] = {}
 
 
 class WorldSnapshot(msgspec.Struct, kw_only=True):

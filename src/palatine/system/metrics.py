@@ -9,7 +9,13 @@ format (`prometheus_client`), to requests that carry the cluster token
 * ``palatine_proc_heartbeat_age_seconds{world, proc, host}`` and
   ``palatine_proc_loop_lag_seconds{...}``: per live proc;
 * ``palatine_failures_detected_total{kind}``: failures the system detected, by kind
-  (``signal``, ``exit``, ``Expired``, ``actor``).
+  (``signal``, ``exit``, ``Expired``, ``actor``);
+* ``palatine_proc_messages_delivered_total{world, proc, host}`` and
+  ``palatine_proc_bytes_delivered_total{...}``: messages (and their payload bytes)
+  delivered to each proc's actors, as its last heartbeat reported them;
+* ``palatine_controller_invocations_total{world}`` and
+  ``palatine_controller_stalls_total{world}``: what each tensor controller has accepted
+  from its client, and the stalls it found (``world`` is the controller's world).
 
 A scrape asks the system actor for a snapshot through the system proc's own mailbox
 (bounded by `SCRAPE_TIMEOUT_S`), so the registry is read only on its loop. The HTTP
@@ -69,6 +75,26 @@ class SystemCollector(Collector):
             "Event-loop lag each live proc last reported.",
             labels=["world", "proc", "host"],
         )
+        delivered = CounterMetricFamily(
+            "palatine_proc_messages_delivered",
+            "Messages delivered to each proc's actors (as of its last heartbeat).",
+            labels=["world", "proc", "host"],
+        )
+        delivered_bytes = CounterMetricFamily(
+            "palatine_proc_bytes_delivered",
+            "Payload bytes delivered to each proc's actors (as of its last heartbeat).",
+            labels=["world", "proc", "host"],
+        )
+        invocations = CounterMetricFamily(
+            "palatine_controller_invocations",
+            "Invocations each tensor controller accepted from its client.",
+            labels=["world"],
+        )
+        stalls = CounterMetricFamily(
+            "palatine_controller_stalls",
+            "Stalls each tensor controller found (ranks alive but not progressing).",
+            labels=["world"],
+        )
         by_status: dict[str, int] = {}
         for name, world in snap.worlds.items():
             by_status[world.status] = by_status.get(world.status, 0) + 1
@@ -79,6 +105,13 @@ class SystemCollector(Collector):
                     age.add_metric([name, proc, entry.host], entry.last_heartbeat_age_s)
                 if entry.loop_lag_s is not None:
                     lag.add_metric([name, proc, entry.host], entry.loop_lag_s)
+                c = entry.counters
+                if "messages_delivered" in c:
+                    delivered.add_metric([name, proc, entry.host], c["messages_delivered"])
+                    delivered_bytes.add_metric([name, proc, entry.host], c["bytes_delivered"])
+                if "controller_invocations" in c:
+                    invocations.add_metric([name], c["controller_invocations"])
+                    stalls.add_metric([name], c.get("controller_stalls", 0.0))
             for health, n in sorted(by_health.items()):
                 procs.add_metric([name, health], n)
         for status, n in sorted(by_status.items()):
@@ -88,7 +121,8 @@ class SystemCollector(Collector):
         )
         for kind, n in sorted(self._detections().items()):
             detected.add_metric([kind], n)
-        yield from (worlds, procs, age, lag, detected)
+        yield from (worlds, procs, age, lag, detected, delivered, delivered_bytes)
+        yield from (invocations, stalls)
 
 
 class _QuietHandler(WSGIRequestHandler):

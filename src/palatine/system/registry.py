@@ -436,6 +436,9 @@ class SystemRegistry:
         if lh is None or now > lh:
             rec.last_heartbeat = now
         rec.loop_lag_s = state.loop_lag_s
+        rec.activity = state.activity
+        if state.counters:
+            rec.counters = state.counters
         if state.failed_actors and rec.add_failed_actors(state.failed_actors):
             self._actor_failed(rec, out)
         return None, out
@@ -1486,6 +1489,8 @@ class SystemRegistry:
             host_proc=str(rec.host_proc) if rec.host_proc is not None else None,
             last_heartbeat_age_s=round(now - lh, 3) if (lh is not None and rec.joined) else None,
             loop_lag_s=rec.loop_lag_s if rec.joined else None,
+            activity=rec.activity if rec.joined and rec.health == ALIVE else "",
+            counters=dict(rec.counters),
         )
 
     def handle_world_state(self, msg: WorldState, requester: ProcId | None = None) -> Result:

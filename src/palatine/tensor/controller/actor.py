@@ -136,6 +136,7 @@ class ControllerActor(Actor):
         self.mesh_failed = False
         self.last_client_message_at = 0.0
         self.history = History(params.world_size)
+        self.stall_reports = 0  # stalls found (one report each)
         self.supervision: SupervisionMonitor | None = None
         self.progress: ProgressMonitor | None = None
         self._records = {p.rank: p for p in params.worker_procs}
@@ -166,6 +167,10 @@ class ControllerActor(Actor):
         self.cx.spawn_task(self._subscribe())
         self._execute(self.supervision.tick(now))
         self._schedule(self._client_check_period(), CheckClient())
+        # reported with the proc's heartbeats (the system's metrics)
+        counters = Proc.of(self.cx).counters
+        counters["controller_invocations"] = lambda: float(self.history.max_seq or 0)
+        counters["controller_stalls"] = lambda: float(self.stall_reports)
 
     async def on_stop(self, reason: str) -> None:
         """Cancel timers; if the proc stops for lack of the system, say so first."""
@@ -261,6 +266,7 @@ class ControllerActor(Actor):
             elif isinstance(ins, QueryWorldState):
                 self._spawn(self._query_world_state())
             elif isinstance(ins, RequestStacks):
+                self.stall_reports += 1
                 self._spawn(self._stall_report(ins))
             else:
                 log.error("unknown instruction %r", ins)

@@ -166,6 +166,7 @@ class WorkerActor(Actor):
                     "device_index %d requested but CUDA is not available; using CPU", p.device_index
                 )
         proc = Proc.of(self.cx)
+        proc.activity = self.activity  # reported with the proc's heartbeats (`palatine top`)
         addr = proc.addr
         store_host = "127.0.0.1"
         if (
@@ -450,6 +451,19 @@ class WorkerActor(Actor):
                 )
             )
         return WorkerProgress(rank=self.params.rank, pid=os.getpid(), streams=out)
+
+    def activity(self) -> str:
+        """The op that has run longest on any stream (``s12 spin on main for 3.2 s``), or
+        ``idle``; read from the heartbeat thread without touching the streams."""
+        now = time.monotonic()
+        longest: tuple[float, str] | None = None
+        for s in list(self.streams.values()):
+            cur = s.current
+            if cur is not None and (longest is None or cur[2] < longest[0]):
+                longest = (cur[2], f"s{cur[0]} {cur[1]} on {s.name}")
+        if longest is None:
+            return "idle"
+        return f"{longest[1]} for {now - longest[0]:.1f} s"
 
     # ---------------------------------------------------------------- handlers
     @handler

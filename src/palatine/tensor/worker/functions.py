@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["coordinate", "identity"]
+__all__ = ["coordinate", "identity", "identity_printing"]
 
 # (The session's TCPStore master is palatine.tensor.worker.collectives.open_store.)
 
@@ -18,4 +18,10 @@ def coordinate(mesh: Any, dims: tuple[str, ...]) -> int:
 
 
 def identity(value: Any) -> Any:
+    return value
+
+
+def identity_printing(value: Any) -> Any:
+    """`identity`, printing one line (the benchmark of output streaming)."""
+    print(f"call {value} done", flush=True)
     return value
