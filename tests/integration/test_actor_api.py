@@ -346,3 +346,73 @@ def test_a_dead_proc_of_a_mesh_is_reported_to_its_owner() -> None:
     assert message.endswith("True")
     assert lines["ACTOR"].startswith("[(1, 'its proc died: ")
     assert lines["STOPS_REPORTED"] == "1"  # stopping meshes is not a failure
+
+
+RESPAWN = """
+    import os, signal, time
+    from palatine import Actor, endpoint, set_unhandled_fault_hook, this_host
+    from palatine.errors import SystemRequestError
+
+    got = []
+    set_unhandled_fault_hook(got.append)
+
+    class Counter(Actor):
+        def __init__(self, start):
+            self.n = start
+
+        @endpoint
+        def incr(self):
+            self.n += 1
+            return self.n
+
+        @endpoint
+        def pid(self):
+            return os.getpid()
+
+        @endpoint
+        def nap(self, s):
+            time.sleep(s)
+            return s
+
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    counters = procs.spawn("c", Counter, 10)
+    print("FIRST", counters.incr.call().get(timeout=20).values())
+    for round in (1, 2):  # the same rank lost twice
+        pids = counters.pid.call().get(timeout=20).values()
+        pending = counters.slice(procs=1).nap.call_one(30)
+        time.sleep(0.2)
+        os.kill(pids[1], signal.SIGKILL)
+        try:
+            pending.get(timeout=10)
+        except Exception as e:
+            print(f"PENDING{round}", type(e).__name__)
+        t0 = time.monotonic()
+        respawned = procs.respawn().get(timeout=60)
+        print(f"RESPAWNED{round}", respawned, time.monotonic() - t0 < 5)
+        print(f"AFTER{round}", counters.incr.call().get(timeout=20).values())
+        new = counters.pid.call().get(timeout=20).values()
+        print(f"PIDS{round}", new[0] == pids[0], new[1] != pids[1])
+    print("NOTHING_DEAD", procs.respawn().get(timeout=20))
+    try:
+        procs.respawn([0]).get(timeout=20)
+    except SystemRequestError as e:
+        print("ALIVE_REFUSED", e.code, str(e))
+    print("HOOKED", len(got))
+    procs.stop().get(timeout=20)
+"""
+
+
+def test_a_proc_mesh_respawns_its_dead_procs_with_their_actors() -> None:
+    lines, _ = run_script(RESPAWN)
+    assert lines["FIRST"] == "[11, 11]"
+    for r in ("1", "2"):
+        assert lines[f"PENDING{r}"] == "PeerGoneError"  # a caller of the dead incarnation
+        assert lines[f"RESPAWNED{r}"] == "[1] True"
+        assert lines[f"PIDS{r}"] == "True True"
+    # rank 0 kept its state; rank 1's actor was made again from its constructor arguments
+    assert lines["AFTER1"] == "[12, 11]"
+    assert lines["AFTER2"] == "[13, 11]"
+    assert lines["NOTHING_DEAD"] == "[]"
+    assert lines["ALIVE_REFUSED"].startswith("conflict ")
+    assert "mesh0[0] is alive: only a failed proc is respawned" in lines["ALIVE_REFUSED"]
+    assert lines["HOOKED"] == "2"

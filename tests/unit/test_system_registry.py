@@ -483,7 +483,14 @@ def test_a10_snapshot_json_has_exactly_the_documented_keys() -> None:
     assert world["status"] in ("Live", "Unhealthy", "AwaitingCreation")
     assert world["host_procs"] == ["hostw[0]"]
     fixed = ["labels", "addr", "pid", "host", "health", "exit_code", "exit_signal", "failed_actors"]
-    additions = ["reason", "host_proc", "last_heartbeat_age_s", "loop_lag_s"]
+    additions = [
+        "reason",
+        "host_proc",
+        "last_heartbeat_age_s",
+        "loop_lag_s",
+        "activity",
+        "counters",
+    ]
     for entry in world["procs"].values():
         assert list(entry) == fixed + additions
     w0, w1 = world["procs"]["w[0]"], world["procs"]["w[1]"]
@@ -1641,3 +1648,37 @@ def test_lost_host_gets_its_children_probed_and_a_silent_child_declared() -> Non
         assert (
             rec.reason == "connection lost (its host hostw[0] on node1 was lost at the same time)"
         )
+
+
+def test_respawn_of_a_killed_proc_asks_its_host_and_the_world_waits_instead_of_evicting() -> None:
+    from palatine.protocol.system import RespawnProcs
+
+    h = Harness()
+    h.joined("hostw[0]", host="node3")
+    h.upsert("w", [2], nph=2, env=Exec(program="palatine worker"))
+    h.joined("w[0]", pid_=812, host="node3", host_proc="hostw[0]")
+    h.joined("w[1]", pid_=813, host="node3", host_proc="hostw[0]")
+    h.send(ProcExited(proc_id=pid("w[1]"), host_proc=pid("hostw[0]"), pid=813, exit_signal=9))
+    assert h.snapshot().worlds["w"].status == "Unhealthy"
+    # refused: an alive rank, a rank out of range, an unknown world
+    for bad, code in (
+        (RespawnProcs(world_id=wid("w"), ranks=[0]), "conflict"),
+        (RespawnProcs(world_id=wid("w"), ranks=[2]), "invalid_argument"),
+        (RespawnProcs(world_id=wid("nope"), ranks=[0]), "not_found"),
+    ):
+        reply, _ = h.send(bad)
+        assert isinstance(reply, Rejected) and reply.code == code, reply
+    reply, instrs = h.send(RespawnProcs(world_id=wid("w"), ranks=[1]))
+    assert isinstance(reply, Ok)
+    (spawn,) = asks(instrs, SpawnProc)
+    assert spawn.dest == agent_of(pid("hostw[0]"))
+    assert [(a.rank, a.local_rank) for a in spawn.message.procs] == [(1, 1)]
+    assert spawn.message.world_size == 2 and spawn.message.local_world_size == 2
+    w = h.snapshot().worlds["w"]
+    assert w.status == "Unhealthy" and list(w.procs) == ["w[0]"]  # waiting for w[1]
+    # long past the eviction timeout: waiting for a proc is not failing
+    h.advance(3.0, beat=["w[0]", "hostw[0]"])
+    assert h.snapshot().worlds["w"].status == "Unhealthy"
+    h.joined("w[1]", pid_=900, host="node3", host_proc="hostw[0]")
+    w = h.snapshot().worlds["w"]
+    assert w.status == "Live" and w.procs["w[1]"].pid == 900

@@ -322,6 +322,9 @@ class ActorInstance:
 
     def undeliverable(self, returned: Envelope) -> None:
         """A message we sent came back: fail its pending call, then run the hook in turn."""
+        if self.mailbox.answered(returned):
+            log.debug("%s: an answered request came back: %s", self.id, returned.errors)
+            return
         self.mailbox.returned(returned)
         if self.terminated:
             _warn_undeliverable(self.id, returned)

@@ -625,6 +625,19 @@ class Mailbox:
             return f"mailbox error: port {env.dest} not bound"
         return port.deliver(env)
 
+    def answered(self, env: Envelope) -> bool:
+        """Whether ``env``, returned because its peer died, was a request of ours that had
+        been answered already (its reply port is closed): the peer handled it, and died
+        before acknowledging it on the channel. Nothing was lost; nobody needs telling."""
+        rt = env.reply_to
+        return (
+            rt is not None
+            and rt.actor == self.actor_id
+            and rt.port >= FIRST_EPHEMERAL_PORT
+            and rt.port not in self.ports
+            and any(e.startswith("peer gone") for e in env.errors or ())
+        )
+
     def returned(self, env: Envelope) -> bool:
         """A request we sent came back: fail the pending call it belonged to, if any."""
         rt = env.reply_to

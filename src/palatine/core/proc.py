@@ -88,6 +88,9 @@ class ClientInstance:
         self.undeliverable(payload.envelope)
 
     def undeliverable(self, returned: Envelope) -> None:
+        if self.mailbox.answered(returned):
+            log.debug("%s: an answered request came back: %s", self.id, returned.errors)
+            return
         if not self.mailbox.returned(returned):
             if self.quiet_returns:
                 log.debug("%s: returned during shutdown: %s", self.id, returned.errors)
@@ -486,6 +489,11 @@ class Proc:
         else:
             self._watches.setdefault(proc_id, []).append(fut)
         return fut
+
+    def peer_back(self, proc_id: ProcId) -> None:
+        """``proc_id`` was started again (a new incarnation): route to it once more (its
+        address is resolved afresh) and let `watch` watch the new incarnation."""
+        self.gone.pop(proc_id, None)
 
     def peer_gone(self, notice: PeerGoneNotice) -> None:
         """The system declared a proc dead: close its Tx, drop routes, fail calls, watches."""

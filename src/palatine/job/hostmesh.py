@@ -180,6 +180,10 @@ class ProcMesh:
         self._hosts = hosts or []  # the hosts its procs run on (their output comes from them)
         self._ranks: list[int] | None = None  # a slice's procs (None: all of them)
         self._stopped = False
+        # What was spawned here (shared with slices), to spawn again on respawned procs:
+        # (name, class, args, kwargs, owner, ranks or None for all)
+        self._spawned: list[tuple[str, type[Actor], tuple[Any, ...], dict[str, Any], Any, Any]] = []
+        self._owner: Context | None = None  # who is told of dead procs (`_watch_procs`)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """A proc mesh travels as its world and dimensions: an actor that receives one
@@ -206,16 +210,18 @@ class ProcMesh:
                 keep.append(r)
         view = ProcMesh(self._client, self.world, self._dims, None, self._hosts)
         view._ranks = keep
+        view._spawned = self._spawned
         return view
 
-    async def _watch_procs(self, owner: Context | None) -> None:
+    async def _watch_procs(self, owner: Context | None, ranks: list[int] | None = None) -> None:
         """Tell ``owner`` (an actor's ``__supervise__``, or the script's unhandled-fault
-        hook) when a proc of this mesh dies, unless the mesh was being stopped. Call on
-        the loop, once the world is Live."""
+        hook) when a proc of this mesh (of ``ranks``) dies, unless the mesh was being
+        stopped. Call on the loop, once the procs are up."""
         client = self._client
         assert client is not None
+        self._owner = owner
         port = caller_supervision_port(owner)
-        procs = [self.world.proc(r) for r in range(len(self))]
+        procs = [self.world.proc(r) for r in (range(len(self)) if ranks is None else ranks)]
         # The system tells a proc of another's death once it resolved its address.
         await asyncio.gather(
             *(client.proc.address_of(p.actor("proc")) for p in procs), return_exceptions=True
@@ -280,7 +286,48 @@ class ProcMesh:
         if self._stopped:
             raise SpawnError(f"cannot spawn {name} on {self}: it was stopped")
         owner = _current_cx.get()
-        return runtime.submit(lambda: self._spawn(name, cls, args, kwargs, owner)).get()
+        mesh = runtime.submit(lambda: self._spawn(name, cls, args, kwargs, owner)).get()
+        self._spawned.append((name, cls, args, kwargs, owner, self._ranks))
+        return mesh
+
+    def respawn(self, ranks: list[int] | None = None) -> Future[list[int]]:
+        """Start the procs of this mesh that died (or ``ranks``) again, as new
+        incarnations on the hosts that ran them, and spawn on them every actor spawned
+        here before, from the same constructor arguments (their state starts afresh).
+        Calls to the dead incarnation have failed; calls from now on reach the new one.
+        A Future of the ranks started again ([] when none had died); it fails, within the
+        spawn timeout, when the system refuses or a proc does not come up."""
+        client = self._client
+        if client is None or self._release is None or self._ranks is not None:
+            raise PalatineError(
+                f"{self}: only the process that spawned a whole proc mesh respawns it"
+            )
+        if self._stopped:
+            raise SpawnError(f"cannot respawn procs of {self}: it was stopped")
+        return runtime.submit(lambda: self._respawn(client, ranks))
+
+    async def _respawn(self, client: SystemClient, ranks: list[int] | None) -> list[int]:
+        if ranks is None:
+            snap = await client.snapshot([self.world.name])
+            w = snap.worlds.get(self.world.name)
+            alive = (
+                {ProcId.parse(p).rank for p, e in w.procs.items() if e.health == "Alive"}
+                if w
+                else set()
+            )
+            ranks = [r for r in range(len(self)) if r not in alive]
+        if not ranks:
+            return []
+        await client.respawn(self.world.name, ranks)
+        for r in ranks:
+            client.proc.peer_back(self.world.proc(r))
+        await _wait_live(client, self.world, lambda pid: "")
+        await self._watch_procs(self._owner, ranks)
+        for name, cls, args, kwargs, owner, spawned_on in list(self._spawned):
+            on = [r for r in ranks if spawned_on is None or r in spawned_on]
+            if on:
+                await self._spawn(name, cls, args, kwargs, owner, on)
+        return sorted(ranks)
 
     async def _spawn(
         self,
@@ -289,6 +336,7 @@ class ProcMesh:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         owner: Context | None = None,
+        only: list[int] | None = None,
     ) -> ActorMesh:
         params, _ = dumps((args, kwargs))
         type_name = actor_type_name(cls)
@@ -308,6 +356,8 @@ class ProcMesh:
         mb = owner.mailbox if owner is not None else caller_mailbox()
         timeout = config.get().spawn_procs_timeout_s
         ranks = self._ranks if self._ranks is not None else list(range(len(self)))
+        if only is not None:
+            ranks = only
         results = await asyncio.gather(
             *(mb.ask(self.world.proc(r).actor("proc"), msg, timeout) for r in ranks),
             return_exceptions=True,

@@ -72,6 +72,7 @@ __all__ = [
     "Joined",
     "Leave",
     "UpsertWorld",
+    "RespawnProcs",
     "WorldUpserted",
     "Snapshot",
     "SystemSnapshot",
@@ -321,6 +322,17 @@ class UpsertWorld(Message, kw_only=True):
     num_procs_per_host: int = 1
     env: WorldEnv = Local()
     labels: dict[str, str] = {}
+
+
+class RespawnProcs(Message, kw_only=True):
+    """Start a new incarnation of ``ranks`` of ``world_id``, whose procs failed, on the
+    hosts that ran them; replies `Ok` once the hosts are asked (the new procs then join
+    like any other, and the world is Live again when they have), or `Rejected` (a rank
+    that is alive or unknown, a host that is gone, a world that is not an active
+    `Exec` world). Meanwhile the world waits for them instead of being evicted."""
+
+    world_id: WorldId
+    ranks: list[int]
 
 
 class WorldUpserted(Message, kw_only=True):

@@ -27,6 +27,7 @@ from palatine.protocol.system import (
     ProcExited,
     Rejected,
     Resolve,
+    RespawnProcs,
     Snapshot,
     Stop,
     Subscribe,
@@ -190,6 +191,10 @@ class SystemActor(Actor):
 
     @handler
     def on_upsert_world(self, msg: UpsertWorld) -> None:
+        self._request(msg)
+
+    @handler
+    def on_respawn_procs(self, msg: RespawnProcs) -> None:
         self._request(msg)
 
     @handler

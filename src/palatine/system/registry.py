@@ -56,6 +56,7 @@ from palatine.protocol.supervision import (
 )
 from palatine.protocol.system import (
     AddressChanged,
+    Exec,
     FailedActorEntry,
     Join,
     Joined,
@@ -70,6 +71,7 @@ from palatine.protocol.system import (
     Rejected,
     Resolve,
     Resolved,
+    RespawnProcs,
     Snapshot,
     Stop,
     StopAck,
@@ -1091,6 +1093,7 @@ class SystemRegistry:
         Join: "handle_join",
         Leave: "handle_leave",
         UpsertWorld: "handle_upsert_world",
+        RespawnProcs: "handle_respawn_procs",
         Snapshot: "handle_snapshot",
         Stop: "handle_stop",
         WorldState: "handle_world_state",
@@ -1396,6 +1399,59 @@ class SystemRegistry:
             )
         )
         return WorldUpserted(status=world.world_status()), out
+
+    def handle_respawn_procs(self, msg: RespawnProcs, requester: ProcId | None = None) -> Result:
+        """`RespawnProcs`: `Ok` once each rank's host is asked to start it again, or
+        `Rejected`. The failed records are dropped first, so the world waits for the new
+        incarnations ("waiting for procs", not failing: no eviction) instead of failing."""
+        out: list[Instruction] = []
+        name = msg.world_id.name
+        world = self._worlds.get(name)
+        if world is None or not world.created or world.phase != ACTIVE or world.size is None:
+            why = "unknown" if world is None or not world.created else "not active"
+            return self._reject(msg, requester, "not_found", f"world {name} is {why}", out)
+        if world.env is None or not isinstance(world.env, Exec):
+            text = f"world {name} was not started by hosts (Exec): its procs cannot be respawned"
+            return self._reject(msg, requester, "invalid_argument", text, out)
+        nph = world.num_procs_per_host
+        plan: dict[int, list[int]] = {}
+        for r in sorted(set(msg.ranks)):
+            if not 0 <= r < world.size:
+                text = f"rank {r} out of range for world {name} of size {world.size}"
+                return self._reject(msg, requester, "invalid_argument", text, out)
+            rec = world.procs.get(r)
+            if rec is not None and not rec.failed:
+                text = f"{rec.proc_id} is alive: only a failed proc is respawned"
+                return self._reject(msg, requester, "conflict", text, out)
+            host = world.hosts.get(r // nph)
+            if host is None or not host.alive or host.stop_sent:
+                text = f"the host of {world.world_id.proc(r)} is gone: it cannot be respawned there"
+                return self._reject(msg, requester, "conflict", text, out)
+            plan.setdefault(host.proc_id.rank, []).append(r)
+        for host_rank, ranks in plan.items():
+            for r in ranks:
+                rec = world.procs.get(r)
+                if rec is not None:
+                    self._drop_record(rec, out)  # its resolvers heard of its end already
+            host = world.hosts[host_rank]
+            lo = host_rank * nph
+            spawn = SpawnProc(
+                world_id=world.world_id,
+                env=world.env,
+                procs=[
+                    ProcAssignment(proc_id=world.world_id.proc(r), rank=r, local_rank=r - lo)
+                    for r in ranks
+                ],
+                world_size=world.size,
+                local_world_size=len(host_ranks(host_rank, nph, world.size)),
+            )
+            token = SpawnToken(
+                world.name, world.incarnation, host.proc_id, host.incarnation, tuple(ranks)
+            )
+            out.append(Ask(agent_of(host.proc_id), spawn, self.rpc_timeout_s, token))
+        out.append(Log(logging.INFO, f"respawning {name} ranks {sorted(msg.ranks)}"))
+        self._evaluate(world, self._clock(), out)
+        return Ok(), out
 
     def _assign(self, world: WorldRecord, host: ProcRecord, out: list[Instruction]) -> None:
         """Send host ``host`` its ranks of ``world`` (once per host and world incarnation)."""

@@ -20,6 +20,7 @@ from palatine.ids import SYSTEM_ACTOR, SYSTEM_PROC, PortId, ProcId, WorldId, ran
 from palatine.protocol.system import (
     Exec,
     Local,
+    RespawnProcs,
     Snapshot,
     SnapshotFilter,
     Stop,
@@ -122,6 +123,11 @@ class SystemClient:
             labels=labels or {},
         )
         return cast(WorldUpserted, await self.ask(upsert))
+
+    async def respawn(self, world: str, ranks: list[int]) -> None:
+        """Start failed ``ranks`` of ``world`` again (`RespawnProcs`); raises
+        `SystemRequestError` when the system refuses."""
+        await self.ask(RespawnProcs(world_id=WorldId(world), ranks=ranks))
 
     async def stop(self, worlds: list[str] | None = None, proc_timeout_s: float = 5.0) -> StopAck:
         ws = [WorldId(w) for w in worlds] if worlds else None
