@@ -157,6 +157,25 @@ class Pid(Actor):
         return dict(point), point.rank, palatine.current_size()  # type: ignore[attr-defined]
 
 
+class Planner(Actor):
+    """Spawns proc meshes of its own on the job's hosts it was passed."""
+
+    @endpoint
+    def spread(self, hosts: object) -> list[int]:
+        procs = hosts.spawn_procs(per_host={"gpus": 1})  # type: ignore[attr-defined]
+        pids = list(procs.spawn("pid", Pid).pid.call().get().values())
+        procs.stop().get(timeout=30)
+        return pids
+
+
+def test_a_job_host_mesh_passed_to_an_actor_spawns_proc_meshes_there() -> None:
+    with LocalJob(hosts=2, procs_per_host=1) as job:
+        hosts = job.host_mesh()
+        planners = hosts.spawn_procs(per_host={"procs": 1}).spawn("planner", Planner)
+        pids = planners.slice(hosts=0).spread.call_one(hosts).get(timeout=120)
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+
+
 def test_a_local_jobs_host_mesh_spawns_proc_meshes_on_its_hosts_and_stops_them() -> None:
     with LocalJob(hosts=2, procs_per_host=1) as job:
         hosts = job.host_mesh()

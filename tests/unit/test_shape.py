@@ -43,3 +43,14 @@ def test_a_value_mesh_pairs_points_with_values_and_picks_one() -> None:
     assert part.item() == "b"
     with pytest.raises(KeyError, match="no value at"):
         part.item(hosts=1, gpus=1)
+
+
+def test_a_value_mesh_slices_by_dimension_and_keeps_each_values_point() -> None:
+    vm = ValueMesh([("hosts", 2), ("gpus", 3)], list(range(6)), [f"v{r}" for r in range(6)])
+    one = vm.slice(hosts=1)
+    assert one.values() == ["v3", "v4", "v5"]
+    assert [dict(p) for p, _ in one.items()] == [{"hosts": 1, "gpus": g} for g in range(3)]
+    assert vm.slice(gpus=slice(0, 2)).values() == ["v0", "v1", "v3", "v4"]
+    assert vm.slice(hosts=0, gpus=2).item(hosts=0, gpus=2) == "v2"
+    with pytest.raises(ValueError, match="unknown dimension 'x'"):
+        vm.slice(x=0)

@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -530,16 +531,31 @@ class JobHosts:
     """
 
     def __init__(
-        self, system_addr: str, token: str, host_world: str, hosts: int, python: str
+        self,
+        system_addr: str,
+        token: str,
+        host_world: str,
+        hosts: int,
+        python: str,
+        names: str = "procs",
     ) -> None:
         self.system_addr = system_addr
         self._token = token
         self.host_world = WorldId(host_world)
         self.hosts = hosts
+        self._python = python
         self._program = f"{python} -m palatine worker"
         self._client: SystemClient | None = None
+        self._names = names  # the proc meshes' world names: <names><k>
         self._counter = itertools.count()
         self._meshes: list[ProcMesh] = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """The job's hosts, usable from another process (an actor spawns proc meshes on
+        them): it attaches to the job's system itself, and names its worlds apart."""
+        names = f"{self._names}{os.getpid()}x{next(self._counter)}p"
+        args = (self.system_addr, self._token, self.host_world.name, self.hosts, self._python)
+        return (JobHosts, (*args, names))
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -571,7 +587,8 @@ class JobHosts:
         n = math.prod(size for _, size in dims)
         client = await self._attach()
         k = next(self._counter)
-        world, host_world = WorldId(f"procs{k}"), WorldId(f"hostprocs{k}")
+        world = WorldId(f"{self._names}{k}")
+        host_world = WorldId(f"host{world.name}")
         timeout = config.get().spawn_procs_timeout_s
         agents = [self.host_world.proc(h).actor("proc") for h in range(self.hosts)]
         mesh: ProcMesh | None = None

@@ -65,6 +65,26 @@ class ValueMesh:
         for r, v in zip(self._ranks, self._values, strict=True):
             yield extent.point(r), v
 
+    def slice(self, **sel: int | slice) -> ValueMesh:
+        """The values of some ranks, by dimension (``vm.slice(hosts=1)``,
+        ``vm.slice(gpus=slice(0, 2))``), keeping the mesh's shape and the ranks' points."""
+        extent = Extent.of(self._dims)
+        for k in sel:
+            if k not in extent.labels:
+                raise ValueError(f"unknown dimension {k!r}; this mesh has {list(extent.labels)}")
+        ranks, values = [], []
+        for r, v in zip(self._ranks, self._values, strict=True):
+            point = extent.point(r)
+            if all(
+                point[k] in range(extent.sizes[extent.labels.index(k)])[s]
+                if isinstance(s, slice)
+                else point[k] == s
+                for k, s in sel.items()
+            ):
+                ranks.append(r)
+                values.append(v)
+        return ValueMesh(self._dims, ranks, values)
+
     def flatten(self, name: str) -> ValueMesh:
         """The same values over one dimension ``name``."""
         return ValueMesh([(name, math.prod(s for _, s in self._dims))], self._ranks, self._values)
