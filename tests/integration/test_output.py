@@ -112,7 +112,9 @@ def test_four_ranks_printing_5000_lines_each_finish_and_every_line_reaches_the_u
     assert not any((tmp_path / "logs").iterdir())
 
 
-def test_one_rank_printing_50_mb_finishes_and_its_log_has_all_of_it(tmp_path: Path) -> None:
+def test_one_rank_printing_50_mb_finishes_its_log_has_all_of_it_and_the_client_stays_small(
+    tmp_path: Path,
+) -> None:
     code, out, err, took = run_script(
         tmp_path,
         """
@@ -143,6 +145,8 @@ def test_one_rank_printing_50_mb_finishes_and_its_log_has_all_of_it(tmp_path: Pa
                         break
                 time.sleep(0.1)
             print("LOGGED", lines)
+            import resource
+            print("PEAK_RSS_MB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
         """,
         timeout_s=150,
     )
@@ -151,6 +155,11 @@ def test_one_rank_printing_50_mb_finishes_and_its_log_has_all_of_it(tmp_path: Pa
     assert "LOGGED 500000" in out
     assert_shown_or_said(err, "x" * 99, 500_000)
     assert took < 120
+    # The client's memory stays bounded: what waits for its console is at most
+    # PALATINE_CONSOLE_BUFFER (4 MiB) in the sink's writer plus one batch (256 KiB) per
+    # host in flight; its peak is its ordinary size plus that, far from the 50 MB printed.
+    peak = int(out.split("PEAK_RSS_MB ")[1].split()[0])
+    assert peak < 120, peak
 
 
 def test_a_role_writing_10_mb_to_stderr_never_stalls_and_its_warnings_reach_the_user(
