@@ -49,3 +49,20 @@ def test_the_basic_actor_example() -> None:
     lines = run_example("actors.py")
     assert lines[0] == "call: [1, 1, 1, 1]"
     assert lines[-1] == "stopped"
+
+
+def test_the_demos_console_shows_its_own_lines_and_nothing_internal() -> None:
+    env = dict(os.environ)
+    env.pop("PALATINE_CLUSTER_TOKEN", None)
+    env.pop("PALATINE_LOG_LEVEL", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "palatine", "demo", "--steps", "20"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stdout.splitlines()[-1] == "replicas identical on 4/4 ranks"
+    # nothing palatine says for itself at INFO, no ready lines, nothing at all on stderr
+    assert out.stderr == "", out.stderr[-3000:]
