@@ -41,7 +41,7 @@ import cloudpickle  # noqa: E402
 from _common import parse_args, rate_rep, run_metric  # noqa: E402
 
 from palatine import Actor, DeviceException, endpoint, fetch, inspect, remote  # noqa: E402
-from palatine.job.hostmesh import JobHosts  # noqa: E402
+from palatine.job.jobhosts import JobHosts  # noqa: E402
 from palatine.tensor.client.local import connect  # noqa: E402
 from palatine.testing.bedroles import roles_on_bed  # noqa: E402
 from palatine.testing.netns import TestBed, unavailable  # noqa: E402

@@ -88,7 +88,8 @@ if TYPE_CHECKING:
         ValueTooLarge,
     )
     from palatine.job.controllers import get_or_spawn_controller
-    from palatine.job.hostmesh import HostMesh, ProcMesh, this_host
+    from palatine.job.hostmesh import HostMesh, this_host
+    from palatine.job.procmesh import ProcMesh
     from palatine.mesh.accumulator import Accumulator
     from palatine.mesh.actor_mesh import ActorMesh, ActorRef, ValueMesh, send
     from palatine.system.service import System
@@ -133,7 +134,7 @@ _WHERE = {
     "SchedulerError": "palatine.errors",
     "CallTimeout": "palatine.errors",
     "HostMesh": "palatine.job.hostmesh",
-    "ProcMesh": "palatine.job.hostmesh",
+    "ProcMesh": "palatine.job.procmesh",
     "Stream": "palatine.tensor.client",
     "Port": "palatine.core.ports",
     "PortReceiver": "palatine.core.ports",

@@ -254,7 +254,7 @@ def test_a_thread_waiting_on_a_lane_to_a_cut_off_node_fails_within_the_heartbeat
     bed: TestBed, transport: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from palatine.errors import PeerGoneError
-    from palatine.job.hostmesh import JobHosts
+    from palatine.job.jobhosts import JobHosts
 
     pki = None
     if transport == "tls":

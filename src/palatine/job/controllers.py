@@ -22,7 +22,8 @@ from palatine.errors import MeshFailure, PalatineError
 from palatine.hosting.child_env import Handoff
 from palatine.ids import SYSTEM_PROC, ActorId
 from palatine.job import hostmesh
-from palatine.job.hostmesh import ProcMesh, this_host
+from palatine.job.hostmesh import this_host
+from palatine.job.procmesh import ProcMesh
 from palatine.mesh.actor_mesh import ActorMesh, ActorRef
 
 __all__ = ["ControllerRegistry", "get_or_spawn_controller", "REGISTRY_NAME"]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from palatine.channel.token import token_env
 from palatine.hosting.child_env import Handoff
-from palatine.job.hostmesh import JobHosts
+from palatine.job.jobhosts import JobHosts
 from palatine.tensor.client.local import LocalCluster, check_shape, connect, start_local
 
 if TYPE_CHECKING:

@@ -43,7 +43,7 @@ from palatine.channel.token import token_env
 from palatine.errors import SchedulerError
 from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import check_open_files
-from palatine.job.hostmesh import JobHosts
+from palatine.job.jobhosts import JobHosts
 from palatine.output.logs import LogSession
 from palatine.tensor.client.local import LocalCluster, check_shape, connect
 

@@ -65,25 +65,24 @@ class SystemCollector(Collector):
         procs = GaugeMetricFamily(
             "palatine_procs", "Procs by world and health.", labels=["world", "health"]
         )
+        per_proc = ["world", "proc", "host"]
         age = GaugeMetricFamily(
             "palatine_proc_heartbeat_age_seconds",
             "Seconds since each live proc's last heartbeat.",
-            labels=["world", "proc", "host"],
+            labels=per_proc,
         )
         lag = GaugeMetricFamily(
             "palatine_proc_loop_lag_seconds",
             "Event-loop lag each live proc last reported.",
-            labels=["world", "proc", "host"],
+            labels=per_proc,
         )
-        delivered = CounterMetricFamily(
-            "palatine_proc_messages_delivered",
-            "Messages delivered to each proc's actors (as of its last heartbeat).",
-            labels=["world", "proc", "host"],
-        )
-        delivered_bytes = CounterMetricFamily(
-            "palatine_proc_bytes_delivered",
-            "Payload bytes delivered to each proc's actors (as of its last heartbeat).",
-            labels=["world", "proc", "host"],
+        delivered, delivered_bytes = (
+            CounterMetricFamily(
+                f"palatine_proc_{what}_delivered",
+                f"{doc} delivered to each proc's actors (as of its last heartbeat).",
+                labels=per_proc,
+            )
+            for what, doc in (("messages", "Messages"), ("bytes", "Payload bytes"))
         )
         invocations = CounterMetricFamily(
             "palatine_controller_invocations",

@@ -5,7 +5,7 @@
 (host world ``hostworker``) inside each node's namespace, over ``tcp:`` or, given one
 certificate per machine (`palatine.testing.certs.make_node_pki`), mutual ``tls:``. The
 client then attaches as on a cluster: ``connect(roles.system_addr, "worker")`` for a
-`DeviceMesh`, or `palatine.job.hostmesh.JobHosts` for actor meshes. Every role is
+`DeviceMesh`, or `palatine.job.jobhosts.JobHosts` for actor meshes. Every role is
 killed when the block ends. The multi-node tests and ``bench/cross_node.py`` use it.
 """
 
