@@ -247,9 +247,10 @@ def test_mesh_shapes_reentrant_calls_and_a_proc_mesh_passed_to_an_actor() -> Non
     assert lines["STOPPED"].endswith("it was stopped")
 
 
-CONTROLLERS = """
-    import os
-    from palatine import Actor, endpoint, get_or_spawn_controller, this_host
+COUNTER = """
+    import os, signal, time
+    from palatine import Actor, endpoint, get_or_spawn_controller, set_unhandled_fault_hook
+    from palatine import this_host
 
     class Counter(Actor):
         def __init__(self, start):
@@ -258,27 +259,42 @@ CONTROLLERS = """
         @endpoint
         def incr(self):
             self.n += 1
-            return self.n, os.getpid()
+            return self.n
 
+        @endpoint
+        def pid(self):
+            return os.getpid()
+
+        @endpoint
+        def nap(self, s):
+            time.sleep(s)
+            return s
+"""
+
+
+CONTROLLERS = (
+    COUNTER
+    + """
     class User(Actor):
         @endpoint
         def use(self):
             c = get_or_spawn_controller("counter", Counter, 100).get()
-            return c.incr.call_one().get()
+            return c.incr.call_one().get(), c.pid.call_one().get()
 
     first = get_or_spawn_controller("counter", Counter, 100).get(timeout=60)
-    n, pid = first.incr.call_one().get(timeout=20)
+    n, pid = first.incr.call_one().get(timeout=20), first.pid.call_one().get(timeout=20)
     print("FIRST", n, pid != os.getpid())
     procs = this_host().spawn_procs(per_host={"procs": 2})
     users = procs.spawn("user", User)
     got = users.use.call().get(timeout=60).values()
     print("USERS", sorted(n for n, _ in got), {p for _, p in got} == {pid})
     again = get_or_spawn_controller("counter", Counter, 0).get(timeout=20)
-    print("AGAIN", again.incr.call_one().get(timeout=20)[0])
+    print("AGAIN", again.incr.call_one().get(timeout=20))
     other = get_or_spawn_controller("other", Counter, 0).get(timeout=60)
-    print("OTHER", other.incr.call_one().get(timeout=20)[0])
+    print("OTHER", other.incr.call_one().get(timeout=20))
     procs.stop().get(timeout=20)
 """
+)
 
 
 def test_get_or_spawn_controller_gives_one_actor_per_name_to_everyone() -> None:
@@ -330,31 +346,13 @@ def test_a_dead_proc_of_a_mesh_is_reported_to_its_owner() -> None:
     assert lines["STOPS_REPORTED"] == "1"  # stopping meshes is not a failure
 
 
-RESPAWN = """
-    import os, signal, time
-    from palatine import Actor, endpoint, set_unhandled_fault_hook, this_host
+RESPAWN = (
+    COUNTER
+    + """
     from palatine.errors import SystemRequestError
 
     got = []
     set_unhandled_fault_hook(got.append)
-
-    class Counter(Actor):
-        def __init__(self, start):
-            self.n = start
-
-        @endpoint
-        def incr(self):
-            self.n += 1
-            return self.n
-
-        @endpoint
-        def pid(self):
-            return os.getpid()
-
-        @endpoint
-        def nap(self, s):
-            time.sleep(s)
-            return s
 
     procs = this_host().spawn_procs(per_host={"procs": 2})
     counters = procs.spawn("c", Counter, 10)
@@ -382,6 +380,7 @@ RESPAWN = """
     print("HOOKED", len(got))
     procs.stop().get(timeout=20)
 """
+)
 
 
 def test_a_proc_mesh_respawns_its_dead_procs_with_their_actors() -> None:
