@@ -60,6 +60,9 @@ __all__ = [
     "send",
     "MeshFailure",
     "get_or_spawn_controller",
+    "resync",
+    "LostValue",
+    "RecoveryError",
 ]
 
 if TYPE_CHECKING:
@@ -79,8 +82,10 @@ if TYPE_CHECKING:
     from palatine.errors import (
         CallTimeout,
         DeviceException,
+        LostValue,
         MeshFailure,
         PalatineError,
+        RecoveryError,
         RemoteException,
         SchedulerError,
         StuckWorkersException,
@@ -93,6 +98,7 @@ if TYPE_CHECKING:
     from palatine.mesh.accumulator import Accumulator
     from palatine.mesh.actor_mesh import ActorMesh, ActorRef, ValueMesh, send
     from palatine.system.service import System
+    from palatine.tensor.client.collectives import resync
     from palatine.tensor.client.local import connect, local_mesh
     from palatine.tensor.client.mesh import DeviceMesh
     from palatine.tensor.client.remote import fetch, inspect, remote
@@ -143,6 +149,9 @@ _WHERE = {
     "send": "palatine.mesh.actor_mesh",
     "MeshFailure": "palatine.errors",
     "get_or_spawn_controller": "palatine.job.controllers",
+    "resync": "palatine.tensor.client",
+    "LostValue": "palatine.errors",
+    "RecoveryError": "palatine.errors",
 }
 
 

@@ -272,6 +272,21 @@ class MeshFailure(PalatineError):
         )
 
 
+class LostValue(PalatineError):
+    """A remote value was lost with a rank that died (and was respawned by a recovery):
+    fetching it from that rank, or using it on a mesh that includes the rank, raises
+    this. ``ranks`` are the ranks it was lost on; elsewhere it is still valid."""
+
+    def __init__(self, message: str, ranks: Any = ()) -> None:
+        super().__init__(message)
+        self.ranks = sorted(ranks)
+
+
+class RecoveryError(PalatineError):
+    """A recovery (`palatine.DeviceMesh.recover`) could not complete: no host left for a
+    rank, a proc that did not start again, a timeout. The mesh stays failed."""
+
+
 class SystemRequestError(PalatineError):
     """The system (or a proc agent) answered a request with ``Rejected{code, message}``."""
 

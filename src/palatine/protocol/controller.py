@@ -200,6 +200,10 @@ class ControllerParams(msgspec.Struct, frozen=True, kw_only=True):
     client_liveness_timeout_s: float = 30.0
     system_loss_timeout_s: float = 10.0
     worker_procs: list[WorkerProcRecord] = []
+    # what a recovery needs to spawn a worker actor on a respawned proc (`Recover`)
+    worker_actor_type: str = "palatine.tensor.worker.WorkerActor"
+    worker_device_index: int | None = None
+    spawn_timeout_s: float = 120.0
 
 
 # --------------------------------------------------------------------------- client -> controller
@@ -212,6 +216,22 @@ class Attach(Message, kw_only=True):
     """
 
     client: ActorId
+
+
+class Recover(Message, kw_only=True):
+    """The client asks (an ``ask``) to bring lost ranks back: ``ranks``, or every rank the
+    controller knows dead. The controller has the system respawn their procs, spawns a
+    worker actor on each, and counts them as having completed every seq so far. Replies
+    `Recovered`; a recovery that cannot complete raises (an error reply) within
+    ``spawn_timeout_s``."""
+
+    ranks: list[int] | None = None
+
+
+class Recovered(Message, kw_only=True):
+    """Reply to `Recover`: the ranks that run again (a new incarnation each)."""
+
+    ranks: list[int]
 
 
 class AttachReply(Message, kw_only=True):

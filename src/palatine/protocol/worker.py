@@ -326,12 +326,16 @@ class RequestStatus(Message, kw_only=True, tag=True):
 
 
 class BackendNetworkInit(Message, kw_only=True, tag=True):
-    """Join the world-wide collective group through the store at ``store_addr``."""
+    """Join the world-wide collective group through the store at ``store_addr``.
+
+    ``generation`` counts the session's recoveries: a rank that joined an earlier
+    generation's group leaves it first (a group with a lost member is of no use)."""
 
     seq: int
     result: int
     store_addr: str
     stream: int
+    generation: int = 0
 
 
 class CreateProcessGroup(Message, kw_only=True, tag=True):

@@ -7,8 +7,9 @@ one back as a `palatine.Future`.
 
 from __future__ import annotations
 
+from palatine.tensor.client.collectives import resync
 from palatine.tensor.client.local import connect, local_mesh
-from palatine.tensor.client.mesh import DeviceMesh
+from palatine.tensor.client.mesh import DeviceMesh, Recovery
 from palatine.tensor.client.remote import fetch, inspect, remote
 from palatine.tensor.client.session import Stream
 from palatine.tensor.client.values import RemoteValue
@@ -22,4 +23,6 @@ __all__ = [
     "fetch",
     "inspect",
     "RemoteValue",
+    "Recovery",
+    "resync",
 ]

@@ -22,8 +22,9 @@ from palatine.protocol.worker import (
 from palatine.tensor.client.context import active_stream
 from palatine.tensor.client.remote import fetch, remote
 from palatine.tensor.client.values import RemoteValue, ValueMesh, capture_site
+from palatine.tensor.worker.functions import broadcast_state
 
-__all__ = ["ensure_collectives", "process_group", "reduce"]
+__all__ = ["ensure_collectives", "process_group", "reduce", "resync"]
 
 
 def ensure_collectives(mesh: ValueMesh) -> int:
@@ -46,7 +47,13 @@ def ensure_collectives(mesh: ValueMesh) -> int:
             return [
                 (
                     world,
-                    BackendNetworkInit(seq=seq, result=ctx, store_addr=store_addr, stream=main.id),
+                    BackendNetworkInit(
+                        seq=seq,
+                        result=ctx,
+                        store_addr=store_addr,
+                        stream=main.id,
+                        generation=session.generation,
+                    ),
                 )
             ]
 
@@ -168,3 +175,26 @@ def reduce(
     if in_place:
         return value
     return RemoteValue(session, result, mesh, value.stream, seq, f"reduce {op}")
+
+
+def resync(value: RemoteValue, src: int | None = None) -> None:
+    """After a recovery, make ``value`` on every rank of its mesh what it is on rank
+    ``src`` (by default the first rank the last recovery did not bring back): a model's
+    parameters and buffers, an optimizer's state, tensors, and dicts or lists of them
+    (`palatine.tensor.worker.functions.broadcast_state`), over the new collective group,
+    so data-parallel replicas are identical again. The lost ranks need a value of the
+    same structure first (``value.restore(make)``)."""
+    session = value.session
+    session.check_usable()
+    ranks = value.mesh.ranks
+    if src is None:
+        fresh = session.lost[-1][1] if session.lost else frozenset()
+        survivors = [r for r in ranks if r not in fresh]
+        if not survivors:
+            raise ValueError(f"no rank of {value!r} survived the last recovery to copy from")
+        src = survivors[0]
+    if src not in ranks:
+        raise ValueError(f"rank {src} is not a rank of {value!r}")
+    ensure_collectives(value.mesh)
+    with value.mesh.activate():
+        remote(broadcast_state, mutates=("value",))(value, src)

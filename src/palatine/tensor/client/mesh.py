@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import Any
 
 from palatine.protocol.worker import CreateDeviceMesh, CreateStream, Slice
 from palatine.tensor.client.collectives import process_group, reduce
 from palatine.tensor.client.context import activated
-from palatine.tensor.client.remote import remote
+from palatine.tensor.client.remote import remote, restore
 from palatine.tensor.client.session import Handle, LocalRoles, Session, Stream, shutdown_session
 from palatine.tensor.client.values import RemoteValue
 
@@ -25,6 +26,19 @@ class _MeshHandle(Handle):
     """The worker-side device-mesh view of a `DeviceMesh` (created on first use)."""
 
     __slots__ = ()
+
+
+class Recovery:
+    """What `DeviceMesh.recover` did: the ranks it brought back, and how long it took."""
+
+    __slots__ = ("ranks", "seconds")
+
+    def __init__(self, ranks: list[int], seconds: float) -> None:
+        self.ranks = ranks
+        self.seconds = seconds
+
+    def __repr__(self) -> str:
+        return f"Recovery(ranks={self.ranks}, seconds={self.seconds:.2f})"
 
 
 class DeviceMesh:
@@ -141,6 +155,7 @@ class DeviceMesh:
                 ]
             )
             self._handle = _MeshHandle(s, ref)
+            s.device_meshes.append((ref, list(self.names), self.slice_spec))
         return self._handle
 
     def rank(self, dim: str | tuple[str, ...]) -> RemoteValue:
@@ -157,6 +172,23 @@ class DeviceMesh:
 
     # `RemoteValue.reduce` of a value on this mesh (values sit below collectives).
     reduce_value = staticmethod(reduce)
+    restore_value = staticmethod(restore)
+
+    # ------------------------------------------------------------ recovery
+    def recover(self, ranks: list[int] | None = None, timeout: float = 120.0) -> Recovery:
+        """Bring back the ranks this mesh lost (``ranks``, or every rank the controller
+        knows dead) after a `palatine.DeviceException`, without restarting the job: each
+        is respawned as a new incarnation on its host and joins a new generation of
+        collectives (the next process group or reduce builds it over every rank).
+
+        Values that lived on the lost ranks are lost there (using or fetching them there
+        raises `palatine.errors.LostValue`; ``value.restore(make)`` makes them again) and
+        stay valid on the other ranks; `palatine.resync` copies a model's and an
+        optimizer's state from a surviving rank. Raises `palatine.errors.RecoveryError`,
+        within ``timeout``, when a rank cannot be brought back; the mesh stays failed."""
+        t0 = time.monotonic()
+        back = self.session.recover(ranks, timeout)
+        return Recovery(back, time.monotonic() - t0)
 
     # ------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float = 30.0, error: BaseException | None = None) -> None:

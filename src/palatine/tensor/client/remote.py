@@ -26,13 +26,14 @@ from palatine.tensor.client.values import (
     pickle_args,
 )
 
-__all__ = ["remote", "RemoteFunction", "fetch", "inspect"]
+__all__ = ["remote", "RemoteFunction", "fetch", "inspect", "restore"]
 
 
 def _checker(
-    mesh: ValueMesh, stream_id: int | None, stream_name: str = ""
+    mesh: ValueMesh, stream_id: int | None, stream_name: str = "", ranks: set[int] | None = None
 ) -> Callable[[Handle], None]:
-    ranks = set(mesh.ranks)
+    """What checks each handle a call on ``mesh`` (on ``ranks`` of it, when given) uses."""
+    ranks = set(mesh.ranks) if ranks is None else ranks
     session = mesh.session
 
     def check(h: Handle) -> None:
@@ -43,6 +44,7 @@ def _checker(
                 raise TypeError(f"{h!r} was dropped at {h.dropped_at.short()}")
             if not ranks <= set(h.mesh.ranks):
                 raise TypeError(f"{h!r} does not live on every rank of {mesh!r}")
+            session.check_not_lost(h, ranks)
             if stream_id is not None and h.stream.id != stream_id:
                 raise TypeError(
                     f"{h!r} lives on stream {h.stream.name!r}, not the call's stream "
@@ -166,6 +168,7 @@ def fetch(obj: Any, shard: Any = None) -> Future[Any]:
             raise TypeError(f"{v!r} was dropped at {v.dropped_at.short()}")
         if rank not in v.mesh.ranks:
             raise TypeError(f"{v!r} does not live on rank {rank}")
+        session.check_not_lost(v, {rank})
         if v.stream.id != stream.id:
             raise TypeError(f"{v!r} is on stream {v.stream.name!r}, {first!r} on {stream.name!r}")
     site = capture_site()
@@ -186,3 +189,36 @@ def fetch(obj: Any, shard: Any = None) -> Future[Any]:
 def inspect(obj: Any, shard: Any = None) -> Any:
     """``fetch(obj, shard).result()``."""
     return fetch(obj, shard).result()
+
+
+def restore(value: RemoteValue, fn: Any, *args: Any, **kwargs: Any) -> RemoteValue:
+    """Make ``value`` again on the ranks a recovery lost it on: ``fn(*args, **kwargs)``
+    runs on those ranks only and its result becomes ``value`` there (the other ranks keep
+    theirs). Returns ``value``, usable on its whole mesh again. ``value.restore(fn, ...)``
+    is the same."""
+    session = value.session
+    session.check_usable()
+    lost = sorted(session.lost_ranks(value.ref) & set(value.mesh.ranks))
+    if not lost:
+        return value
+    if value.borrow is not None:
+        raise TypeError(f"{value!r} is borrowed: restore the value it borrows")
+    site = capture_site()
+    fref, label = RemoteFunction(fn)._function()
+    checker = _checker(value.mesh, value.stream.id, value.stream.name, set(lost))
+    pickled, uses = pickle_args((args, kwargs), checker)
+
+    def commands(seq: int) -> list[tuple[Slice, Any]]:
+        call = CallFunction(
+            seq=seq,
+            results=[value.ref],
+            mutates=[],
+            function=fref,
+            args=pickled,
+            stream=value.stream.id,
+        )
+        return [(Slice(offset=r, sizes=[1], strides=[1]), call) for r in lost]
+
+    session.issue(f"restore {label}", [value.ref], uses, [], site=site, make_commands=commands)
+    session.restored[value.ref] = len(session.lost)
+    return value

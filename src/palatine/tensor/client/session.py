@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from palatine.core import runtime
 from palatine.core.actor import Actor, handler
 from palatine.core.future import Future
-from palatine.errors import DeviceException, RemoteException, StuckWorkersException
+from palatine.errors import (
+    DeviceException,
+    LostValue,
+    RecoveryError,
+    RemoteException,
+    StuckWorkersException,
+)
 from palatine.fastpath.blocking import LinkLost
 from palatine.fastpath.direct_tx import DirectTx
 from palatine.ids import ActorId, ProcId
@@ -38,6 +44,7 @@ from palatine.protocol.controller import (
     KeepAlive,
     Log,
     Node,
+    Recover,
     Result,
     Results,
     Send,
@@ -47,6 +54,8 @@ from palatine.protocol.worker import (
     BorrowDrop,
     BorrowLastUse,
     CommandGroup,
+    CreateDeviceMesh,
+    CreateStream,
     DeleteRefs,
     Err,
     Exit,
@@ -391,6 +400,14 @@ class Session:
         self._deferred_at_sweep = 0
         self._drop_lock = threading.Lock()
         self.collective_ref: int | None = None
+        # Recoveries (`recover`): how many, the refs each one lost on which ranks (every
+        # ref below the bound, on those ranks), the seqs it abandoned (their late Results
+        # are dropped quietly), and what a new incarnation must be given again.
+        self.generation = 0
+        self.lost: list[tuple[int, frozenset[int]]] = []
+        self.restored: dict[int, int] = {}  # ref -> the generation it was restored in
+        self.abandoned_below = 0
+        self.device_meshes: list[tuple[int, list[str], Slice]] = []
         #: The whole mesh of the session (set by `connect`): collectives start on its rank 0.
         self.root_mesh: MeshView | None = None
         self._keepalive: asyncio.TimerHandle | None = None
@@ -410,6 +427,68 @@ class Session:
             raise RuntimeError("mesh was shut down")
         if self.failure is not None:
             raise self.failure
+
+    # ------------------------------------------------------------ recovery
+    def lost_ranks(self, ref: int) -> frozenset[int]:
+        """The ranks value ``ref`` was lost on by recoveries (and not restored since)."""
+        out: frozenset[int] = frozenset()
+        since = self.restored.get(ref, 0)
+        for i, (bound, ranks) in enumerate(self.lost):
+            if ref < bound and i >= since:
+                out |= ranks
+        return out
+
+    def check_not_lost(self, value: Any, ranks: set[int]) -> None:
+        """Raise `LostValue` when ``value`` is needed on a rank where a recovery lost it."""
+        if not self.lost:
+            return
+        gone = self.lost_ranks(value.ref) & ranks
+        if gone:
+            where = ", ".join(str(r) for r in sorted(gone))
+            raise LostValue(
+                f"{value!r} was lost with rank {where}: the rank died and was started again "
+                "by a recovery; it is still valid on the other ranks (value.restore(fn) "
+                "makes it again on the lost ranks)",
+                gone,
+            )
+
+    def recover(self, ranks: list[int] | None, timeout_s: float) -> list[int]:
+        """Bring lost ranks back (`DeviceMesh.recover`): the controller respawns them;
+        then this session forgets its failure, marks every existing value lost on those
+        ranks, starts a new generation of collectives, and gives the new incarnations
+        the streams and device meshes the others have. The ranks recovered."""
+        if self.closed:
+            raise RuntimeError("mesh was shut down")
+        if self.failure is not None and self.failure.kind not in ("proc_failed", "stuck"):
+            raise RecoveryError(f"this failure cannot be recovered from: {self.failure}")
+        fut: Future[Any] = runtime.call(
+            lambda: self.mailbox.ask(self.controller, Recover(ranks=ranks), timeout_s)
+        )
+        try:
+            reply = fut.get(timeout_s + 5)
+        except Exception as e:
+            raise RecoveryError(f"recovery failed: {e}") from e
+        back = sorted(reply.ranks)
+        with self.lock:
+            if back:
+                self.lost.append((self.new_ref(), frozenset(back)))
+                self.abandoned_below = next(self._seq)
+                self.generation += 1
+                self.collective_ref = None
+                cmds: list[tuple[Slice, Message]] = []
+                for r in back:
+                    one = Slice(offset=r, sizes=[1], strides=[1])
+                    for name, sid in self.streams.items():
+                        cmds.append((one, CreateStream(id=sid, name=name, default=name == "main")))
+                    for ref, names, spec in self.device_meshes:
+                        if r in spec.ranks():
+                            cmds.append(
+                                (one, CreateDeviceMesh(result=ref, names=names, ranks=spec))
+                            )
+                self.failure = None
+                self.system_client.client.quiet_returns = False
+                self.send_commands(cmds)
+        return back
 
     def issue(
         self,
@@ -593,7 +672,9 @@ class Session:
             with self._result_event:
                 self._result_event.notify_all()
         if entry is None:
-            log.warning("protocol error: Result for unknown seq s%d", msg.seq)
+            if msg.seq >= self.abandoned_below and self.failure is None:
+                # (else a seq the session's failure abandoned: its Result is expected)
+                log.warning("protocol error: Result for unknown seq s%d", msg.seq)
             return
         res = msg.result
         if isinstance(res, Err):

@@ -37,6 +37,9 @@ class ValueMesh(MeshView, Protocol):
     reduce_value: Callable[..., RemoteValue]
     """The collective a value's `RemoteValue.reduce` runs (`collectives.reduce`)."""
 
+    restore_value: Callable[..., RemoteValue]
+    """What a value's `RemoteValue.restore` runs (`remote.restore`)."""
+
 
 @functools.lru_cache(maxsize=4096)
 def _is_ours(filename: str) -> bool:
@@ -174,6 +177,11 @@ class RemoteValue(Handle):
     ) -> RemoteValue:
         """A collective over ``dims`` of this value's mesh."""
         return self.mesh.reduce_value(self, dims, op, scatter, in_place, out, like)
+
+    def restore(self, fn: Any, *args: Any, **kwargs: Any) -> RemoteValue:
+        """After a recovery, make this value again on the ranks it was lost on, as
+        ``fn(*args, **kwargs)`` there; the other ranks keep theirs."""
+        return self.mesh.restore_value(self, fn, *args, **kwargs)
 
 
 _PLAIN = frozenset({int, float, bool, str, bytes, type(None)})

@@ -34,12 +34,15 @@ import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
+import msgspec
+
 from palatine import config
 from palatine.core.actor import Actor, handler
 from palatine.core.comm import Cast, RankSet, cast_envelope, normalize
 from palatine.core.proc import Proc
 from palatine.errors import error_text
-from palatine.ids import SYSTEM_ACTOR, ActorId, GangId, PortId
+from palatine.ids import SYSTEM_ACTOR, ActorId, GangId, PortId, ProcId
+from palatine.protocol.agent import Spawn
 from palatine.protocol.controller import (
     CONTROLLER_ACTOR_TYPE,
     Attach,
@@ -65,6 +68,8 @@ from palatine.protocol.controller import (
     LogLine,
     Node,
     QueryWorldState,
+    Recover,
+    Recovered,
     RemoteFunctionFailed,
     RequestStacks,
     Result,
@@ -76,9 +81,14 @@ from palatine.protocol.controller import (
     Status,
     SupervisionResult,
     Warn,
+    WorkerProcRecord,
 )
 from palatine.protocol.system import (
     ProcFailed,
+    Rejected,
+    RespawnProcs,
+    Snapshot,
+    SnapshotFilter,
     Stop,
     Subscribe,
     SystemStopping,
@@ -86,7 +96,7 @@ from palatine.protocol.system import (
     WorldState,
     WorldStatusChanged,
 )
-from palatine.protocol.worker import RequestStatus, Slice
+from palatine.protocol.worker import RequestStatus, Slice, WorkerParams
 from palatine.tensor.controller.history import History
 from palatine.tensor.controller.progress import ProgressMonitor
 from palatine.tensor.controller.stalls import collect_stall_report
@@ -430,6 +440,117 @@ class ControllerActor(Actor):
             mesh_failed=self.mesh_failed,
             stall_report_in_flight=bool(self.progress and self.progress.stall_report_in_flight),
         )
+
+    # ------------------------------------------------------------------ recovery
+
+    @handler
+    async def on_recover(self, msg: Recover) -> Recovered:
+        """Bring lost ranks back (`Recover`): respawn their procs through the system,
+        spawn a worker actor on each, count them as having passed every seq so far.
+
+        Every step is bounded by the spawn timeout; a failure raises (the client's
+        recovery fails with the reason) and leaves the session failed as before."""
+        if not self._from_client("Recover"):
+            raise RuntimeError("Recover from a stranger")
+        p = self.params
+        supervision = self.supervision
+        assert supervision is not None  # (made in init)
+        ranks = sorted(set(msg.ranks if msg.ranks is not None else supervision.dead_ranks))
+        if not ranks:
+            return Recovered(ranks=[])
+        for r in ranks:
+            if not 0 <= r < p.world_size:
+                raise ValueError(f"rank {r} is not in the worker world of {p.world_size}")
+        mb = self.cx.mailbox
+        proc = Proc.of(self.cx)
+        deadline = self._now() + p.spawn_timeout_s
+        reply = await mb.ask(
+            SYSTEM_ACTOR, RespawnProcs(world_id=p.worker_world, ranks=ranks), p.spawn_timeout_s
+        )
+        if isinstance(reply, Rejected):
+            raise reply.to_error()
+        procs = {r: p.worker_world.proc(r) for r in ranks}
+        records = await self._await_joined(procs, deadline)
+        for pid in procs.values():
+            proc.peer_back(pid)
+        params = {
+            r: WorkerParams(
+                world_size=p.world_size,
+                rank=r,
+                device_index=p.worker_device_index,
+                controller_actor=self.cx.actor_id,
+            )
+            for r in ranks
+        }
+        spawned = await asyncio.gather(
+            *(
+                mb.ask(
+                    procs[r].actor("proc"),
+                    Spawn(
+                        actor_type=p.worker_actor_type,
+                        actor_name=p.worker_name,
+                        params=msgspec.msgpack.encode(params[r]),
+                    ),
+                    max(0.1, deadline - self._now()),
+                )
+                for r in ranks
+            ),
+            return_exceptions=True,
+        )
+        for r, res in zip(ranks, spawned, strict=True):
+            if isinstance(res, BaseException):
+                raise RuntimeError(f"the worker actor of rank {r} did not start: {res}") from res
+        # The new incarnations have passed everything issued so far: they never saw it.
+        after = (self.history.max_seq or 0) + 1
+        reports: list[tuple[int, Any]] = []
+        for r in ranks:
+            self.history.update_deadline_tracking(r, after)
+            reports.extend(self.history.rank_completed(r, after))
+        supervision.revive(ranks, records)
+        self.mesh_failed = supervision.failed
+        if reports:
+            self._results(reports)
+        log.info("recovered ranks %s of %s", ranks, p.worker_world)
+        return Recovered(ranks=ranks)
+
+    async def _await_joined(
+        self, procs: dict[int, ProcId], deadline: float
+    ) -> dict[int, WorkerProcRecord]:
+        """Wait (until ``deadline``) until every respawned proc has joined alive; their
+        records. A proc that fails while starting fails the wait, naming it."""
+        flt = SnapshotFilter(worlds=[self.params.worker_world])
+        mb = self.cx.mailbox
+        while True:
+            snap = await mb.ask(
+                SYSTEM_ACTOR, Snapshot(filter=flt), max(0.1, deadline - self._now())
+            )
+            w = snap.worlds.get(self.params.worker_world.name)
+            entries = {r: w.procs.get(str(pid)) if w else None for r, pid in procs.items()}
+            if all(e is not None and e.health == "Alive" for e in entries.values()):
+                return {
+                    r: WorkerProcRecord(
+                        rank=r,
+                        proc_id=procs[r],
+                        pid=e.pid,
+                        host=e.host,
+                        addr=e.addr,
+                        host_proc=ProcId.parse(e.host_proc) if e.host_proc else None,
+                    )
+                    for r, e in entries.items()
+                    if e is not None
+                }
+            for r, e in entries.items():
+                if e is not None and e.health != "Alive":
+                    raise RuntimeError(
+                        f"{procs[r]} failed while starting again: {e.reason or e.health}"
+                    )
+            if self._now() > deadline:
+                waiting = [str(procs[r]) for r, e in entries.items() if e is None]
+                raise TimeoutError(
+                    f"{', '.join(waiting)} did not start again within "
+                    f"{self.params.spawn_timeout_s:g} s"
+                )
+            await asyncio.sleep(0.01)
 
     # ------------------------------------------------------------------ workers
 

@@ -205,6 +205,7 @@ def _controller_params(
     system_addr: str,
     timeouts: ControllerTimeouts,
     records: list[WorkerProcRecord],
+    actor_type: str = WORKER_ACTOR_TYPE,
 ) -> ControllerParams:
     return ControllerParams(
         world_size=cmd.world_size,
@@ -224,6 +225,9 @@ def _controller_params(
             None, cmd.supervision_update_interval_in_sec
         ),
         worker_procs=records,
+        worker_actor_type=actor_type,
+        worker_device_index=None if cmd.is_cpu_worker else 0,
+        spawn_timeout_s=timeouts.spawn_s,
     )
 
 
@@ -310,7 +314,7 @@ async def run_controller(
         if handle is None:
             raise _Stopped(f"stopped while starting controller proc {actor_id.proc}")
         # 5. the ControllerActor, through the proc agent
-        params = _controller_params(cmd, actor_id, str(addr), timeouts, records)
+        params = _controller_params(cmd, actor_id, str(addr), timeouts, records, actor_type)
         spawn = Spawn(
             actor_type=CONTROLLER_ACTOR_TYPE,
             actor_name=actor_id.name,

@@ -462,6 +462,18 @@ class SupervisionMonitor:
             return self.system_lost_failure(now)
         return []
 
+    def revive(self, ranks: Iterable[int], records: dict[int, WorkerProcRecord]) -> None:
+        """``ranks`` run again (a recovery): a new incarnation of each proc, watched anew
+        (its failure is reported again), with its new pid and host for reports."""
+        for r in ranks:
+            self.dead_ranks.discard(r)
+            record = records.get(r)
+            if record is not None:
+                self.reported_procs.discard(record.proc_id)
+                self._records[r] = record
+        if not self.dead_ranks and not self._world_gone and not self._system_lost:
+            self._failures = 0
+
     def _report(self, rank: int, state: ProcSupervisionState) -> list[Instruction]:
         """One Failure for a newly failed proc; nothing for a healthy or reported one."""
         if not is_failed(state) or state.proc_id in self.reported_procs:

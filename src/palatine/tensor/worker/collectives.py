@@ -286,9 +286,18 @@ def _backend_network_init(stream: StreamView, cmd: BackendNetworkInit) -> None:
 
     w = stream.worker
     if dist.is_initialized():
-        raise RuntimeError(
-            f"torch.distributed is already initialised in the process of worker rank {w.rank}"
-        )
+        if cmd.generation <= w.collective_generation:
+            raise RuntimeError(
+                f"torch.distributed is already initialised in the process of worker rank {w.rank}"
+            )
+        # A recovery: the group of an earlier generation lost a member; leave it.
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - its peers may be gone: rejoin anyway
+            log.info("rank %d: leaving the old collective group: %s", w.rank, e)
+        w.groups.clear()
+        w.reduce_groups.clear()
+        w.collective = None
     host, port = _split_addr(cmd.store_addr)
     timeout = datetime.timedelta(seconds=collective_timeout_s())
     store = dist.TCPStore(  # type: ignore[attr-defined]
@@ -304,7 +313,8 @@ def _backend_network_init(stream: StreamView, cmd: BackendNetworkInit) -> None:
         device = torch.device("cuda", w.device_index)
         kwargs["device_id"] = device
     bind_to_interface_of(w.store_host)
-    prefixed = dist.PrefixStore("palatine/pg/", store)  # type: ignore[attr-defined]
+    prefix = "palatine/pg/" if cmd.generation == 0 else f"palatine/pg{cmd.generation}/"
+    prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
     dist.init_process_group(
         backend,
         store=prefixed,
@@ -316,6 +326,7 @@ def _backend_network_init(stream: StreamView, cmd: BackendNetworkInit) -> None:
     ctx = CollectiveContext(backend, store, dist.group.WORLD, device)
     w.groups[cmd.result] = ctx
     w.collective = ctx
+    w.collective_generation = cmd.generation
     log.info("rank %d joined the collective group (%s, %d ranks)", w.rank, backend, w.world_size)
 
 

@@ -183,6 +183,7 @@ class WorkerState:
         self.groups: dict[int, Any] = {}
         self.reduce_groups: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.collective: Any = None  # CollectiveContext | SeqError | None
+        self.collective_generation = 0  # of the group it joined (`BackendNetworkInit`)
         self.collective_pending: threading.Event | None = None  # set when an init finished
         self.borrows: dict[int, Borrow] = {}
         self.functions = _FUNCTIONS
