@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import signal
 import sys
 import time
 from typing import Any
 
-__all__ = ["init_state", "train_step", "evaluate", "main", "add_arguments", "run"]
+__all__ = [
+    "init_state",
+    "train_step",
+    "evaluate",
+    "rejoin",
+    "steps_done",
+    "main",
+    "add_arguments",
+    "run",
+]
 
 IN_FEATURES = 16
 
@@ -60,15 +71,26 @@ def init_state(pg: Any, seed: int, hidden: int, lr: float, batch_size: int) -> d
         "world": dist.get_world_size(pg),
         "batch": batch_size,
         "held": (x_held, teacher(x_held)),
+        "steps": 0,  # steps completed: where this rank's data stream is
     }
 
 
 def train_step(state: dict[str, Any]) -> float:
-    """Forward, backward, one all-reduce of gradients + loss (averaged), optimizer step."""
+    """Forward, backward, one all-reduce of gradients + loss (averaged), optimizer step.
+
+    A step whose all-reduce fails (a rank died) changes nothing, its data included, and
+    returns NaN: the state stays usable, and the step is taken again after a recovery.
+    It also leaves the process group, closing its connections: a rank still waiting in
+    the same all-reduce for this one then fails at once too, instead of waiting out the
+    collective timeout (gloo cannot abort a collective).
+    """
     import torch
     import torch.distributed as dist
 
     model, opt = state["model"], state["opt"]
+    if state["pg"] is None:  # it left the group after a failure: wait for a recovery
+        return math.nan
+    at = state["gen"].get_state()
     x = torch.randn(state["batch"], IN_FEATURES, generator=state["gen"])
     y = state["teacher"](x)
     opt.zero_grad(set_to_none=False)
@@ -76,7 +98,14 @@ def train_step(state: dict[str, Any]) -> float:
     loss.backward()  # type: ignore[no-untyped-call]
     params = [p for p in model.parameters()]
     flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
-    dist.all_reduce(flat, group=state["pg"])
+    try:
+        dist.all_reduce(flat, group=state["pg"])
+    except Exception:  # a peer is gone: leave everything as it was, and the group
+        state["gen"].set_state(at)
+        state["pg"] = None  # the last reference: its connections close now
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return math.nan
     flat /= state["world"]
     offset = 0
     for p in params:
@@ -84,7 +113,27 @@ def train_step(state: dict[str, Any]) -> float:
         p.grad.copy_(flat[offset : offset + n].view_as(p))
         offset += n
     opt.step()
+    state["steps"] += 1
     return float(flat[-1])
+
+
+def steps_done(state: dict[str, Any]) -> int:
+    """How many steps this rank has completed."""
+    return int(state["steps"])
+
+
+def rejoin(state: dict[str, Any], pg: Any, steps: int) -> None:
+    """After a recovery: train over the new process group ``pg``; a rank that starts
+    afresh moves its data stream to where the others are (``steps`` batches on), which
+    the user's code does the way its data is read."""
+    import torch
+    import torch.distributed as dist
+
+    state["pg"] = pg
+    state["world"] = dist.get_world_size(pg)
+    while state["steps"] < steps:
+        torch.randn(state["batch"], IN_FEATURES, generator=state["gen"])
+        state["steps"] += 1
 
 
 def evaluate(state: dict[str, Any]) -> tuple[float, float]:
@@ -101,6 +150,25 @@ def evaluate(state: dict[str, Any]) -> tuple[float, float]:
 # --------------------------------------------------------------------------- client side
 
 
+def _recover(mesh: Any, state: Any, args: argparse.Namespace, console: Any) -> tuple[Any, int]:
+    """Bring the lost rank back, give it the model and optimizer of a survivor and the
+    data position of the others; the step to go on at."""
+    from palatine import fetch, remote, resync
+
+    rec = mesh.recover()
+    pg = mesh.process_group()  # over the new generation of the collectives
+    state.restore(init_state, pg, args.seed, args.hidden, args.lr, args.batch_size)
+    survivor = next(r for r in range(len(mesh)) if r not in rec.ranks)
+    done = fetch(remote(steps_done)(state), shard=survivor).result()
+    remote(rejoin, mutates=("state",))(state, pg, done)
+    resync(state, src=survivor)
+    console.print(
+        f"recovered rank {', '.join(map(str, rec.ranks))} in {rec.seconds:.2f} s "
+        f"(state from rank {survivor}); going on at step {done + 1}"
+    )
+    return state, done + 1
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", type=int, default=1)
     p.add_argument("--procs-per-host", type=int, default=4)
@@ -113,6 +181,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--operation-timeout-in-sec", type=float, default=120.0)
     p.add_argument("--fail-on-worker-timeout", action="store_true")
+    p.add_argument(
+        "--kill-rank",
+        type=int,
+        default=None,
+        help="SIGKILL this rank's worker at --at-step (a fault), recover it and go on",
+    )
+    p.add_argument("--at-step", type=int, default=None, help="the step --kill-rank kills at")
     p.add_argument(
         "--connect",
         action="store_true",
@@ -134,9 +209,20 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from palatine import connect, fetch, local_mesh, remote
+    from palatine import DeviceException, connect, fetch, local_mesh, remote
 
     console = Console(stderr=False)
+    kill = args.kill_rank is not None
+    if kill:
+        if args.connect:
+            print("demo: --kill-rank kills a local worker; not with --connect", file=sys.stderr)
+            return 2
+        if args.at_step is None or not 1 <= args.at_step <= args.steps:
+            print(f"demo: --at-step must be from 1 to {args.steps}", file=sys.stderr)
+            return 2
+        if not 0 <= args.kill_rank < args.hosts * args.procs_per_host:
+            print("demo: --kill-rank must be a rank of the mesh", file=sys.stderr)
+            return 2
     t0 = time.monotonic()
     if args.connect:
         mesh = connect()
@@ -174,23 +260,43 @@ def main(args: argparse.Namespace) -> int:
             console=console,
             disable=not interactive,
         )
+        pids = [fetch(remote(os.getpid)(), shard=r).result() for r in range(n)] if kill else []
+        killed_at: float | None = None
+        resumed = False
         with progress:
             task = progress.add_task("train", total=args.steps, loss=math.nan, rate=0.0)
             next_print = 0.1
-            for step in range(1, args.steps + 1):
-                loss = step_fn(state)
-                if step == 1 or step % args.log_every == 0 or step == args.steps:
-                    last_loss = fetch(loss).result()
-                    if first_loss is None:
-                        first_loss = last_loss
-                    rate = step / max(time.monotonic() - t_train, 1e-9)
-                    progress.update(task, completed=step, loss=last_loss, rate=rate)
-                    if not interactive and step / args.steps >= next_print:
-                        print(
-                            f"step {step}/{args.steps} loss {last_loss:.4f} ({rate:.1f} steps/s)",
-                            flush=True,
-                        )
-                        next_print += 0.1
+            step = 1
+            while step <= args.steps:
+                if kill and killed_at is None and step == args.at_step:
+                    os.kill(pids[args.kill_rank], signal.SIGKILL)  # a fault, from outside
+                    killed_at = time.monotonic()
+                try:
+                    loss = step_fn(state)
+                    if step == 1 or step % args.log_every == 0 or step == args.steps or resumed:
+                        last_loss = fetch(loss).result()
+                except DeviceException as e:
+                    console.print(f"fault: {str(e).splitlines()[0]}")
+                    state, step = _recover(mesh, state, args, console)
+                    resumed = True
+                    continue
+                if resumed:
+                    assert killed_at is not None
+                    resumed = False
+                    console.print(
+                        f"step {step} done {time.monotonic() - killed_at:.2f} s after the kill"
+                    )
+                if first_loss is None:
+                    first_loss = last_loss
+                rate = step / max(time.monotonic() - t_train, 1e-9)
+                progress.update(task, completed=step, loss=last_loss, rate=rate)
+                if not interactive and step / args.steps >= next_print:
+                    print(
+                        f"step {step}/{args.steps} loss {last_loss:.4f} ({rate:.1f} steps/s)",
+                        flush=True,
+                    )
+                    next_print += 0.1
+                step += 1
         train_s = time.monotonic() - t_train
         results = [fetch(remote(evaluate)(state), shard=r).result() for r in range(n)]
         held = results[0][0]

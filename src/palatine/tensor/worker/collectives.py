@@ -285,19 +285,21 @@ def _backend_network_init(stream: StreamView, cmd: BackendNetworkInit) -> None:
     import torch.distributed as dist
 
     w = stream.worker
-    if dist.is_initialized():
-        if cmd.generation <= w.collective_generation:
-            raise RuntimeError(
-                f"torch.distributed is already initialised in the process of worker rank {w.rank}"
-            )
-        # A recovery: the group of an earlier generation lost a member; leave it.
-        try:
-            dist.destroy_process_group()
-        except Exception as e:  # noqa: BLE001 - its peers may be gone: rejoin anyway
-            log.info("rank %d: leaving the old collective group: %s", w.rank, e)
+    if cmd.generation > w.collective_generation:
+        # A recovery: the group of an earlier generation lost a member; leave it (unless
+        # the code that met the loss left it already).
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - its peers may be gone: rejoin anyway
+                log.info("rank %d: leaving the old collective group: %s", w.rank, e)
         w.groups.clear()
         w.reduce_groups.clear()
         w.collective = None
+    elif dist.is_initialized():
+        raise RuntimeError(
+            f"torch.distributed is already initialised in the process of worker rank {w.rank}"
+        )
     host, port = _split_addr(cmd.store_addr)
     timeout = datetime.timedelta(seconds=collective_timeout_s())
     store = dist.TCPStore(  # type: ignore[attr-defined]
