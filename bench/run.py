@@ -42,7 +42,9 @@ BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
 TORCH_PIN = "torch==2.13.0"
 
 OURS = "palatine"
-PEERS = ("torchmonarch", "ray", "distributed")  # column order; a peer shows once measured
+# column order; a peer shows once measured (torchrun: bench/recovery_bench.py measures
+# its restart beside palatine's recovery, with this interpreter's torch)
+PEERS = ("torchmonarch", "ray", "distributed", "torchrun")
 PEER_METRICS = {
     "1_1_actor_calls_sync",
     "1_1_actor_calls_async",
@@ -87,6 +89,7 @@ PROGRAMS = (
             }
         ),
     ),
+    Program("bench/recovery_bench.py", None, frozenset({"recover_after_sigkill_s"})),
     Program("bench/peers/monarch_actors.py", "torchmonarch", frozenset(PEER_METRICS)),
     Program("bench/peers/ray_actors.py", "ray", frozenset(PEER_METRICS)),
     Program("bench/peers/dask_actors.py", "distributed", frozenset(PEER_METRICS)),
@@ -124,6 +127,12 @@ METRICS: dict[str, tuple[str, bool, Target]] = {
         Target("≥ 50 % of the silent figure (≥ 10,000/s)", 10_000),
     ),
     "fetch_roundtrip_ms": ("ms", False, Target("≤ 1 ms", 1.0)),
+    # SIGKILL of 1 of 4 ranks to the first step completed after it (bench/recovery_bench.py)
+    "recover_after_sigkill_s": (
+        "s",
+        False,
+        Target("≤ 2 s and ≥ 10× faster than torchrun --max-restarts=1", 2.0, 10),
+    ),
     # The client API's start-up and SIGKILL detection (bench/controller_bench.py); the
     # goals have no start-up target for it (spawn_4_to_first_call_s is the actor API's).
     "local_mesh_4_to_first_fetch_s": ("s", False, Target("none in the goals (recorded)")),
