@@ -81,11 +81,7 @@ def measure_palatine(reps: int) -> tuple[list[float], dict[str, Any]]:
                         break
                 rec = mesh.recover()
                 in_recover.append(rec.seconds)
-                pg = mesh.process_group()
-                state.restore(demo.init_state, pg, SEED, HIDDEN, LR, BATCH)
-                done = fetch(remote(demo.steps_done)(state), shard=0).result(timeout=60)
-                remote(demo.rejoin, mutates=("state",))(state, pg, done)
-                resync(state, src=0)
+                _rebuild(mesh, state)
                 fetch(step(state)).result(timeout=60)
                 values.append(time.monotonic() - t_kill)
                 log(f"palatine: {values[-1]:.2f} s (recover() {rec.seconds:.2f} s)")
@@ -94,6 +90,17 @@ def measure_palatine(reps: int) -> tuple[list[float], dict[str, Any]]:
         "procs": 4,
         "recover_call_s": [round(x, 3) for x in in_recover],
     }
+
+
+def _rebuild(mesh: Any, state: Any) -> None:
+    """The demo's rebuild after a recovery. The process group's handle is dropped when
+    this returns, as in the demo: a group nobody holds any more is freed, which closes
+    its connections (what ends a later loss's hung collectives on the survivors)."""
+    pg = mesh.process_group()
+    state.restore(demo.init_state, pg, SEED, HIDDEN, LR, BATCH)
+    done = fetch(remote(demo.steps_done)(state), shard=0).result(timeout=60)
+    remote(demo.rejoin, mutates=("state",))(state, pg, done)
+    resync(state, src=0)
 
 
 # ------------------------------------------------------------------------------ torchrun
@@ -109,7 +116,20 @@ TRAIN = textwrap.dedent(
     rank = int(os.environ["RANK"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo")
-    state = demo.init_state(dist.group.WORLD, 0, 128, 0.05, 64)
+    torch.manual_seed(0)  # demo.init_state, with torch's rank instead of palatine's
+    model, teacher = demo._mlp(128), demo._mlp(32)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    state = {
+        "model": model,
+        "teacher": teacher,
+        "opt": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        "gen": torch.Generator().manual_seed(rank),
+        "pg": dist.group.WORLD,
+        "world": dist.get_world_size(),
+        "batch": 64,
+        "steps": 0,
+    }
     ckpt = os.path.join(out, "ckpt.pt")
     if restart and os.path.exists(ckpt):
         saved = torch.load(ckpt, weights_only=False)
@@ -165,13 +185,26 @@ def measure_torchrun(reps: int) -> tuple[list[float], dict[str, Any]]:
                 "127.0.0.1:0", str(script), str(out),
             ]  # fmt: skip
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+            errors = out / "torchrun.err"
+            with open(errors, "wb") as err:
+                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
             try:
                 _wait_file(out / "steps0", 120, lambda t: int(t) >= STEPS_BEFORE)
                 pid = int(_wait_file(out / f"pid{VICTIM}.0", 30))
                 t_kill = time.time()
                 os.kill(pid, signal.SIGKILL)
-                firsts = [float(_wait_file(out / f"first{r}", 120)) for r in range(4)]
+                try:
+                    firsts = [float(_wait_file(out / f"first{r}", 120)) for r in range(4)]
+                except TimeoutError:
+                    said = [
+                        line.strip()
+                        for line in errors.read_text(errors="replace").splitlines()
+                        if "Error" in line and "failed" in line
+                    ]
+                    why = said[-1][-300:] if said else "no error printed"
+                    raise RuntimeError(
+                        f"the restarted job completed no step within 120 s of the kill: {why}"
+                    ) from None
                 values.append(max(firsts) - t_kill)
                 log(f"torchrun: {values[-1]:.2f} s")
                 proc.wait(60)
