@@ -48,6 +48,26 @@ class Extent:
         """Rank ``rank``'s point (an `IndexError` outside the extent)."""
         return Point(rank, self)
 
+    def select(self, ranks: Iterable[int], **sel: int | slice) -> list[int]:
+        """Those of ``ranks`` whose point matches ``sel`` (a dimension's index, or a
+        `slice` of its indices): what every mesh's ``slice`` keeps. `ValueError` for an
+        unknown dimension, `IndexError` for an index out of range."""
+        sizes = dict(self.items())
+        for k, v in sel.items():
+            if k not in sizes:
+                raise ValueError(f"unknown dimension {k!r}; this mesh has {self.labels}")
+            if not isinstance(v, slice) and not 0 <= v < sizes[k]:
+                raise IndexError(f"index {v} out of range for dimension {k!r} of size {sizes[k]}")
+        wanted = {
+            k: set(range(sizes[k])[v]) if isinstance(v, slice) else {v} for k, v in sel.items()
+        }
+        keep = []
+        for r in ranks:
+            point = self.point(r)
+            if all(point[k] in ok for k, ok in wanted.items()):
+                keep.append(r)
+        return keep
+
     def rank_of(self, coords: Mapping[str, int]) -> int:
         """The rank at ``coords``, which name every dimension."""
         if set(coords) != set(self.labels):

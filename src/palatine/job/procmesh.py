@@ -68,21 +68,8 @@ class ProcMesh:
     def slice(self, **sel: int | slice) -> ProcMesh:
         """Some of the procs, by dimension (``procs.slice(gpus=0)``,
         ``procs.slice(gpus=slice(0, 2))``): spawning there puts actors on those procs only."""
-        extent = Extent.of(self._dims)
-        for k, v in sel.items():
-            if k not in extent.labels:
-                raise ValueError(f"unknown dimension {k!r}; this mesh has {list(extent.labels)}")
-            size = self.sizes[k]
-            if isinstance(v, int) and not 0 <= v < size:
-                raise IndexError(f"index {v} out of range for dimension {k!r} of size {size}")
-        keep = []
-        for r in self._ranks if self._ranks is not None else range(len(self)):
-            point = extent.point(r)
-            if all(
-                point[k] in range(self.sizes[k])[v] if isinstance(v, slice) else point[k] == v
-                for k, v in sel.items()
-            ):
-                keep.append(r)
+        ranks = self._ranks if self._ranks is not None else range(len(self))
+        keep = Extent.of(self._dims).select(ranks, **sel)
         view = ProcMesh(self._client, self.world, self._dims, None, self._hosts)
         view._ranks = keep
         view._spawned = self._spawned

@@ -68,21 +68,9 @@ class ValueMesh:
     def slice(self, **sel: int | slice) -> ValueMesh:
         """The values of some ranks, by dimension (``vm.slice(hosts=1)``,
         ``vm.slice(gpus=slice(0, 2))``), keeping the mesh's shape and the ranks' points."""
-        extent = Extent.of(self._dims)
-        for k in sel:
-            if k not in extent.labels:
-                raise ValueError(f"unknown dimension {k!r}; this mesh has {list(extent.labels)}")
-        ranks, values = [], []
-        for r, v in zip(self._ranks, self._values, strict=True):
-            point = extent.point(r)
-            if all(
-                point[k] in range(extent.sizes[extent.labels.index(k)])[s]
-                if isinstance(s, slice)
-                else point[k] == s
-                for k, s in sel.items()
-            ):
-                ranks.append(r)
-                values.append(v)
+        keep = set(Extent.of(self._dims).select(self._ranks, **sel))
+        pairs = [(r, v) for r, v in zip(self._ranks, self._values, strict=True) if r in keep]
+        ranks, values = [r for r, _ in pairs], [v for _, v in pairs]
         return ValueMesh(self._dims, ranks, values)
 
     def flatten(self, name: str) -> ValueMesh:
@@ -553,28 +541,7 @@ class ActorMesh:
 
     def slice(self, **sel: int | slice) -> ActorMesh:
         """Narrow the selection: ``mesh.slice(procs=2)`` or ``mesh.slice(procs=slice(0, 2))``."""
-        names = [n for n, _ in self._dims]
-        for k in sel:
-            if k not in names:
-                raise ValueError(f"unknown dimension {k!r}; this mesh has {names}")
-        keep = []
-        for r in self._ranks:
-            c = self._coords(r)
-            ok = True
-            for k, v in sel.items():
-                size = dict(self._dims)[k]
-                if isinstance(v, slice):
-                    ok = c[k] in range(size)[v]
-                else:
-                    if not 0 <= v < size:
-                        raise IndexError(
-                            f"index {v} out of range for dimension {k!r} of size {size}"
-                        )
-                    ok = c[k] == v
-                if not ok:
-                    break
-            if ok:
-                keep.append(r)
+        keep = Extent.of(self._dims).select(self._ranks, **sel)
         return self._slice_ranks(keep)
 
     def flatten(self, name: str) -> ActorMesh:
