@@ -54,3 +54,9 @@ def test_a_value_mesh_slices_by_dimension_and_keeps_each_values_point() -> None:
     assert vm.slice(hosts=0, gpus=2).item(hosts=0, gpus=2) == "v2"
     with pytest.raises(ValueError, match="unknown dimension 'x'"):
         vm.slice(x=0)
+
+
+def test_select_takes_a_dimension_named_like_its_own_arguments() -> None:
+    extent = Extent(["ranks", "sel"], [2, 2])
+    assert extent.select(range(4), ranks=1) == [2, 3]
+    assert extent.select(range(4), sel=0) == [0, 2]

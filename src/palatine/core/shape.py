@@ -48,7 +48,7 @@ class Extent:
         """Rank ``rank``'s point (an `IndexError` outside the extent)."""
         return Point(rank, self)
 
-    def select(self, ranks: Iterable[int], **sel: int | slice) -> list[int]:
+    def select(self, ranks: Iterable[int], /, **sel: int | slice) -> list[int]:
         """Those of ``ranks`` whose point matches ``sel`` (a dimension's index, or a
         `slice` of its indices): what every mesh's ``slice`` keeps. `ValueError` for an
         unknown dimension, `IndexError` for an index out of range."""
