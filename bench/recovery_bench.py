@@ -115,7 +115,13 @@ TRAIN = textwrap.dedent(
     out = sys.argv[1]
     rank = int(os.environ["RANK"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    dist.init_process_group("gloo")
+    # torchrun's agent keeps one store across restarts; a restarted rank could read a
+    # dead rank's gloo address from the first attempt, so each attempt has its own keys.
+    store = dist.PrefixStore(
+        f"attempt{restart}",
+        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False),
+    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     torch.manual_seed(0)  # demo.init_state, with torch's rank instead of palatine's
     model, teacher = demo._mlp(128), demo._mlp(32)
     for p in teacher.parameters():

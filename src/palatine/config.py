@@ -79,6 +79,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     spawn_procs_timeout_s: float = 60.0
     # hosts fork `python -m palatine worker` procs from a pre-imported server (palatine.hosting.forkserver)
     fork_server: bool = True
+    # modules (comma separated) a host's fork server imports once the host's spawns have
+    # settled, so that a proc spawned later (a respawned rank) starts with them loaded
+    fork_server_warm: str = "torch"
     cast_fanout: int = 8
     # tensor worker procs run SCHED_BATCH: woken by the controller, they do not preempt it
     # before it has written to every worker (palatine.tensor.worker.actor)

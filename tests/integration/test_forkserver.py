@@ -273,3 +273,40 @@ async def test_an_owned_server_goes_with_its_children(reaper: Reaper, probe_dir:
     await wait_for(
         lambda: gone(server.pid or 0) and gone(facts["pid"]), 5, "server and worker to end"
     )
+
+
+async def test_a_server_warms_once_spawns_settle_and_later_workers_start_with_the_modules(
+    reaper: Reaper, probe_dir: Path
+) -> None:
+    (probe_dir / "fs_heavy.py").write_text("HEAVY = True\n")
+    probe = PROBE.replace('"torch": "torch" in sys.modules', '"torch": "fs_heavy" in sys.modules')
+    (probe_dir / "fs_probe.py").write_text(probe)
+    server = await started_server(reaper, warm=["fs_heavy", "no_such_module_here"])
+    procs = reaper.make(fork_server=server)
+    first = await procs.spawn("h[0]", WORKER, probe_env(PROBE_EXIT="0"), None)
+    assert (await facts_of(first))["torch"] is False  # spawned before the warm
+    await wait_for(lambda: server.warmed, 20, "the server to warm")
+    later = await procs.spawn("h[1]", WORKER, probe_env(PROBE_EXIT="0"), None)
+    assert isinstance(later._popen, ForkedProcess)  # a module it cannot import is skipped
+    facts = await facts_of(later)
+    assert facts["torch"] is True and facts["threads"] == (await facts_of(first))["threads"]
+    for child in (first, later):
+        assert (await child.wait(10)).exit_code == 0
+    await procs.aclose()
+
+
+async def test_warming_with_torch_leaves_the_server_able_to_fork(
+    reaper: Reaper, probe_dir: Path
+) -> None:
+    server = await started_server(reaper, warm=["torch"])
+    procs = reaper.make(fork_server=server)
+    first = await procs.spawn("t[0]", WORKER, probe_env(PROBE_EXIT="0"), None)
+    await facts_of(first)
+    await wait_for(lambda: server.warmed, 30, "the server to import torch")
+    later = await procs.spawn("t[1]", WORKER, probe_env(PROBE_EXIT="0"), None)
+    assert isinstance(later._popen, ForkedProcess)  # numpy's BLAS pool did not start
+    facts = await facts_of(later)
+    assert facts["torch"] is True and facts["ppid"] == server.pid
+    for child in (first, later):
+        assert (await child.wait(10)).exit_code == 0
+    await procs.aclose()

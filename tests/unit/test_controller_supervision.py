@@ -146,6 +146,27 @@ def test_sigkill_gives_one_failure_naming_everything() -> None:
     assert fails(sup.on_result(poll(killed(1)), 0.3)) == []
 
 
+def test_after_a_recovery_only_the_new_incarnation_s_failure_is_reported() -> None:
+    sup = monitor()
+    assert fails(sup.on_proc_failed(ProcFailed(world=W, rank=1, state=killed(1)), 0.1))
+    new = WorkerProcRecord(rank=1, proc_id=ProcId(W, 1), pid=9001, host="node3")
+    sup.revive([1], {1: new})
+    assert sup.dead_ranks == set() and not sup.failed
+    # A late report of the replaced incarnation (its pid): nothing.
+    assert sup.on_proc_failed(ProcFailed(world=W, rank=1, state=killed(1)), 0.2) == []
+    (f,) = fails(
+        sup.on_proc_failed(
+            ProcFailed(
+                world=W,
+                rank=1,
+                state=proc(1, pid=9001, exit_signal=9, reason="killed by signal 9 (SIGKILL)"),
+            ),
+            0.3,
+        )
+    )
+    assert f.pid == 9001 and sup.dead_ranks == {1}
+
+
 def test_poll_first_then_push_is_still_once() -> None:
     sup = monitor()
     assert len(fails(sup.on_result(poll(killed(2)), 1.0))) == 1

@@ -27,6 +27,7 @@ from palatine.protocol.worker import ExecutingOp, StreamProgress, WorkerProgress
 from palatine.tensor.controller.history import History
 from palatine.tensor.controller.progress import (
     ProgressMonitor,
+    culprits,
     select_stack,
     stall_headline,
 )
@@ -222,13 +223,19 @@ def test_stall_is_reported_between_timeout_and_timeout_plus_interval() -> None:
     assert 3.3 < sim.request_times[0] <= 3.3 + 1.0  # reported at the 4.0 check
 
 
-def test_fail_on_worker_timeout_sends_log_then_stuck_failure() -> None:
+def stuck_at_s1() -> Sim:
+    """A monitor with ``fail_on_worker_timeout`` whose rank 0 never finished s1."""
     sim = Sim(fail=True)
     sim.node(0, "init")
     sim.answer(0, 0)
     sim.advance(2.0)
     sim.node(1, "train_step")
     sim.advance(30.0)
+    return sim
+
+
+def test_fail_on_worker_timeout_sends_log_then_stuck_failure() -> None:
+    sim = stuck_at_s1()
     assert [type(i) for i in sim.client] == [Warn, Fail]
     warn, fail = sim.client
     assert isinstance(warn, Warn) and isinstance(fail, Fail)
@@ -569,3 +576,23 @@ def test_due_time_check_waits_for_a_probe_held_back_until_late() -> None:
     assert sim.requests == []
     sim.advance(1.6)
     assert len(sim.requests) == 1 and sim.request_times[0] == 1.5
+
+
+def test_culprits_are_the_stuck_ranks_not_waiting_in_a_collective() -> None:
+    in_collective = (
+        '  File "/site-packages/torch/distributed/distributed_c10d.py", line 3252, in all_reduce\n'
+        "    work.wait()\n"
+    )
+    sleeping = '  File "/job/train.py", line 12, in step\n    time.sleep(600)\n'
+    stacks = {0: in_collective, 1: in_collective, 2: sleeping, 3: in_collective}
+    assert culprits(stacks) == (2,)
+    assert culprits({0: sleeping, 1: "", 2: in_collective}) == (0, 1)  # no stack: a culprit
+    # Every rank waiting in a collective (a mismatch): all of them.
+    assert culprits({0: in_collective, 3: in_collective}) == (0, 3)
+
+
+def test_a_recovery_revives_stall_reports_after_a_stuck_failure() -> None:
+    sim = stuck_at_s1()
+    assert sim.mon.stuck == (0,) and sim.mon.culprits == (0,) and sim.mon.failed
+    sim.mon.revive([0], {})
+    assert sim.mon.stuck == () and sim.mon.culprits == () and not sim.mon.failed

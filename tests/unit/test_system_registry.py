@@ -757,11 +757,7 @@ def test_a17_world_state_lists_expired_proc_with_its_fields() -> None:
 
 
 def test_a18_exit_by_signal_reported_exactly_once() -> None:
-    h = Harness()
-    h.joined("hostw[0]", host="node3")
-    h.upsert("w", [2], nph=2, env=Exec(program="palatine worker"))
-    h.joined("w[0]", pid_=812, host="node3", host_proc="hostw[0]")
-    h.joined("w[1]", pid_=813, host="node3", host_proc="hostw[0]")
+    h = respawnable_world()
     port = sub_port()
     sub, _ = h.send(Subscribe(world_id=wid("w"), port=port))
     assert isinstance(sub, Subscribed) and sub.state.procs == {}
@@ -1650,14 +1646,20 @@ def test_lost_host_gets_its_children_probed_and_a_silent_child_declared() -> Non
         )
 
 
-def test_respawn_of_a_killed_proc_asks_its_host_and_the_world_waits_instead_of_evicting() -> None:
-    from palatine.protocol.system import RespawnProcs
-
+def respawnable_world() -> Harness:
+    """World ``w`` of 2 procs (pids 812, 813) started by host ``hostw[0]`` on node3."""
     h = Harness()
     h.joined("hostw[0]", host="node3")
     h.upsert("w", [2], nph=2, env=Exec(program="palatine worker"))
     h.joined("w[0]", pid_=812, host="node3", host_proc="hostw[0]")
     h.joined("w[1]", pid_=813, host="node3", host_proc="hostw[0]")
+    return h
+
+
+def test_respawn_of_a_killed_proc_asks_its_host_and_the_world_waits_instead_of_evicting() -> None:
+    from palatine.protocol.system import RespawnProcs
+
+    h = respawnable_world()
     h.send(ProcExited(proc_id=pid("w[1]"), host_proc=pid("hostw[0]"), pid=813, exit_signal=9))
     assert h.snapshot().worlds["w"].status == "Unhealthy"
     # refused: an alive rank, a rank out of range, an unknown world
@@ -1682,3 +1684,58 @@ def test_respawn_of_a_killed_proc_asks_its_host_and_the_world_waits_instead_of_e
     h.joined("w[1]", pid_=900, host="node3", host_proc="hostw[0]")
     w = h.snapshot().worlds["w"]
     assert w.status == "Live" and w.procs["w[1]"].pid == 900
+
+
+def test_a_late_exit_report_of_a_replaced_incarnation_does_not_fail_the_new_one() -> None:
+    from palatine.protocol.system import RespawnProcs
+
+    h = respawnable_world()
+    # Known dead by its connection before its host's exit report arrives.
+    h.send(ProcExited(proc_id=pid("w[1]"), host_proc=pid("hostw[0]"), pid=813, exit_signal=9))
+    reply, _ = h.send(RespawnProcs(world_id=wid("w"), ranks=[1]))
+    assert isinstance(reply, Ok)
+    # The old pid's report, late (before the new incarnation joined): ignored.
+    h.send(ProcExited(proc_id=pid("w[1]"), host_proc=pid("hostw[0]"), pid=813, exit_signal=9))
+    assert "w[1]" not in h.snapshot().worlds["w"].procs
+    h.joined("w[1]", pid_=900, host="node3", host_proc="hostw[0]")
+    assert h.snapshot().worlds["w"].status == "Live"
+
+
+def test_the_ranks_of_a_lost_host_are_respawned_on_the_least_loaded_live_host() -> None:
+    from palatine.protocol.system import RespawnProcs
+
+    h = Harness()
+    h.joined("hostw[0]", host="node1")
+    h.joined("hostw[1]", host="node2")
+    h.joined("hostw[2]", host="node3")
+    h.upsert("w", [6], nph=2, env=Exec(program="palatine worker"))
+    for r in range(6):
+        h.joined(f"w[{r}]", pid_=800 + r, host=f"node{r // 2 + 1}", host_proc=f"hostw[{r // 2}]")
+    h.send(ProcExited(proc_id=pid("w[0]"), host_proc=pid("hostw[0]"), pid=800, exit_signal=9))
+    h.send(ProcExited(proc_id=pid("w[2]"), host_proc=pid("hostw[1]"), pid=802, exit_signal=9))
+    h.send(ProcExited(proc_id=pid("w[3]"), host_proc=pid("hostw[1]"), pid=803, exit_signal=9))
+    h.send(ProcExited(proc_id=pid("w[4]"), host_proc=pid("hostw[2]"), pid=804, exit_signal=9))
+    h.reg.record(pid("hostw[1]")).health = "ConnectionFailure"  # type: ignore[union-attr]
+    reply, instrs = h.send(RespawnProcs(world_id=wid("w"), ranks=[2, 3]))
+    assert isinstance(reply, Ok)
+    spawns = {
+        s.dest: [(a.rank, a.local_rank) for a in s.message.procs] for s in asks(instrs, SpawnProc)
+    }
+    # hosts 0 and 2 run one proc each: the lower host first, then the less loaded
+    assert spawns == {agent_of(pid("hostw[0]")): [(2, 0)], agent_of(pid("hostw[2]")): [(3, 1)]}
+
+
+def test_procs_told_a_peer_was_gone_hear_when_a_respawn_brings_it_back() -> None:
+    from palatine.protocol.system import RespawnProcs
+
+    h = respawnable_world()
+    h.ok(Resolve(proc_id=pid("w[1]")), requester=pid("w[0]"))  # w[0] routes to w[1]
+    instrs = h.send(ProcExited(proc_id=pid("w[1]"), host_proc=pid("hostw[0]"), pid=813))[1]
+    assert [s.dest for s in sends(instrs, PeerGone)] == [agent_of(pid("w[0]"))]
+    assert isinstance(h.send(RespawnProcs(world_id=wid("w"), ranks=[1]))[0], Ok)
+    instrs = h.joined("w[1]", pid_=900, host="node3", host_proc="hostw[0]", addr="unix:/w1b")
+    (back,) = sends(instrs, AddressChanged)
+    assert back.dest == agent_of(pid("w[0]")) and back.message.addr == "unix:/w1b"
+    # and it is a resolver of the new incarnation: told when that one goes too
+    instrs = h.send(ProcExited(proc_id=pid("w[1]"), host_proc=pid("hostw[0]"), pid=900))[1]
+    assert [s.dest for s in sends(instrs, PeerGone)] == [agent_of(pid("w[0]"))]

@@ -403,7 +403,10 @@ class ProcAgent(Actor):
 
     @handler
     def on_address_changed(self, msg: AddressChanged) -> None:
+        """``msg.proc_id`` joined again (a new incarnation, perhaps after it was gone):
+        route to its new address."""
         proc = self.proc
+        proc.peer_back(msg.proc_id)
         old = proc.router.binding(msg.proc_id)
         new = ChannelAddr.parse(msg.addr)
         if old is not None and old != new:

@@ -701,6 +701,14 @@ class ChildProcs:
                 child.pid,
                 grace,
             )
+        return await self.kill(child)
+
+    async def kill(self, child: Child) -> ChildExit | None:
+        """SIGKILL one child's process group now (no SIGTERM first: for a stuck child,
+        whose handlers must not run) and reap it; its exit is reported as any other."""
+        if child.pid is None or child.done():
+            return child.exit
+        if child._died_at is None:
             self._signal(child, signal.SIGKILL)
         try:
             return await child.wait(_KILL_WAIT_S)

@@ -27,7 +27,8 @@ the server (armed against the server's pid, `palatine.hosting.child_env.arm_pare
 a server whose host closes the connection SIGKILLs its workers' groups and exits. The
 host treats a lost server like the end of each of its live workers, status unknown.
 
-Fork safety. The server never starts a thread; it counts its OS threads before every
+Fork safety. The server starts no thread but the warm import's (below), which has ended
+before any fork; it counts its OS threads before every
 fork and refuses the request (the host then execs) if there is more than one. It
 configures no logging, creates no event loop and resolves no cluster token, so a worker
 starts from the same state as a fresh interpreter that imported the same modules. The
@@ -37,10 +38,26 @@ seed, as processes forked by ``multiprocessing`` do.
 Protocol, on a private ``SOCK_SEQPACKET`` socket pair, one JSON object per message:
 
 * host → server: ``{"op": "spawn", "id", "argv", "env", "cwd", "kill_group"}`` with the
-  worker's stdout and stderr as ``SCM_RIGHTS`` fds; ``{"op": "signal", "pid", "sig"}``.
+  worker's stdout and stderr as ``SCM_RIGHTS`` fds; ``{"op": "signal", "pid", "sig"}``;
+  ``{"op": "warm", "modules"}`` once (see below).
 * server → host: ``{"op": "ready", "pid"}`` once; ``{"op": "started", "id", "pid"}`` or
   ``{"op": "failed", "id", "reason"}`` per spawn; ``{"op": "exited", "pid", "returncode"}``
-  (negative: killed by that signal) per worker, always after its ``started``.
+  (negative: killed by that signal) per worker, always after its ``started``;
+  ``{"op": "warmed", "seconds"}`` once the warm modules are imported.
+
+Warming. A respawned rank (``DeviceMesh.recover``, ``ProcMesh.respawn``) must be back in
+well under the time a fresh interpreter takes to import torch (≈ 1.4 s of CPU here). So
+once the host's spawns have settled (no spawn for `WARM_AFTER_S`), the host asks its
+server to import the ``fork_server_warm`` modules (``PALATINE_FORK_SERVER_WARM``, torch by
+default): a proc forked later starts with them loaded. The import runs on a thread beside
+the server's loop, which goes on reaping and signalling workers (an exit is reported at
+once even then); a spawn asked for meanwhile waits until the import has ended. Done then, not at the server's
+start, so the first procs of a mesh are not held back by a module they may never use.
+numpy's OpenBLAS starts a thread pool when it loads, which would make the server
+unforkable, so the server imports with ``OPENBLAS_NUM_THREADS=1`` unless it is set:
+numpy's own BLAS calls in a proc forked afterwards run on one thread (torch's do not use
+OpenBLAS). A module that cannot be imported, or that leaves a thread running, is reported
+on the server's stderr; in the second case later spawns are exec'd instead.
 """
 
 from __future__ import annotations
@@ -94,6 +111,8 @@ PARENT_VAR = Handoff.variable("parent_pid")
 MAX_MESSAGE_BYTES = 1024 * 1024
 _READY_TIMEOUT_S = 30.0
 _REPLY_TIMEOUT_S = 10.0
+#: How long no spawn may have been asked for before the host warms its server.
+WARM_AFTER_S = 0.2
 
 
 class ForkServerError(Exception):
@@ -149,7 +168,7 @@ class ForkServer:
     by pid to the callback given to `spawn`.
     """
 
-    def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
+    def __init__(self, preload: Sequence[str] = PRELOAD, warm: Sequence[str] | None = None) -> None:
         self._preload = tuple(preload)
         self._popen: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
@@ -162,6 +181,12 @@ class ForkServer:
         self._on_exit_by_id: dict[int, Callable[[int | None], None]] = {}
         self._on_exit: dict[int, Callable[[int | None], None]] = {}
         self._closed = False
+        if warm is None:
+            warm = config.get().fork_server_warm.split(",")
+        self._warm = tuple(m.strip() for m in warm if m.strip())
+        self._warm_timer: asyncio.TimerHandle | None = None
+        #: The server has imported its warm modules (``{"op": "warmed"}``).
+        self.warmed = False
 
     @property
     def pid(self) -> int | None:
@@ -262,6 +287,9 @@ class ForkServer:
         }
         fut: asyncio.Future[int] = self._loop.create_future()
         self._pending[rid] = fut
+        if self._warm_timer is not None:
+            self._warm_timer.cancel()
+            self._warm_timer = None
         try:
             socket.send_fds(sock, [json.dumps(msg).encode()], [stdout_fd, stderr_fd])
         except OSError as e:
@@ -278,6 +306,19 @@ class ForkServer:
             ) from None
         finally:
             self._pending.pop(rid, None)
+            if self._warm and not self._pending and self._loop is not None:
+                self._warm_timer = self._loop.call_later(WARM_AFTER_S, self._send_warm)
+
+    def _send_warm(self) -> None:
+        """The spawns have settled: have the server import the warm modules (once)."""
+        self._warm_timer = None
+        modules, self._warm = self._warm, ()
+        sock = self._sock
+        if sock is None or self._closed or not modules:
+            return
+        with contextlib.suppress(OSError):  # a lost server is reported by its reader
+            sock.send(json.dumps({"op": "warm", "modules": list(modules)}).encode())
+            log.debug("fork server warming: %s", ", ".join(modules))
 
     def signal(self, pid: int, sig: int) -> bool:
         """Have the server signal worker ``pid``'s process group; False if it cannot be asked."""
@@ -295,6 +336,9 @@ class ForkServer:
 
         Workers still registered are reported lost (``on_exit(None)``).
         """
+        if self._warm_timer is not None:
+            self._warm_timer.cancel()
+            self._warm_timer = None
         self._lost("")
         popen = self._popen
         if popen is None:
@@ -360,6 +404,9 @@ class ForkServer:
             fut = self._pending.get(rid)
             if fut is not None and not fut.done():
                 fut.set_exception(ForkServerError(str(msg.get("reason"))))
+        elif op == "warmed":
+            self.warmed = True
+            log.debug("fork server warmed in %.2f s", msg.get("seconds", 0.0))
         elif op == "ready":
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(int(msg["pid"]))

@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,12 +28,44 @@ from palatine.hosting.forkserver import FD_VAR, MAX_MESSAGE_BYTES, PARENT_VAR, P
 
 __all__ = ["main"]
 
+_THREAD_EXIT_S = 1.0
+
 
 def _thread_count() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return threading.active_count()
+
+
+def _import(modules: Sequence[str], *, warm: bool) -> None:
+    """Import ``modules`` into the server (what its forked procs then share).
+
+    When warming, numpy's OpenBLAS is kept from starting its thread pool (a server with a
+    second thread may not fork), and a module that starts a thread anyway is reported.
+    """
+    blas = "OPENBLAS_NUM_THREADS"
+    pinned = warm and blas not in os.environ
+    if pinned:
+        os.environ[blas] = "1"
+    try:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception as e:  # a broken module must not take the server down
+                what = "warm" if warm else "preload"
+                sys.stderr.write(f"palatine fork server: cannot {what} {name}: {e}\n")
+    finally:
+        if pinned:
+            os.environ.pop(blas, None)
+    if warm and _thread_count() > 2:  # (this thread is the second)
+        sys.stderr.write(
+            f"palatine fork server: importing {', '.join(modules)} started a thread;"
+            " later procs are exec'd\n"
+        )
+    # Keep what was imported out of the collector's reach: workers then do not dirty
+    # (copy) the shared pages by merely scanning them.
+    gc.freeze()
 
 
 class _Start:
@@ -59,6 +92,25 @@ class _Server:
         self.sock = sock
         self.sel = selectors.DefaultSelector()
         self.children: dict[int, tuple[int, bool]] = {}  # pid -> (pidfd, kill_group)
+        # The warm import runs beside the loop, which goes on reaping and signalling
+        # workers meanwhile; a spawn waits for it to end (no fork with a second thread).
+        self.warming: threading.Thread | None = None
+
+    def warm(self, modules: list[str]) -> None:
+        t0 = time.monotonic()
+        _import(modules, warm=True)
+        self.send({"op": "warmed", "seconds": round(time.monotonic() - t0, 3)})
+
+    def warmed(self) -> None:
+        """Wait for the warm import to end, and for its thread to be gone from the OS
+        (it lingers a moment after `join`), at most `_THREAD_EXIT_S`."""
+        warming = self.warming
+        if warming is None:
+            return
+        warming.join()
+        deadline = time.monotonic() + _THREAD_EXIT_S
+        while _thread_count() != 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def send(self, msg: dict[str, Any]) -> None:
         try:
@@ -97,7 +149,13 @@ class _Server:
             return self.spawn(msg, fds)
         for fd in fds:
             os.close(fd)
-        if op == "signal":
+        if op == "warm" and self.warming is None:
+            modules = [str(m) for m in msg.get("modules") or []]
+            self.warming = threading.Thread(
+                target=self.warm, args=(modules,), name="palatine-warm", daemon=True
+            )
+            self.warming.start()
+        elif op == "signal":
             child = self.children.get(int(msg["pid"]))
             if child is not None:  # not reaped: the pid is still ours
                 pidfd, _ = child
@@ -114,6 +172,7 @@ class _Server:
                 os.close(fd)
             self.send({"op": "failed", "id": rid, "reason": "spawn request without stdout/stderr"})
             return None
+        self.warmed()
         threads = _thread_count()
         if threads != 1:
             for fd in fds:
@@ -205,14 +264,7 @@ def main(preload: Sequence[str] = PRELOAD) -> None:
     arm_parent_death_signal()
     os.environ.pop(PARENT_VAR, None)
     os.close(os.pidfd_open(os.getpid()))  # no pidfds, no server: the host sees EOF and execs
-    for name in preload:
-        try:
-            importlib.import_module(name)
-        except ImportError as e:
-            sys.stderr.write(f"palatine fork server: cannot preload {name}: {e}\n")
-    # Keep what was imported out of the collector's reach: workers then do not dirty
-    # (copy) the shared pages by merely scanning them.
-    gc.freeze()
+    _import(preload, warm=False)
     start = _Server(socket.socket(fileno=fd)).serve()
     if start is not None:
         start.run()

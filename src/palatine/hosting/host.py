@@ -29,6 +29,7 @@ from palatine.ids import SYSTEM_ACTOR, ProcId, WorldId, is_host_world, served_wo
 from palatine.protocol.agent import (
     HostStarted,
     KilledProcs,
+    KillProc,
     KillProcs,
     OutputWatched,
     ProcSnapshot,
@@ -214,6 +215,15 @@ class HostAgent(ProcAgent):
                 self.local_procs.pop(pid, None)
                 ids.append(pid)
         return KilledProcs(proc_ids=ids)
+
+    @handler
+    async def on_kill_proc(self, msg: KillProc) -> KilledProcs:
+        child = self.children.get(str(msg.proc_id))
+        if child is None or child.done():
+            return KilledProcs(proc_ids=[])
+        log.warning("%s: killing pid %s: %s", msg.proc_id, child.pid, msg.reason or "asked to")
+        await self.children.kill(child)
+        return KilledProcs(proc_ids=[msg.proc_id])
 
     # ------------------------------------------------------------ more hosts
     @handler

@@ -30,6 +30,7 @@ __all__ = [
     "Spawned",
     "SpawnProc",
     "SpawnProcResult",
+    "KillProc",
     "KillProcs",
     "KilledProcs",
     "ProcStop",
@@ -144,6 +145,15 @@ class KillProcs(Message, kw_only=True):
     """
 
     world_id: WorldId
+    reason: str = ""
+
+
+class KillProc(Message, kw_only=True):
+    """To a host: SIGKILL its child ``proc_id`` now (a rank declared stuck, before a
+    recovery respawns it). The end is reported to the system like any other exit.
+    Replies `KilledProcs`, empty when the host runs no such child."""
+
+    proc_id: ProcId
     reason: str = ""
 
 

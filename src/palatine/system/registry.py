@@ -331,6 +331,9 @@ class SystemRegistry:
         )
         for resolver in sorted(rec.resolvers):
             out.append(Send(agent_of(resolver), notice))
+        world = self._world_of(rec) if rec.kind == "proc" else None
+        if world is not None:
+            world.told_gone.setdefault(rec.proc_id.rank, set()).update(rec.resolvers)
         rec.resolvers = set()
 
     def _report(self, rec: ProcRecord, out: list[Instruction]) -> None:
@@ -618,6 +621,7 @@ class SystemRegistry:
             or world.phase != ACTIVE
             or pid.rank >= world.size
             or pid in self._records
+            or (msg.pid is not None and (pid.rank, msg.pid) in world.replaced)
         ):
             out.append(
                 Log(logging.DEBUG, f"ignoring exit report of {pid}: no such rank is expected")
@@ -1249,12 +1253,18 @@ class SystemRegistry:
             self._drop_record(old, out)
         self._add_record(msg, out)
         rec = self._records[pid]
-        if carried:
-            rec.resolvers = set(carried)
-            if old is not None and (old.addr != msg.addr or old.incarnation != msg.incarnation):
-                notice = AddressChanged(proc_id=pid, addr=msg.addr, incarnation=msg.incarnation)
-                for resolver in sorted(carried):
-                    out.append(Send(agent_of(resolver), notice))
+        world = self._world_of(rec) if rec.kind == "proc" else None
+        told = world.told_gone.pop(pid.rank, set()) if world is not None else set()
+        if carried or told:
+            rec.resolvers = set(carried) | told
+            changed = old is not None and (
+                old.addr != msg.addr or old.incarnation != msg.incarnation
+            )
+            # (those told it was gone hear of the new incarnation in any case)
+            notify = (set(carried) if changed else set()) | told
+            notice = AddressChanged(proc_id=pid, addr=msg.addr, incarnation=msg.incarnation)
+            for resolver in sorted(notify):
+                out.append(Send(agent_of(resolver), notice))
         return self._joined(), out
 
     def _pid_on_host(self, rec: ProcRecord) -> str:
@@ -1403,7 +1413,11 @@ class SystemRegistry:
     def handle_respawn_procs(self, msg: RespawnProcs, requester: ProcId | None = None) -> Result:
         """`RespawnProcs`: `Ok` once each rank's host is asked to start it again, or
         `Rejected`. The failed records are dropped first, so the world waits for the new
-        incarnations ("waiting for procs", not failing: no eviction) instead of failing."""
+        incarnations ("waiting for procs", not failing: no eviction) instead of failing.
+
+        A rank whose host is gone moves to the world's live host that runs the fewest of
+        its procs (with its local rank kept, so on GPU hosts it shares that device);
+        without any live host it is rejected."""
         out: list[Instruction] = []
         name = msg.world_id.name
         world = self._worlds.get(name)
@@ -1425,21 +1439,27 @@ class SystemRegistry:
                 return self._reject(msg, requester, "conflict", text, out)
             host = world.hosts.get(r // nph)
             if host is None or not host.alive or host.stop_sent:
-                text = f"the host of {world.world_id.proc(r)} is gone: it cannot be respawned there"
+                host = self._least_loaded_host(world, plan)
+            if host is None:
+                text = (
+                    f"the host of {world.world_id.proc(r)} is gone and world {name} has no "
+                    "other live host: it cannot be respawned"
+                )
                 return self._reject(msg, requester, "conflict", text, out)
             plan.setdefault(host.proc_id.rank, []).append(r)
         for host_rank, ranks in plan.items():
             for r in ranks:
                 rec = world.procs.get(r)
                 if rec is not None:
+                    if rec.pid is not None:
+                        world.replaced.add((r, rec.pid))
                     self._drop_record(rec, out)  # its resolvers heard of its end already
             host = world.hosts[host_rank]
-            lo = host_rank * nph
             spawn = SpawnProc(
                 world_id=world.world_id,
                 env=world.env,
                 procs=[
-                    ProcAssignment(proc_id=world.world_id.proc(r), rank=r, local_rank=r - lo)
+                    ProcAssignment(proc_id=world.world_id.proc(r), rank=r, local_rank=r % nph)
                     for r in ranks
                 ],
                 world_size=world.size,
@@ -1452,6 +1472,20 @@ class SystemRegistry:
         out.append(Log(logging.INFO, f"respawning {name} ranks {sorted(msg.ranks)}"))
         self._evaluate(world, self._clock(), out)
         return Ok(), out
+
+    def _least_loaded_host(
+        self, world: WorldRecord, plan: dict[int, list[int]]
+    ) -> ProcRecord | None:
+        """The world's live host running (and about to run, ``plan``) the fewest of its
+        procs; the lowest rank among equals. None when no host of the world is alive."""
+        live = [h for h in world.hosts.values() if h.alive and not h.stop_sent]
+        if not live:
+            return None
+        load = {h.proc_id: len(plan.get(h.proc_id.rank, ())) for h in live}
+        for rec in world.procs.values():
+            if rec.alive and rec.host_proc in load:
+                load[rec.host_proc] += 1
+        return min(live, key=lambda h: (load[h.proc_id], h.proc_id.rank))
 
     def _assign(self, world: WorldRecord, host: ProcRecord, out: list[Instruction]) -> None:
         """Send host ``host`` its ranks of ``world`` (once per host and world incarnation)."""

@@ -75,6 +75,8 @@ class WorldRecord:
         "name",
         "num_procs_per_host",
         "pending",
+        "replaced",
+        "told_gone",
         "phase",
         "procs",
         "reason",
@@ -107,6 +109,12 @@ class WorldRecord:
         self.generation = 0
         self.incarnation = 0
         self.assigned: set[tuple[int, int | None]] = set()
+        #: (rank, pid) of incarnations a respawn replaced: a late exit report of one of
+        #: them is not the new incarnation's.
+        self.replaced: set[tuple[int, int]] = set()
+        #: rank -> the procs told it was gone (`PeerGone`): told again when a new
+        #: incarnation joins (`AddressChanged`), so that they route to it once more.
+        self.told_gone: dict[int, set[ProcId]] = {}
 
     def __repr__(self) -> str:
         return f"WorldRecord({self.name}, {self.status}, {self.phase})"

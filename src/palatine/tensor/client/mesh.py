@@ -176,10 +176,13 @@ class DeviceMesh:
 
     # ------------------------------------------------------------ recovery
     def recover(self, ranks: list[int] | None = None, timeout: float = 120.0) -> Recovery:
-        """Bring back the ranks this mesh lost (``ranks``, or every rank the controller
-        knows dead) after a `palatine.DeviceException`, without restarting the job: each
-        is respawned as a new incarnation on its host and joins a new generation of
-        collectives (the next process group or reduce builds it over every rank).
+        """Bring back the ranks this mesh lost (``ranks``, or every rank known dead and,
+        after a `palatine.StuckWorkersException`, the stuck ranks not waiting in a
+        collective) after a `palatine.DeviceException`, without restarting the job: each
+        is respawned as a new incarnation on its host (on the least loaded live host of
+        the mesh when its own is gone; a stuck rank is killed first) and joins a new
+        generation of collectives (the next process group or reduce builds it over every
+        rank).
 
         Values that lived on the lost ranks are lost there (using or fetching them there
         raises `palatine.errors.LostValue`; ``value.restore(make)`` makes them again) and

@@ -42,7 +42,7 @@ from palatine.core.comm import Cast, RankSet, cast_envelope, normalize
 from palatine.core.proc import Proc
 from palatine.errors import error_text
 from palatine.ids import SYSTEM_ACTOR, ActorId, GangId, PortId, ProcId
-from palatine.protocol.agent import Spawn
+from palatine.protocol.agent import KillProc, Spawn
 from palatine.protocol.controller import (
     CONTROLLER_ACTOR_TYPE,
     Attach,
@@ -107,6 +107,10 @@ from palatine.wire.envelope import ENC_MSGPACK, Envelope
 __all__ = ["ControllerActor"]
 
 log = logging.getLogger(__name__)
+
+#: How long a recovery waits for a rank it was asked to bring back, and that the system
+#: still has alive, to be known as ended (a signal in flight, a lost host's procs).
+RECOVER_GRACE_S = 5.0
 
 _LEVELS = {
     "debug": logging.DEBUG,
@@ -448,22 +452,48 @@ class ControllerActor(Actor):
         """Bring lost ranks back (`Recover`): respawn their procs through the system,
         spawn a worker actor on each, count them as having passed every seq so far.
 
-        Every step is bounded by the spawn timeout; a failure raises (the client's
-        recovery fails with the reason) and leaves the session failed as before."""
+        Without ``msg.ranks``: the dead ranks, and the culprits of a ``stuck`` Failure
+        (`palatine.tensor.controller.progress.culprits`). A rank that is alive but
+        declared stuck is killed first (SIGKILL by its host). A named rank the system still
+        has alive is waited for (`RECOVER_GRACE_S`: its death may be on its way, as for a
+        lost host's procs), then refused. Every step is bounded by the spawn timeout; a failure raises
+        (the client's recovery fails with the reason) and leaves the session failed."""
         if not self._from_client("Recover"):
             raise RuntimeError("Recover from a stranger")
         p = self.params
         supervision = self.supervision
         assert supervision is not None  # (made in init)
-        ranks = sorted(set(msg.ranks if msg.ranks is not None else supervision.dead_ranks))
+        progress = self.progress
+        stuck = set(progress.stuck) if progress is not None else set()
+        mb = self.cx.mailbox
+        proc = Proc.of(self.cx)
+        deadline = self._now() + p.spawn_timeout_s
+        # The system may know of deaths not reported here yet (a lost host's procs come
+        # one by one): count them as dead (their late reports name an old pid: ignored).
+        supervision.dead_ranks |= await self._await_ended((), deadline)
+        if msg.ranks is not None:
+            wanted = set(msg.ranks)
+        else:
+            wanted = supervision.dead_ranks | set(progress.culprits if progress else ())
+        ranks = sorted(wanted)
         if not ranks:
             return Recovered(ranks=[])
         for r in ranks:
             if not 0 <= r < p.world_size:
                 raise ValueError(f"rank {r} is not in the worker world of {p.world_size}")
-        mb = self.cx.mailbox
-        proc = Proc.of(self.cx)
-        deadline = self._now() + p.spawn_timeout_s
+        named = [r for r in ranks if r not in supervision.dead_ranks and r not in stuck]
+        if named:
+            until = min(deadline, self._now() + RECOVER_GRACE_S)
+            supervision.dead_ranks |= await self._await_ended(named, until)
+            for r in named:
+                if r not in supervision.dead_ranks:
+                    raise ValueError(
+                        f"rank {r} is alive and not declared stuck: only a lost or stuck "
+                        "rank is recovered"
+                    )
+        alive = [r for r in ranks if r not in supervision.dead_ranks]
+        if alive:
+            await self._kill_stuck(alive, deadline)
         reply = await mb.ask(
             SYSTEM_ACTOR, RespawnProcs(world_id=p.worker_world, ranks=ranks), p.spawn_timeout_s
         )
@@ -507,11 +537,59 @@ class ControllerActor(Actor):
             self.history.update_deadline_tracking(r, after)
             reports.extend(self.history.rank_completed(r, after))
         supervision.revive(ranks, records)
+        if progress is not None:
+            progress.revive(ranks, records)
         self.mesh_failed = supervision.failed
         if reports:
             self._results(reports)
         log.info("recovered ranks %s of %s", ranks, p.worker_world)
         return Recovered(ranks=ranks)
+
+    async def _await_ended(self, ranks: Iterable[int], until: float) -> set[int]:
+        """The worker ranks whose procs the system has as ended (or has no record of),
+        once every one of ``ranks`` is among them or at ``until``, whichever is first."""
+        flt = SnapshotFilter(worlds=[self.params.worker_world])
+        world = self.params.worker_world
+        while True:
+            snap = await self.cx.mailbox.ask(
+                SYSTEM_ACTOR, Snapshot(filter=flt), max(0.1, until - self._now())
+            )
+            w = snap.worlds.get(world.name)
+            if w is None:
+                return set()
+            ended = {
+                r
+                for r in range(self.params.world_size)
+                if (e := w.procs.get(str(world.proc(r)))) is None or e.health != "Alive"
+            }
+            if ended.issuperset(ranks) or self._now() >= until:
+                return ended
+            await asyncio.sleep(0.01)
+
+    async def _kill_stuck(self, ranks: list[int], deadline: float) -> None:
+        """SIGKILL the procs of stuck ``ranks`` through their hosts and wait (until
+        ``deadline``) until the system has them ended, so that they can be respawned."""
+        supervision = self.supervision
+        assert supervision is not None
+        mb = self.cx.mailbox
+        procs = {r: self.params.worker_world.proc(r) for r in ranks}
+        for r in ranks:
+            record = supervision.record(r)
+            if record is None or record.host_proc is None:
+                raise RuntimeError(f"{procs[r]} is stuck and its host is unknown: cannot kill it")
+            await mb.ask(
+                record.host_proc.actor("proc"),
+                KillProc(proc_id=procs[r], reason="declared stuck; killed for a recovery"),
+                max(0.1, deadline - self._now()),
+            )
+            log.warning("killed stuck %s (pid %s, host %s)", procs[r], record.pid, record.host)
+        ended = await self._await_ended(ranks, deadline)
+        if not ended.issuperset(ranks):
+            raise TimeoutError(
+                f"{', '.join(str(procs[r]) for r in ranks)} did not end within "
+                f"{self.params.spawn_timeout_s:g} s of being killed"
+            )
+        supervision.dead_ranks.update(ranks)
 
     async def _await_joined(
         self, procs: dict[int, ProcId], deadline: float

@@ -124,6 +124,10 @@ class ProgressMonitor:
         self._next_report_id = 1
         self._failed = False
         self._reports = 0
+        #: The ranks the ``stuck`` Failure named, and of those the ones to kill for a
+        #: recovery (`culprits`); empty until such a Failure.
+        self.stuck: tuple[int, ...] = ()
+        self.culprits: tuple[int, ...] = ()
 
     @classmethod
     def from_params(
@@ -158,6 +162,16 @@ class ProgressMonitor:
     def reports(self) -> int:
         """Number of stall reports finished so far."""
         return self._reports
+
+    def revive(self, ranks: Iterable[int], records: dict[int, WorkerProcRecord]) -> None:
+        """A recovery brought ``ranks`` back (new pids and hosts for reports): stalls are
+        watched and reported again, and a later stall may fail the mesh again."""
+        for r in ranks:
+            if r in records:
+                self._procs[r] = records[r]
+        self._failed = False
+        self._in_flight = None
+        self.stuck = self.culprits = ()
 
     # ----------------------------------------------------------------- stimuli
 
@@ -329,6 +343,8 @@ class ProgressMonitor:
         out: list[Instruction] = [Warn(message, details)]
         if self._fail_on_timeout:
             self._failed = True
+            self.stuck = tuple(lagging)
+            self.culprits = culprits(stacks)
             out.append(
                 Fail(
                     DeviceFailure(
@@ -465,6 +481,22 @@ def _trim_block(header: str, lines: list[str], max_frames: int) -> str:
         else:
             frames = [*frames[:max_frames], note]
     return "\n".join([header, *(ln for frame in frames for ln in frame)])
+
+
+def culprits(stacks: dict[int, str]) -> tuple[int, ...]:
+    """Of stuck ranks (rank -> the stack of its stuck op), the ones a recovery kills.
+
+    A rank whose stuck stack is inside ``torch.distributed`` waits for a peer in a
+    collective: it is a victim, and its collective fails once the culprit is killed. The
+    culprits are the others; when every rank waits in a collective (a mismatch between
+    them, or no stack), all of them.
+    """
+    waiting = {r for r, text in stacks.items() if _IN_COLLECTIVE.search(text)}
+    found = tuple(sorted(r for r in stacks if r not in waiting))
+    return found or tuple(sorted(stacks))
+
+
+_IN_COLLECTIVE = re.compile(r"torch[/\\]distributed[/\\]")
 
 
 def select_stack(

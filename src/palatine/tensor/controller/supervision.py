@@ -474,9 +474,22 @@ class SupervisionMonitor:
         if not self.dead_ranks and not self._world_gone and not self._system_lost:
             self._failures = 0
 
+    def record(self, rank: int) -> WorkerProcRecord | None:
+        """What is known of rank ``rank``'s current proc (pid, host, its host's proc)."""
+        return self._records.get(rank)
+
     def _report(self, rank: int, state: ProcSupervisionState) -> list[Instruction]:
-        """One Failure for a newly failed proc; nothing for a healthy or reported one."""
+        """One Failure for a newly failed proc; nothing for a healthy or reported one, nor
+        for an incarnation a recovery has replaced (its pid is not the current one's)."""
         if not is_failed(state) or state.proc_id in self.reported_procs:
+            return []
+        current = self._records.get(rank)
+        if (
+            current is not None
+            and current.pid is not None
+            and state.pid is not None
+            and state.pid != current.pid
+        ):
             return []
         self.reported_procs.add(state.proc_id)
         if 0 <= rank < self._n:
