@@ -221,6 +221,33 @@ def test_a_mesh_cast_through_relays_reaches_a_recovered_rank() -> None:
     assert lines["NEW"] == "1"
 
 
+def test_an_expired_rank_is_killed_before_it_is_respawned() -> None:
+    # SIGSTOP: the rank stops heartbeating and is declared dead while its process is
+    # still there; recovery must not leave it behind (it could wake up later).
+    lines, _ = run_script(
+        PRELUDE
+        + """
+    import psutil
+    opts = dict(supervision_update_timeout_in_sec=1.0, supervision_update_interval_in_sec=0.2)
+    with local_mesh(1, 3, **opts) as mesh:
+        with mesh.activate():
+            before = pids_of(mesh)
+            os.kill(before[1], signal.SIGSTOP)
+            e = until_failed(mesh)
+            print("EXPIRED", "stopped sending heartbeats" in str(e), str(e).splitlines()[0])
+            print("RECOVERED", mesh.recover().ranks)
+            old = psutil.Process(before[1]) if psutil.pid_exists(before[1]) else None
+            print("OLD_GONE", old is None or old.status() == psutil.STATUS_ZOMBIE)
+            v = remote(filled)(mesh.rank("proc"))
+            print("SUM", fetch(v.reduce("proc", op="sum")).result(timeout=60).tolist())
+    """
+    )
+    assert lines["EXPIRED"].startswith("True "), lines["EXPIRED"]
+    assert lines["RECOVERED"] == "[1]"
+    assert lines["OLD_GONE"] == "True"
+    assert lines["SUM"] == "[3.0, 3.0, 3.0]"
+
+
 HOST_OF = """
     import psutil
 

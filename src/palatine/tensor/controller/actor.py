@@ -492,8 +492,7 @@ class ControllerActor(Actor):
                         "rank is recovered"
                     )
         alive = [r for r in ranks if r not in supervision.dead_ranks]
-        if alive:
-            await self._kill_stuck(alive, deadline)
+        await self._end_procs(ranks, alive, deadline)
         reply = await mb.ask(
             SYSTEM_ACTOR, RespawnProcs(world_id=p.worker_world, ranks=ranks), p.spawn_timeout_s
         )
@@ -566,30 +565,49 @@ class ControllerActor(Actor):
                 return ended
             await asyncio.sleep(0.01)
 
-    async def _kill_stuck(self, ranks: list[int], deadline: float) -> None:
-        """SIGKILL the procs of stuck ``ranks`` through their hosts and wait (until
-        ``deadline``) until the system has them ended, so that they can be respawned."""
+    async def _end_procs(self, ranks: list[int], stuck: list[int], deadline: float) -> None:
+        """Make sure no process of ``ranks`` still runs before they are respawned: each
+        one's host is asked to SIGKILL it (`KillProc`). That ends a ``stuck`` rank, and a
+        rank declared dead whose process is still there (expired: stopped, or cut off);
+        a host that is gone took its procs along. Then wait (until ``deadline``) until
+        the system has the stuck ones ended."""
         supervision = self.supervision
         assert supervision is not None
         mb = self.cx.mailbox
         procs = {r: self.params.worker_world.proc(r) for r in ranks}
-        for r in ranks:
+
+        async def end(r: int) -> None:
             record = supervision.record(r)
             if record is None or record.host_proc is None:
-                raise RuntimeError(f"{procs[r]} is stuck and its host is unknown: cannot kill it")
-            await mb.ask(
-                record.host_proc.actor("proc"),
-                KillProc(proc_id=procs[r], reason="declared stuck; killed for a recovery"),
-                max(0.1, deadline - self._now()),
-            )
-            log.warning("killed stuck %s (pid %s, host %s)", procs[r], record.pid, record.host)
-        ended = await self._await_ended(ranks, deadline)
-        if not ended.issuperset(ranks):
+                if r in stuck:
+                    raise RuntimeError(f"{procs[r]} is stuck and its host is unknown")
+                return
+            why = "declared stuck" if r in stuck else "declared dead"
+            try:
+                killed = await mb.ask(
+                    record.host_proc.actor("proc"),
+                    KillProc(proc_id=procs[r], reason=f"{why}; killed for a recovery"),
+                    max(0.1, min(deadline, self._now() + RECOVER_GRACE_S) - self._now()),
+                )
+            except Exception:
+                if r in stuck:
+                    raise
+                return  # its host is gone, and the proc with it
+            if killed.proc_ids:
+                log.warning(
+                    "killed %s (%s; pid %s, host %s)", procs[r], why, record.pid, record.host
+                )
+
+        await asyncio.gather(*(end(r) for r in ranks))
+        if not stuck:
+            return
+        ended = await self._await_ended(stuck, deadline)
+        if not ended.issuperset(stuck):
             raise TimeoutError(
-                f"{', '.join(str(procs[r]) for r in ranks)} did not end within "
+                f"{', '.join(str(procs[r]) for r in stuck)} did not end within "
                 f"{self.params.spawn_timeout_s:g} s of being killed"
             )
-        supervision.dead_ranks.update(ranks)
+        supervision.dead_ranks.update(stuck)
 
     async def _await_joined(
         self, procs: dict[int, ProcId], deadline: float
