@@ -90,6 +90,11 @@ PROGRAMS = (
         ),
     ),
     Program("bench/recovery_bench.py", None, frozenset({"recover_after_sigkill_s"})),
+    Program(
+        "bench/control_plane_bench.py",
+        None,
+        frozenset({"detect_system_loss_s", "teardown_after_sigint_s", "fetch_1GiB_peak_ratio"}),
+    ),
     Program("bench/peers/monarch_actors.py", "torchmonarch", frozenset(PEER_METRICS)),
     Program("bench/peers/ray_actors.py", "ray", frozenset(PEER_METRICS)),
     Program("bench/peers/dask_actors.py", "distributed", frozenset(PEER_METRICS)),
@@ -133,6 +138,12 @@ METRICS: dict[str, tuple[str, bool, Target]] = {
         False,
         Target("≤ 2 s and ≥ 10× faster than torchrun --max-restarts=1", 2.0, 10),
     ),
+    # Control-plane faults and big values (bench/control_plane_bench.py): a SIGKILLed
+    # system seen by a pending fetch; Ctrl-C to the script's exit; the whole job's peak
+    # memory for a 1 GiB fetch, in units of the value.
+    "detect_system_loss_s": ("s", False, Target("≤ 1 s (system on the same host)", 1.0)),
+    "teardown_after_sigint_s": ("s", False, Target("≤ 2 s", 2.0)),
+    "fetch_1GiB_peak_ratio": ("x the value", False, Target("≤ 2× the value", 2.0)),
     # The client API's start-up and SIGKILL detection (bench/controller_bench.py); the
     # goals have no start-up target for it (spawn_4_to_first_call_s is the actor API's).
     "local_mesh_4_to_first_fetch_s": ("s", False, Target("none in the goals (recorded)")),
@@ -790,6 +801,23 @@ def render_markdown(res: dict[str, Any]) -> str:
         "plain copy of the payload (`copy_ms`; `call_in_copies`), and the exponent is that of "
         "the ratio, plus 1: 1 means the call grows exactly as copying the bytes does. The raw "
         "exponents are in the extras too.",
+        "",
+        "Recovery and the control plane (`bench/recovery_bench.py`, "
+        "`bench/control_plane_bench.py`):",
+        "",
+        "* `recover_after_sigkill_s`: the demo's data-parallel MLP on 4 CPU ranks (gloo); one "
+        "rank SIGKILLed from outside; time from the kill until the first training step after "
+        "it has completed on every rank. palatine: `mesh.recover()`, a new process group, the "
+        "state made again on the new rank and resynced from a survivor. torchrun: "
+        "`--max-restarts=1`, a checkpoint after every step, every rank restarted and loading it.",
+        "* `detect_system_loss_s`: `local_mesh(1, 2)`, a fetch pending when the `palatine "
+        "system` process is SIGKILLed; time until the fetch raises `DeviceException` "
+        "(`system_lost`); `teardown_s`: leaving the `with` block after it.",
+        "* `teardown_after_sigint_s`: a script with `local_mesh(1, 2)` and a pending fetch gets "
+        "SIGINT; time until its process has exited (`roles_left_after_5s`: roles still running).",
+        "* `fetch_1GiB_peak_ratio`: a remote function makes a 1 GiB float32 tensor, which is "
+        "fetched; the sum over the job's processes of each one's peak memory growth (kernel "
+        "high-water mark), divided by 1 GiB; a fresh interpreter and job per repetition.",
         "",
         "Loops run about 0.5 s per repetition after a warm-up; the value is the median of the "
         "repetitions (all of them are in the results file). The other metrics and their "
