@@ -80,9 +80,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # hosts fork `python -m palatine worker` procs from a pre-imported server (palatine.hosting.forkserver)
     fork_server: bool = True
     # modules (comma separated) a host's fork server imports once the host's spawns have
-    # settled, so that a proc spawned later (a respawned rank) starts with them loaded
-    # (torch._dynamo: what building the first optimizer imports, ≈ 1 s)
-    fork_server_warm: str = "torch,torch._dynamo"
+    # settled, so that a proc spawned later (a respawned rank) starts with them loaded;
+    # None: nothing, but `local_mesh` hosts warm TENSOR_WARM (palatine.tensor.client.local)
+    fork_server_warm: str | None = None
     cast_fanout: int = 8
     # tensor worker procs run SCHED_BATCH: woken by the controller, they do not preempt it
     # before it has written to every worker (palatine.tensor.worker.actor)

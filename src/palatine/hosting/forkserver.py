@@ -48,9 +48,11 @@ Protocol, on a private ``SOCK_SEQPACKET`` socket pair, one JSON object per messa
 Warming. A respawned rank (``DeviceMesh.recover``, ``ProcMesh.respawn``) must be back in
 well under the time a fresh interpreter takes to import torch (≈ 1.4 s of CPU here). So
 once the host's spawns have settled (no spawn for `WARM_AFTER_S`), the host asks its
-server to import the ``fork_server_warm`` modules (``PALATINE_FORK_SERVER_WARM``; torch,
-and torch._dynamo, which building the first optimizer imports, ≈ 1 s more, by default): a
-proc forked later starts with them loaded. The import runs on a thread beside
+server to import the ``fork_server_warm`` modules (``PALATINE_FORK_SERVER_WARM``): a proc
+forked later starts with them loaded. The hosts of a `palatine.local_mesh`, whose workers
+all import torch, warm torch and torch._dynamo (which building the first optimizer
+imports, ≈ 1 s more) unless the variable says otherwise; other hosts warm nothing unless
+asked, so that actor meshes that never use torch do not pay for it. The import runs on a thread beside
 the server's loop, which goes on reaping and signalling workers (an exit is reported at
 once even then); a spawn asked for meanwhile waits until the import has ended. Done then, not at the server's
 start, so the first procs of a mesh are not held back by a module they may never use.
@@ -183,7 +185,7 @@ class ForkServer:
         self._on_exit: dict[int, Callable[[int | None], None]] = {}
         self._closed = False
         if warm is None:
-            warm = config.get().fork_server_warm.split(",")
+            warm = (config.get().fork_server_warm or "").split(",")
         self._warm = tuple(m.strip() for m in warm if m.strip())
         self._warm_timer: asyncio.TimerHandle | None = None
         #: The server has imported its warm modules (``{"op": "warmed"}``).
