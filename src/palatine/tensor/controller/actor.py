@@ -453,11 +453,12 @@ class ControllerActor(Actor):
         spawn a worker actor on each, count them as having passed every seq so far.
 
         Without ``msg.ranks``: the dead ranks, and the culprits of a ``stuck`` Failure
-        (`palatine.tensor.controller.progress.culprits`). A rank that is alive but
-        declared stuck is killed first (SIGKILL by its host). A named rank the system still
-        has alive is waited for (`RECOVER_GRACE_S`: its death may be on its way, as for a
-        lost host's procs), then refused. Every step is bounded by the spawn timeout; a failure raises
-        (the client's recovery fails with the reason) and leaves the session failed."""
+        (`palatine.tensor.controller.progress.culprits`). What is left of each rank is
+        killed first by its host (`_end_procs`: a stuck rank is alive). A named rank the
+        system still has alive is waited for (`RECOVER_GRACE_S`: its death may be on its
+        way, as for a lost host's procs), then refused unless declared stuck. Every step
+        is bounded by the spawn timeout; a failure raises (the client's recovery fails
+        with the reason) and leaves the session failed."""
         if not self._from_client("Recover"):
             raise RuntimeError("Recover from a stranger")
         p = self.params
