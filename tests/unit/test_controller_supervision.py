@@ -147,7 +147,7 @@ def test_sigkill_gives_one_failure_naming_everything() -> None:
 
 
 def test_after_a_recovery_only_the_new_incarnation_s_failure_is_reported() -> None:
-    sup = monitor()
+    sup = monitor(procs=[WorkerProcRecord(rank=1, proc_id=ProcId(W, 1), pid=4243, host="node3")])
     assert fails(sup.on_proc_failed(ProcFailed(world=W, rank=1, state=killed(1)), 0.1))
     new = WorkerProcRecord(rank=1, proc_id=ProcId(W, 1), pid=9001, host="node3")
     sup.revive([1], {1: new})

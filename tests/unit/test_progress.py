@@ -596,3 +596,29 @@ def test_a_recovery_revives_stall_reports_after_a_stuck_failure() -> None:
     assert sim.mon.stuck == (0,) and sim.mon.culprits == (0,) and sim.mon.failed
     sim.mon.revive([0], {})
     assert sim.mon.stuck == () and sim.mon.culprits == () and not sim.mon.failed
+
+
+def test_a_rank_stuck_in_its_own_code_under_a_distributed_wrapper_is_a_culprit() -> None:
+    wrapped = (
+        '  File "/site-packages/torch/distributed/fsdp/fully_sharded_data_parallel.py", '
+        "line 850, in forward\n    output = self._fsdp_wrapped_module(*args)\n"
+        '  File "/site-packages/torch/nn/modules/module.py", line 1750, in _call_impl\n'
+        "    return forward_call(*args)\n"
+        '  File "/job/model.py", line 40, in forward\n    while not ready(): pass\n'
+        '  File "/job/model.py", line 12, in ready\n    return flag\n'
+    )
+    waiting = (
+        '  File "/job/train.py", line 9, in step\n    dist.all_reduce(x)\n'
+        '  File "/site-packages/torch/distributed/distributed_c10d.py", line 3252, '
+        "in all_reduce\n    work.wait()\n"
+    )
+    assert culprits({0: waiting, 1: wrapped}) == (1,)
+
+
+def test_a_partial_recovery_keeps_the_mesh_failed_while_a_stuck_rank_is_left() -> None:
+    sim = stuck_at_s1()
+    sim.mon.stuck, sim.mon.culprits = (0, 1, 2), (0, 1)  # rank 2 waited for 0 and 1
+    sim.mon.revive([0], {})
+    assert sim.mon.stuck == (1, 2) and sim.mon.culprits == (1,) and sim.mon.failed
+    sim.mon.revive([1], {})
+    assert sim.mon.stuck == () and sim.mon.culprits == () and not sim.mon.failed

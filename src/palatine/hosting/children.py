@@ -701,20 +701,18 @@ class ChildProcs:
                 child.pid,
                 grace,
             )
-        return await self.kill(child)
-
-    async def kill(self, child: Child) -> ChildExit | None:
-        """SIGKILL one child's process group now (no SIGTERM first: for a stuck child,
-        whose handlers must not run) and reap it; its exit is reported as any other."""
-        if child.pid is None or child.done():
-            return child.exit
-        if child._died_at is None:
-            self._signal(child, signal.SIGKILL)
+        self.kill(child)
         try:
             return await child.wait(_KILL_WAIT_S)
         except TimeoutError:
             log.error("%s: pid %d did not end after SIGKILL", child.proc_id, child.pid)
             return None
+
+    def kill(self, child: Child) -> None:
+        """SIGKILL one child's process group now (no SIGTERM first: for a stuck child,
+        whose handlers must not run); it is reaped and its exit reported as any other."""
+        if child.pid is not None and not child.done() and child._died_at is None:
+            self._signal(child, signal.SIGKILL)
 
     async def kill_all(self, world: str | None = None, grace_s: float | None = None) -> list[Child]:
         """Terminate every running child (of ``world`` when given) concurrently.

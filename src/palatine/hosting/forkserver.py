@@ -54,7 +54,8 @@ all import torch, warm torch and torch._dynamo (which building the first optimiz
 imports, ≈ 1 s more) unless the variable says otherwise; other hosts warm nothing unless
 asked, so that actor meshes that never use torch do not pay for it. The import runs on a thread beside
 the server's loop, which goes on reaping and signalling workers (an exit is reported at
-once even then); a spawn asked for meanwhile waits until the import has ended. Done then, not at the server's
+once even then); a spawn asked for meanwhile waits until the import has ended (at most
+5 s; the spawn is then exec'd), and the loop with it. Done then, not at the server's
 start, so the first procs of a mesh are not held back by a module they may never use.
 numpy's OpenBLAS starts a thread pool when it loads, which would make the server
 unforkable, so the server imports with ``OPENBLAS_NUM_THREADS=1`` unless it is set:

@@ -29,6 +29,8 @@ from palatine.hosting.forkserver import FD_VAR, MAX_MESSAGE_BYTES, PARENT_VAR, P
 __all__ = ["main"]
 
 _THREAD_EXIT_S = 1.0
+#: How long a spawn waits for the warm import (the host gives up after 10 s).
+_WARM_WAIT_S = 5.0
 
 
 def _thread_count() -> int:
@@ -95,6 +97,7 @@ class _Server:
         # The warm import runs beside the loop, which goes on reaping and signalling
         # workers meanwhile; a spawn waits for it to end (no fork with a second thread).
         self.warming: threading.Thread | None = None
+        self.warm_asked = False
 
     def warm(self, modules: list[str]) -> None:
         t0 = time.monotonic()
@@ -102,12 +105,17 @@ class _Server:
         self.send({"op": "warmed", "seconds": round(time.monotonic() - t0, 3)})
 
     def warmed(self) -> None:
-        """Wait for the warm import to end, and for its thread to be gone from the OS
-        (it lingers a moment after `join`), at most `_THREAD_EXIT_S`."""
+        """Wait for the warm import to end (at most `_WARM_WAIT_S`, below the host's
+        reply timeout: the spawn is then refused and the host execs), and for its thread
+        to be gone from the OS (it lingers a moment after `join`), at most
+        `_THREAD_EXIT_S`. Meanwhile the loop waits too: exits are reported after it."""
         warming = self.warming
         if warming is None:
             return
-        warming.join()
+        warming.join(_WARM_WAIT_S)
+        if warming.is_alive():
+            return  # still importing: the thread count refuses this spawn
+        self.warming = None
         deadline = time.monotonic() + _THREAD_EXIT_S
         while _thread_count() != 1 and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -149,7 +157,8 @@ class _Server:
             return self.spawn(msg, fds)
         for fd in fds:
             os.close(fd)
-        if op == "warm" and self.warming is None:
+        if op == "warm" and self.warming is None and not self.warm_asked:
+            self.warm_asked = True
             modules = [str(m) for m in msg.get("modules") or []]
             self.warming = threading.Thread(
                 target=self.warm, args=(modules,), name="palatine-warm", daemon=True

@@ -217,12 +217,12 @@ class HostAgent(ProcAgent):
         return KilledProcs(proc_ids=ids)
 
     @handler
-    async def on_kill_proc(self, msg: KillProc) -> KilledProcs:
+    def on_kill_proc(self, msg: KillProc) -> KilledProcs:
         child = self.children.get(str(msg.proc_id))
-        if child is None or child.done():
+        if child is None or child.done() or msg.pid not in (None, child.pid):
             return KilledProcs(proc_ids=[])
         log.warning("%s: killing pid %s: %s", msg.proc_id, child.pid, msg.reason or "asked to")
-        await self.children.kill(child)
+        self.children.kill(child)
         return KilledProcs(proc_ids=[msg.proc_id])
 
     # ------------------------------------------------------------ more hosts

@@ -149,11 +149,13 @@ class KillProcs(Message, kw_only=True):
 
 
 class KillProc(Message, kw_only=True):
-    """To a host: SIGKILL its child ``proc_id`` now (a rank declared stuck, before a
-    recovery respawns it). The end is reported to the system like any other exit.
-    Replies `KilledProcs`, empty when the host runs no such child."""
+    """To a host: SIGKILL its child ``proc_id`` (that incarnation: ``pid``, when given)
+    now, before a recovery respawns it. Replies `KilledProcs` once the signal is sent
+    (empty when the host runs no such child); the end is reported to the system like
+    any other exit."""
 
     proc_id: ProcId
+    pid: int | None = None
     reason: str = ""
 
 

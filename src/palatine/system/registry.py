@@ -1255,6 +1255,9 @@ class SystemRegistry:
         rec = self._records[pid]
         world = self._world_of(rec) if rec.kind == "proc" else None
         told = world.told_gone.pop(pid.rank, set()) if world is not None else set()
+        if world is not None and world.replaced:
+            # joined: a late report of a replaced pid now meets this record's own pid
+            world.replaced = {x for x in world.replaced if x[0] != pid.rank}
         if carried or told:
             rec.resolvers = set(carried) | told
             changed = old is not None and (

@@ -138,6 +138,8 @@ class WorldRecord:
         self.labels.update(msg.labels)
         self.incarnation = incarnation
         self.assigned.clear()
+        self.replaced.clear()
+        self.told_gone.clear()
 
     def reset_to_hosts_only(self) -> None:
         """Forget everything but the hosts: the world is listed ``AwaitingCreation`` again."""
@@ -149,6 +151,8 @@ class WorldRecord:
         self.labels = {}
         self.procs = {}
         self.failed = set()
+        self.replaced = set()
+        self.told_gone = {}
         self.status = "AwaitingCreation"
         self.since = None
         self.reason = ""

@@ -471,7 +471,7 @@ class ControllerActor(Actor):
         deadline = self._now() + p.spawn_timeout_s
         # The system may know of deaths not reported here yet (a lost host's procs come
         # one by one): count them as dead (their late reports name an old pid: ignored).
-        supervision.dead_ranks |= await self._await_ended((), deadline)
+        supervision.mark_ended(await self._await_ended((), deadline))
         if msg.ranks is not None:
             wanted = set(msg.ranks)
         else:
@@ -485,12 +485,14 @@ class ControllerActor(Actor):
         named = [r for r in ranks if r not in supervision.dead_ranks and r not in stuck]
         if named:
             until = min(deadline, self._now() + RECOVER_GRACE_S)
-            supervision.dead_ranks |= await self._await_ended(named, until)
+            supervision.mark_ended(await self._await_ended(named, until))
             for r in named:
                 if r not in supervision.dead_ranks:
+                    rec = supervision.record(r)
+                    where = f" (pid {rec.pid}, host {rec.host})" if rec is not None else ""
                     raise ValueError(
-                        f"rank {r} is alive and not declared stuck: only a lost or stuck "
-                        "rank is recovered"
+                        f"rank {r} of {p.worker_world}{where} is alive and not declared "
+                        "stuck: only a lost or stuck rank is recovered"
                     )
         alive = [r for r in ranks if r not in supervision.dead_ranks]
         await self._end_procs(ranks, alive, deadline)
@@ -539,7 +541,7 @@ class ControllerActor(Actor):
         supervision.revive(ranks, records)
         if progress is not None:
             progress.revive(ranks, records)
-        self.mesh_failed = supervision.failed
+        self.mesh_failed = supervision.failed or (progress is not None and progress.failed)
         if reports:
             self._results(reports)
         log.info("recovered ranks %s of %s", ranks, p.worker_world)
@@ -568,47 +570,51 @@ class ControllerActor(Actor):
 
     async def _end_procs(self, ranks: list[int], stuck: list[int], deadline: float) -> None:
         """Make sure no process of ``ranks`` still runs before they are respawned: each
-        one's host is asked to SIGKILL it (`KillProc`). That ends a ``stuck`` rank, and a
-        rank declared dead whose process is still there (expired: stopped, or cut off);
-        a host that is gone took its procs along. Then wait (until ``deadline``) until
-        the system has the stuck ones ended."""
+        one's host is asked to SIGKILL it (`KillProc`, that pid). That ends a ``stuck``
+        rank, and a rank declared dead whose process is still there (expired: stopped, or
+        cut off); a host that cannot be reached is logged (its procs are gone with it, or
+        cut off with it). Then wait (until ``deadline``) until the system has the stuck
+        ones ended. Errors name the rank's proc, pid and host."""
         supervision = self.supervision
         assert supervision is not None
         mb = self.cx.mailbox
         procs = {r: self.params.worker_world.proc(r) for r in ranks}
 
+        def who(r: int) -> str:
+            rec = supervision.record(r)
+            where = f"pid {rec.pid}, host {rec.host or '?'}" if rec is not None else "unknown"
+            return f"{procs[r]} (rank {r}, {where})"
+
         async def end(r: int) -> None:
             record = supervision.record(r)
             if record is None or record.host_proc is None:
                 if r in stuck:
-                    raise RuntimeError(f"{procs[r]} is stuck and its host is unknown")
+                    raise RuntimeError(f"{who(r)} is stuck and its host is not known")
                 return
             why = "declared stuck" if r in stuck else "declared dead"
+            kill = KillProc(proc_id=procs[r], pid=record.pid, reason=f"{why}; for a recovery")
+            bound = max(0.1, min(deadline, self._now() + RECOVER_GRACE_S) - self._now())
             try:
-                killed = await mb.ask(
-                    record.host_proc.actor("proc"),
-                    KillProc(proc_id=procs[r], reason=f"{why}; killed for a recovery"),
-                    max(0.1, min(deadline, self._now() + RECOVER_GRACE_S) - self._now()),
-                )
-            except Exception:
+                killed = await mb.ask(record.host_proc.actor("proc"), kill, bound)
+            except Exception as e:  # noqa: BLE001 - reported below, or fatal when stuck
                 if r in stuck:
-                    raise
-                return  # its host is gone, and the proc with it
+                    raise RuntimeError(f"cannot kill {who(r)}: {error_text(e)}") from e
+                log.warning("recovery: could not reach the host of %s: %s", who(r), error_text(e))
+                return
             if killed.proc_ids:
-                log.warning(
-                    "killed %s (%s; pid %s, host %s)", procs[r], why, record.pid, record.host
-                )
+                log.warning("recovery: killed %s (%s)", who(r), why)
 
-        await asyncio.gather(*(end(r) for r in ranks))
+        results = await asyncio.gather(*(end(r) for r in ranks), return_exceptions=True)
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
         if not stuck:
             return
         ended = await self._await_ended(stuck, deadline)
         if not ended.issuperset(stuck):
-            raise TimeoutError(
-                f"{', '.join(str(procs[r]) for r in stuck)} did not end within "
-                f"{self.params.spawn_timeout_s:g} s of being killed"
-            )
-        supervision.dead_ranks.update(stuck)
+            left = ", ".join(who(r) for r in stuck if r not in ended)
+            raise TimeoutError(f"{left}: still running at the recovery's deadline after SIGKILL")
+        supervision.mark_ended(stuck)
 
     async def _await_joined(
         self, procs: dict[int, ProcId], deadline: float

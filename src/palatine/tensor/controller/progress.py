@@ -164,14 +164,19 @@ class ProgressMonitor:
         return self._reports
 
     def revive(self, ranks: Iterable[int], records: dict[int, WorkerProcRecord]) -> None:
-        """A recovery brought ``ranks`` back (new pids and hosts for reports): stalls are
-        watched and reported again, and a later stall may fail the mesh again."""
-        for r in ranks:
+        """A recovery brought ``ranks`` back (new pids and hosts for reports). Once no
+        culprit is left, stalls are watched and reported again, and a later stall may
+        fail the mesh again (the ranks that waited for the culprits fail their collective
+        when the culprits die); while one is left, the mesh stays failed (`failed`)."""
+        back = set(ranks)
+        for r in back:
             if r in records:
                 self._procs[r] = records[r]
-        self._failed = False
-        self._in_flight = None
-        self.stuck = self.culprits = ()
+        self.culprits = tuple(r for r in self.culprits if r not in back)
+        self.stuck = tuple(r for r in self.stuck if r not in back) if self.culprits else ()
+        if not self.culprits:
+            self._failed = False
+            self._in_flight = None
 
     # ----------------------------------------------------------------- stimuli
 
@@ -491,12 +496,21 @@ def culprits(stacks: dict[int, str]) -> tuple[int, ...]:
     culprits are the others; when every rank waits in a collective (a mismatch between
     them, or no stack), all of them.
     """
-    waiting = {r for r, text in stacks.items() if _IN_COLLECTIVE.search(text)}
+    waiting = {r for r, text in stacks.items() if _waits_in_collective(text)}
     found = tuple(sorted(r for r in stacks if r not in waiting))
     return found or tuple(sorted(stacks))
 
 
 _IN_COLLECTIVE = re.compile(r"torch[/\\]distributed[/\\]")
+_FRAME_LINE = re.compile(r'^\s*File "')
+
+
+def _waits_in_collective(stack: str, innermost: int = 3) -> bool:
+    """Whether one of the ``innermost`` frames of a stuck stack (innermost last, as in
+    the stall report) is torch.distributed's: a user frame under a distributed wrapper
+    (FSDP, DTensor) is still the rank's own work."""
+    frames = [line for line in stack.splitlines() if _FRAME_LINE.match(line)]
+    return any(_IN_COLLECTIVE.search(line) for line in frames[-innermost:])
 
 
 def select_stack(

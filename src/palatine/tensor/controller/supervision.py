@@ -250,6 +250,8 @@ class SupervisionMonitor:
         self._records = {p.rank: p for p in procs}
         self.dead_ranks: set[int] = set()
         self.reported_procs: set[ProcId] = set()
+        # (rank, pid) of incarnations a recovery replaced: their late reports are stale
+        self._replaced: set[tuple[int, int]] = set()
         self._last_contact = now
         self._query_sent_at: float | None = None
         self._failing_since: float | None = None
@@ -469,10 +471,19 @@ class SupervisionMonitor:
             self.dead_ranks.discard(r)
             record = records.get(r)
             if record is not None:
+                old = self._records.get(r)
+                if old is not None and old.pid is not None and old.pid != record.pid:
+                    self._replaced.add((r, old.pid))
                 self.reported_procs.discard(record.proc_id)
                 self._records[r] = record
         if not self.dead_ranks and not self._world_gone and not self._system_lost:
             self._failures = 0
+
+    def mark_ended(self, ranks: Iterable[int]) -> None:
+        """The system has ``ranks`` ended (a death not reported here yet, or a stuck rank
+        killed for a recovery): count them dead; their own report, if it comes, is still
+        turned into a Failure once."""
+        self.dead_ranks.update(r for r in ranks if 0 <= r < self._n)
 
     def record(self, rank: int) -> WorkerProcRecord | None:
         """What is known of rank ``rank``'s current proc (pid, host, its host's proc)."""
@@ -480,16 +491,10 @@ class SupervisionMonitor:
 
     def _report(self, rank: int, state: ProcSupervisionState) -> list[Instruction]:
         """One Failure for a newly failed proc; nothing for a healthy or reported one, nor
-        for an incarnation a recovery has replaced (its pid is not the current one's)."""
+        for an incarnation a recovery has replaced (a late report naming its pid)."""
         if not is_failed(state) or state.proc_id in self.reported_procs:
             return []
-        current = self._records.get(rank)
-        if (
-            current is not None
-            and current.pid is not None
-            and state.pid is not None
-            and state.pid != current.pid
-        ):
+        if state.pid is not None and (rank, state.pid) in self._replaced:
             return []
         self.reported_procs.add(state.proc_id)
         if 0 <= rank < self._n:
