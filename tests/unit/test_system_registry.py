@@ -1723,6 +1723,11 @@ def test_the_ranks_of_a_lost_host_are_respawned_on_the_least_loaded_live_host() 
     }
     # hosts 0 and 2 run one proc each: the lower host first, then the less loaded
     assert spawns == {agent_of(pid("hostw[0]")): [(2, 0)], agent_of(pid("hostw[2]")): [(3, 1)]}
+    h.joined("w[2]", pid_=902, host="node1", host_proc="hostw[0]")
+    h.joined("w[3]", pid_=903, host="node3", host_proc="hostw[2]")
+    # The lost host comes back: its ranks run elsewhere now, so it is asked for none.
+    instrs = h.joined("hostw[1]", host="node2", incarnation=77)
+    assert asks(instrs, SpawnProc) == []
 
 
 def test_procs_told_a_peer_was_gone_hear_when_a_respawn_brings_it_back() -> None:

@@ -1491,7 +1491,8 @@ class SystemRegistry:
         return min(live, key=lambda h: (load[h.proc_id], h.proc_id.rank))
 
     def _assign(self, world: WorldRecord, host: ProcRecord, out: list[Instruction]) -> None:
-        """Send host ``host`` its ranks of ``world`` (once per host and world incarnation)."""
+        """Send host ``host`` its ranks of ``world`` (once per host and world incarnation),
+        but for a rank that a respawn moved to another host and that is alive there."""
         if not host.alive or host.stop_sent or world.size is None or world.env is None:
             return
         key = (host.proc_id.rank, host.incarnation)
@@ -1511,9 +1512,21 @@ class SystemRegistry:
             )
             return
         lo = host.proc_id.rank * nph
+        moved = {
+            r
+            for r in ranks
+            if (rec := world.procs.get(r)) is not None
+            and rec.alive
+            and rec.host_proc is not None
+            and rec.host_proc != host.proc_id
+        }
         procs = [
-            ProcAssignment(proc_id=world.world_id.proc(r), rank=r, local_rank=r - lo) for r in ranks
+            ProcAssignment(proc_id=world.world_id.proc(r), rank=r, local_rank=r - lo)
+            for r in ranks
+            if r not in moved
         ]
+        if not procs:
+            return
         spawn = SpawnProc(
             world_id=world.world_id,
             env=world.env,
@@ -1521,9 +1534,8 @@ class SystemRegistry:
             world_size=world.size,
             local_world_size=len(ranks),
         )
-        token = SpawnToken(
-            world.name, world.incarnation, host.proc_id, host.incarnation, tuple(ranks)
-        )
+        asked = tuple(a.rank for a in procs)
+        token = SpawnToken(world.name, world.incarnation, host.proc_id, host.incarnation, asked)
         out.append(Ask(agent_of(host.proc_id), spawn, self.rpc_timeout_s, token))
 
     def handle_snapshot(self, msg: Snapshot, requester: ProcId | None = None) -> Result:
