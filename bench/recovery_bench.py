@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import parse_args, run_metric
 
-from palatine import DeviceException, fetch, local_mesh, remote, resync
+from palatine import DeviceException, fetch, local_mesh, remote
 from palatine.cli import demo
 
 METRIC = "recover_after_sigkill_s"
@@ -81,7 +81,7 @@ def measure_palatine(reps: int) -> tuple[list[float], dict[str, Any]]:
                         break
                 rec = mesh.recover()
                 in_recover.append(rec.seconds)
-                _rebuild(mesh, state)
+                demo.rebuild(mesh, state, rec.ranks, SEED, HIDDEN, LR, BATCH)
                 fetch(step(state)).result(timeout=60)
                 values.append(time.monotonic() - t_kill)
                 log(f"palatine: {values[-1]:.2f} s (recover() {rec.seconds:.2f} s)")
@@ -90,17 +90,6 @@ def measure_palatine(reps: int) -> tuple[list[float], dict[str, Any]]:
         "procs": 4,
         "recover_call_s": [round(x, 3) for x in in_recover],
     }
-
-
-def _rebuild(mesh: Any, state: Any) -> None:
-    """The demo's rebuild after a recovery. The process group's handle is dropped when
-    this returns, as in the demo: a group nobody holds any more is freed, which closes
-    its connections (what ends a later loss's hung collectives on the survivors)."""
-    pg = mesh.process_group()
-    state.restore(demo.init_state, pg, SEED, HIDDEN, LR, BATCH)
-    done = fetch(remote(demo.steps_done)(state), shard=0).result(timeout=60)
-    remote(demo.rejoin, mutates=("state",))(state, pg, done)
-    resync(state, src=0)
 
 
 # ------------------------------------------------------------------------------ torchrun

@@ -147,13 +147,6 @@ def test_a_rank_declared_stuck_is_killed_and_recovered_and_training_goes_on() ->
             time.sleep(600)  # stuck: alive, heartbeating, never done
         return demo.train_step(state)
 
-    def rebuild(mesh, state):
-        pg = mesh.process_group()
-        state.restore(demo.init_state, pg, 0, 64, 0.05, 32)
-        done = fetch(remote(demo.steps_done)(state), shard=0).result(timeout=60)
-        remote(demo.rejoin, mutates=("state",))(state, pg, done)
-        resync(state, src=0)
-
     opts = dict(
         fail_on_worker_timeout=True,
         operation_timeout_in_sec=10.0,  # the first steps import torch
@@ -176,7 +169,7 @@ def test_a_rank_declared_stuck_is_killed_and_recovered_and_training_goes_on() ->
             print("RECOVERED", rec.ranks)
             after = pids_of(mesh)
             print("PIDS", [a == b for a, b in zip(before, after)])
-            rebuild(mesh, state)
+            demo.rebuild(mesh, state, rec.ranks, 0, 64, 0.05, 32)
             for _ in range(3):
                 loss = step(state, mesh.rank("proc"), -1)
             print("LOSS", fetch(loss).result(timeout=60) > 0)

@@ -150,18 +150,31 @@ def evaluate(state: dict[str, Any]) -> tuple[float, float]:
 # --------------------------------------------------------------------------- client side
 
 
-def _recover(mesh: Any, state: Any, args: argparse.Namespace, console: Any) -> tuple[Any, int]:
-    """Bring the lost rank back, give it the model and optimizer of a survivor and the
-    data position of the others; the step to go on at."""
+def rebuild(
+    mesh: Any, state: Any, recovered: list[int], seed: int, hidden: int, lr: float, batch: int
+) -> tuple[int, int]:
+    """After ``mesh.recover()`` brought back ``recovered``: a new process group, the state
+    made again on those ranks, the data position of the others, the model and optimizer
+    of a survivor. The survivor and the steps done. The group's handle is dropped when
+    this returns: a group nobody holds any more is freed, closing its connections (what
+    ends a later loss's hung collectives on the survivors)."""
     from palatine import fetch, remote, resync
 
-    rec = mesh.recover()
     pg = mesh.process_group()  # over the new generation of the collectives
-    state.restore(init_state, pg, args.seed, args.hidden, args.lr, args.batch_size)
-    survivor = next(r for r in range(len(mesh)) if r not in rec.ranks)
-    done = fetch(remote(steps_done)(state), shard=survivor).result()
+    state.restore(init_state, pg, seed, hidden, lr, batch)
+    survivor = next(r for r in range(len(mesh)) if r not in recovered)
+    done = int(fetch(remote(steps_done)(state), shard=survivor).result())
     remote(rejoin, mutates=("state",))(state, pg, done)
     resync(state, src=survivor)
+    return survivor, done
+
+
+def _recover(mesh: Any, state: Any, args: argparse.Namespace, console: Any) -> tuple[Any, int]:
+    """Bring the lost rank back and level it with the others; the step to go on at."""
+    rec = mesh.recover()
+    survivor, done = rebuild(
+        mesh, state, rec.ranks, args.seed, args.hidden, args.lr, args.batch_size
+    )
     console.print(
         f"recovered rank {', '.join(map(str, rec.ranks))} in {rec.seconds:.2f} s "
         f"(state from rank {survivor}); going on at step {done + 1}"

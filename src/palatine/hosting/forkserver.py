@@ -28,8 +28,8 @@ a server whose host closes the connection SIGKILLs its workers' groups and exits
 host treats a lost server like the end of each of its live workers, status unknown.
 
 Fork safety. The server starts no thread but the warm import's (below), which has ended
-before any fork; it counts its OS threads before every
-fork and refuses the request (the host then execs) if there is more than one. It
+before any fork; it counts its OS threads before every fork and refuses the request
+(the host then execs) if there is more than one. It
 configures no logging, creates no event loop and resolves no cluster token, so a worker
 starts from the same state as a fresh interpreter that imported the same modules. The
 ``random`` module reseeds itself in the child; workers of one server share its hash
@@ -52,10 +52,10 @@ server to import the ``fork_server_warm`` modules (``PALATINE_FORK_SERVER_WARM``
 forked later starts with them loaded. The hosts of a `palatine.local_mesh`, whose workers
 all import torch, warm torch and torch._dynamo (which building the first optimizer
 imports, ≈ 1 s more) unless the variable says otherwise; other hosts warm nothing unless
-asked, so that actor meshes that never use torch do not pay for it. The import runs on a thread beside
-the server's loop, which goes on reaping and signalling workers (an exit is reported at
-once even then); a spawn asked for meanwhile waits until the import has ended (at most
-5 s; the spawn is then exec'd), and the loop with it. Done then, not at the server's
+asked, so that actor meshes that never use torch do not pay for it. The import runs on
+a thread beside the server's loop, which goes on reaping and signalling workers (an exit
+is reported at once even then); a spawn asked for meanwhile waits until the import has
+ended (at most 5 s; the spawn is then exec'd), and the loop with it. Done then, not at the server's
 start, so the first procs of a mesh are not held back by a module they may never use.
 numpy's OpenBLAS starts a thread pool when it loads, which would make the server
 unforkable, so the server imports with ``OPENBLAS_NUM_THREADS=1`` unless it is set:

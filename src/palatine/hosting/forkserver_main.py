@@ -157,7 +157,7 @@ class _Server:
             return self.spawn(msg, fds)
         for fd in fds:
             os.close(fd)
-        if op == "warm" and self.warming is None and not self.warm_asked:
+        if op == "warm" and not self.warm_asked:  # (the host asks once)
             self.warm_asked = True
             modules = [str(m) for m in msg.get("modules") or []]
             self.warming = threading.Thread(

@@ -84,6 +84,7 @@ from palatine.protocol.controller import (
     WorkerProcRecord,
 )
 from palatine.protocol.system import (
+    ProcEntry,
     ProcFailed,
     Rejected,
     RespawnProcs,
@@ -547,23 +548,28 @@ class ControllerActor(Actor):
         log.info("recovered ranks %s of %s", ranks, p.worker_world)
         return Recovered(ranks=ranks)
 
+    async def _worker_entries(self, until: float) -> dict[int, ProcEntry | None] | None:
+        """The system's entry of each worker rank's proc (None: no record); None when
+        the worker world is gone. Asked within ``until``."""
+        world = self.params.worker_world
+        snap = await self.cx.mailbox.ask(
+            SYSTEM_ACTOR,
+            Snapshot(filter=SnapshotFilter(worlds=[world])),
+            max(0.1, until - self._now()),
+        )
+        w = snap.worlds.get(world.name)
+        if w is None:
+            return None
+        return {r: w.procs.get(str(world.proc(r))) for r in range(self.params.world_size)}
+
     async def _await_ended(self, ranks: Iterable[int], until: float) -> set[int]:
         """The worker ranks whose procs the system has as ended (or has no record of),
         once every one of ``ranks`` is among them or at ``until``, whichever is first."""
-        flt = SnapshotFilter(worlds=[self.params.worker_world])
-        world = self.params.worker_world
         while True:
-            snap = await self.cx.mailbox.ask(
-                SYSTEM_ACTOR, Snapshot(filter=flt), max(0.1, until - self._now())
-            )
-            w = snap.worlds.get(world.name)
-            if w is None:
+            entries = await self._worker_entries(until)
+            if entries is None:
                 return set()
-            ended = {
-                r
-                for r in range(self.params.world_size)
-                if (e := w.procs.get(str(world.proc(r)))) is None or e.health != "Alive"
-            }
+            ended = {r for r, e in entries.items() if e is None or e.health != "Alive"}
             if ended.issuperset(ranks) or self._now() >= until:
                 return ended
             await asyncio.sleep(0.01)
@@ -621,14 +627,9 @@ class ControllerActor(Actor):
     ) -> dict[int, WorkerProcRecord]:
         """Wait (until ``deadline``) until every respawned proc has joined alive; their
         records. A proc that fails while starting fails the wait, naming it."""
-        flt = SnapshotFilter(worlds=[self.params.worker_world])
-        mb = self.cx.mailbox
         while True:
-            snap = await mb.ask(
-                SYSTEM_ACTOR, Snapshot(filter=flt), max(0.1, deadline - self._now())
-            )
-            w = snap.worlds.get(self.params.worker_world.name)
-            entries = {r: w.procs.get(str(pid)) if w else None for r, pid in procs.items()}
+            known = await self._worker_entries(deadline) or {}
+            entries = {r: known.get(r) for r in procs}
             if all(e is not None and e.health == "Alive" for e in entries.values()):
                 return {
                     r: WorkerProcRecord(
