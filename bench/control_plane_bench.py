@@ -6,11 +6,20 @@ Run with the project's interpreter::
 
 Metrics (targets in ``bench/run.py``):
 
-* ``detect_system_loss_s``: ``local_mesh(1, 2)`` with its defaults; a fetch of a remote
-  function that sleeps is pending when the ``palatine system`` process is SIGKILLed;
-  the value is the time from the kill until the fetch raises `palatine.DeviceException`
-  (kind ``system_lost``). The extras give the time to leave the ``with`` block after it
-  (``teardown_s``). Every repetition starts a fresh mesh (not timed).
+* ``detect_system_loss_s``: ``local_mesh(1, 2, system_restarts=0)`` (a system that
+  stays down); a fetch of a remote function that sleeps is pending when the ``palatine
+  system`` process is SIGKILLed; the value is the time from the kill until the fetch
+  raises `palatine.DeviceException` (kind ``system_lost``). The extras give the time to
+  leave the ``with`` block after it (``teardown_s``). Every repetition starts a fresh
+  mesh (not timed).
+* ``system_restart_job_continues_s``: ``local_mesh(1, 2)`` with its defaults (the mesh
+  starts its system again); a thread keeps calling a remote function (one fetch after
+  another) while the ``palatine system`` process is SIGKILLed. The value is the time
+  from the kill until the new system's registry has every proc of the job back (the
+  worker world and the controller's world Live, with the same pids): from then on it
+  supervises the job as before. The extras give the longest wait between two completed
+  calls across the restart (``longest_call_gap_s``) and the calls that failed
+  (``failed_calls``, 0 wanted).
 * ``teardown_after_sigint_s``: a script (a fresh interpreter) with ``local_mesh(1, 2)``
   and a pending fetch of a sleeping remote function gets SIGINT (Ctrl-C); the value is
   the time from the signal until the script's process has exited. The extras say how
@@ -21,7 +30,8 @@ Metrics (targets in ``bench/run.py``):
   during the fetch above its resident memory before, divided by 1 GiB: 1 is the value
   held once; the worker's and the client's copies make at least 2. The peak is the
   kernel's high-water mark (``VmHWM`` in ``/proc/PID/status``), reset before each
-  repetition (``/proc/PID/clear_refs``), so it needs Linux and permission to write
+  repetition (``/proc/PID/clear_refs``) and after a warm-up fetch of a small tensor (so
+  that torch's import in the worker and the client is not counted), so it needs Linux and permission to write
   there (root, or the processes' owner). Each repetition runs in a fresh interpreter and
   job. The job runs with ``PALATINE_MAX_VALUE`` at
   2 GiB: 1 GiB of data pickles to a little more than the default limit.
@@ -29,12 +39,14 @@ Metrics (targets in ``bench/run.py``):
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -46,6 +58,9 @@ import psutil
 from _common import parse_args, run_metric
 
 from palatine import DeviceException, fetch, local_mesh, remote
+from palatine.core import runtime
+from palatine.protocol.system import Snapshot
+from palatine.system.service import System
 
 VERSION = metadata.version("palatine")
 GIB = 1 << 30
@@ -63,6 +78,12 @@ def _sleep(seconds: float) -> int:
     return 1
 
 
+def _ones(n: int) -> Any:
+    import torch
+
+    return torch.ones(n, dtype=torch.float32)
+
+
 def _ones_gib() -> Any:
     import torch
 
@@ -77,12 +98,12 @@ def measure_system_loss(reps: int) -> tuple[list[float], dict[str, Any]]:
     teardowns: list[float] = []
     for _ in range(reps):
         t_kill = t_seen = 0.0
-        with local_mesh(1, 2) as mesh:
+        with local_mesh(1, 2, system_restarts=0) as mesh:
             with mesh.activate():
                 fetch(remote(_sleep)(0.0)).result(timeout=60)  # up and importing done
                 pending = fetch(remote(_sleep)(600.0))
                 time.sleep(0.3)
-                system = mesh._local.procs[0].popen  # the first role is the system
+                system = mesh._local.system.popen
                 t_kill = time.monotonic()
                 os.kill(system.pid, signal.SIGKILL)
                 try:
@@ -97,6 +118,77 @@ def measure_system_loss(reps: int) -> tuple[list[float], dict[str, Any]]:
         values.append(t_seen - t_kill)
         log(f"system loss seen in {values[-1]:.2f} s, left in {teardowns[-1]:.2f} s")
     return values, {"teardown_s": teardowns}
+
+
+# ---------------------------------------------------------------------- system restart
+
+
+def _rebuilt(client: Any, pids: list[int]) -> bool:
+    """Whether the system behind ``client`` has the job's procs back (bounded ask)."""
+
+    async def ask() -> Any:
+        return await client.ask(Snapshot(), 0.5)
+
+    try:
+        snap = runtime.submit(ask).get(2.0)
+    except Exception:  # noqa: BLE001 - not back yet
+        return False
+    worker, ctl = snap.worlds.get("worker"), snap.worlds.get("controller")
+    if worker is None or ctl is None or worker.status != "Live" or ctl.status != "Live":
+        return False
+    return sorted(e.pid for e in worker.procs.values()) == sorted(pids)
+
+
+def _keep_calling(mesh: Any, stop: threading.Event, done: list[float], errors: list[str]) -> None:
+    """One fetch after another until ``stop``: when each completed, and what failed."""
+    with mesh.activate():
+        while not stop.is_set():
+            try:
+                fetch(remote(_sleep)(0.0)).result(timeout=30)
+                done.append(time.monotonic())
+            except Exception as e:  # noqa: BLE001 - counted
+                errors.append(repr(e))
+
+
+def measure_system_restart(reps: int) -> tuple[list[float], dict[str, Any]]:
+    values: list[float] = []
+    gaps: list[float] = []
+    failed = 0
+    for _ in range(reps):
+        with local_mesh(1, 2) as mesh:
+            with mesh.activate():
+                pids = [fetch(remote(os.getpid)(), shard=r).result(timeout=60) for r in range(2)]
+                client = runtime.submit(
+                    lambda: System(mesh._local.system_addr).attach(timeout_s=10)
+                ).get(20)
+                stop = threading.Event()
+                done: list[float] = []
+                errors: list[str] = []
+                caller = threading.Thread(
+                    target=_keep_calling, args=(mesh, stop, done, errors), daemon=True
+                )
+                caller.start()
+                time.sleep(0.3)
+                t_kill = time.monotonic()
+                os.kill(mesh._local.system.pid, signal.SIGKILL)
+                time.sleep(0.05)
+                while not _rebuilt(client, pids):
+                    if time.monotonic() - t_kill > CAP_S:
+                        raise RuntimeError(f"the job was not rebuilt within {CAP_S} s")
+                    time.sleep(0.01)
+                values.append(time.monotonic() - t_kill)
+                time.sleep(0.5)
+                stop.set()
+                caller.join(30)
+                runtime.submit(client.close).get(10)
+                around = [t for t in done if t >= t_kill - 1.0]
+                gaps.append(max(b - a for a, b in itertools.pairwise(around)))
+                failed += len(errors)
+        log(
+            f"job rebuilt {values[-1]:.2f} s after the kill; longest call gap "
+            f"{gaps[-1] * 1000:.0f} ms; {len(errors)} calls failed"
+        )
+    return values, {"longest_call_gap_s": [round(g, 4) for g in gaps], "failed_calls": failed}
 
 
 # ---------------------------------------------------------------------- Ctrl-C
@@ -189,7 +281,9 @@ def one_big_fetch() -> dict[str, float]:
     os.environ["PALATINE_MAX_VALUE"] = str(2 * GIB)
     with local_mesh(1, 1) as mesh:
         with mesh.activate():
-            fetch(remote(_sleep)(0.0)).result(timeout=60)
+            # a small tensor first: torch's own import, in the worker and here, is not
+            # part of what a fetch costs
+            fetch(remote(_ones)(1024)).result(timeout=60)
             pids = _job_pids(mesh)
             before = {}
             for role, pid in pids.items():
@@ -241,6 +335,10 @@ def main() -> None:
     run_metric(
         args, "detect_system_loss_s", "palatine", "s", False, VERSION,
         lambda: measure_system_loss(reps),
+    )  # fmt: skip
+    run_metric(
+        args, "system_restart_job_continues_s", "palatine", "s", False, VERSION,
+        lambda: measure_system_restart(reps),
     )  # fmt: skip
     run_metric(
         args, "teardown_after_sigint_s", "palatine", "s", False, VERSION,

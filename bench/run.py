@@ -93,7 +93,14 @@ PROGRAMS = (
     Program(
         "bench/control_plane_bench.py",
         None,
-        frozenset({"detect_system_loss_s", "teardown_after_sigint_s", "fetch_1GiB_peak_ratio"}),
+        frozenset(
+            {
+                "detect_system_loss_s",
+                "system_restart_job_continues_s",
+                "teardown_after_sigint_s",
+                "fetch_1GiB_peak_ratio",
+            }
+        ),
     ),
     Program("bench/peers/monarch_actors.py", "torchmonarch", frozenset(PEER_METRICS)),
     Program("bench/peers/ray_actors.py", "ray", frozenset(PEER_METRICS)),
@@ -142,6 +149,11 @@ METRICS: dict[str, tuple[str, bool, Target]] = {
     # system seen by a pending fetch; Ctrl-C to the script's exit; the whole job's peak
     # memory for a 1 GiB fetch, in units of the value.
     "detect_system_loss_s": ("s", False, Target("≤ 1 s (system on the same host)", 1.0)),
+    "system_restart_job_continues_s": (
+        "s",
+        False,
+        Target("within the heartbeat timeout (10 s), no call failed", 10.0),
+    ),
     "teardown_after_sigint_s": ("s", False, Target("≤ 2 s", 2.0)),
     "fetch_1GiB_peak_ratio": ("x the value", False, Target("≤ 2× the value", 2.0)),
     # The client API's start-up and SIGKILL detection (bench/controller_bench.py); the
@@ -810,9 +822,15 @@ def render_markdown(res: dict[str, Any]) -> str:
         "it has completed on every rank. palatine: `mesh.recover()`, a new process group, the "
         "state made again on the new rank and resynced from a survivor. torchrun: "
         "`--max-restarts=1`, a checkpoint after every step, every rank restarted and loading it.",
-        "* `detect_system_loss_s`: `local_mesh(1, 2)`, a fetch pending when the `palatine "
-        "system` process is SIGKILLed; time until the fetch raises `DeviceException` "
-        "(`system_lost`); `teardown_s`: leaving the `with` block after it.",
+        "* `detect_system_loss_s`: `local_mesh(1, 2, system_restarts=0)`, a fetch pending when "
+        "the `palatine system` process is SIGKILLed and stays down; time until the fetch "
+        "raises `DeviceException` (`system_lost`); `teardown_s`: leaving the `with` block "
+        "after it.",
+        "* `system_restart_job_continues_s`: `local_mesh(1, 2)` (it starts its system again); "
+        "calls keep running while the `palatine system` process is SIGKILLed; time until the "
+        "new system has every proc of the job back (both worlds Live, same pids); "
+        "`longest_call_gap_s`: the longest wait between two completed calls across it; "
+        "`failed_calls`: calls that failed (0 wanted).",
         "* `teardown_after_sigint_s`: a script with `local_mesh(1, 2)` and a pending fetch gets "
         "SIGINT; time until its process has exited (`roles_left_after_5s`: roles still running).",
         "* `fetch_1GiB_peak_ratio`: a remote function makes a 1 GiB float32 tensor, which is "

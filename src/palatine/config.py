@@ -46,6 +46,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # the largest value an actor's endpoint returns or a fetch brings back; a larger one
     # fails that call, naming its size and this limit (the proc and its mesh serve on)
     max_value_bytes: int = 1024**3
+    # a fetched value at least this big goes from the worker to the client directly, not
+    # through the controller (which orders the fetch as ever)
+    direct_value_bytes: int = 1024**2
     connect_timeout_s: float = 5.0
     auth_timeout_s: float = 5.0
     reconnect_backoff_initial_s: float = 0.05
@@ -74,6 +77,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # None: min(1, supervision_update_timeout_s / 4)
     health_tick_interval_s: float | None = None
     stop_fallback_margin_s: float = 3.0
+    # how many times `local_mesh` starts its system again, at the same address, when it
+    # dies (its procs rejoin it); 0: a lost system fails the job at once
+    system_restarts: int = 3
     child_term_grace_s: float = 5.0
     stack_dump_timeout_s: float = 10.0
     spawn_procs_timeout_s: float = 60.0

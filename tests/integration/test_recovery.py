@@ -6,61 +6,30 @@ kills workers with SIGKILL from outside, as a fault would.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
-import textwrap
 
 import pytest
+from user_scripts import MESH_HELPERS, run_script
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def run_script(body: str, timeout_s: float = 200) -> tuple[dict[str, str], str]:
-    env = dict(os.environ)
-    env.pop("PALATINE_CLUSTER_TOKEN", None)
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(body)],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=env,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
-    return lines, out.stderr
-
-
-PRELUDE = """
-    import os, signal, time
-    from palatine import DeviceException, LostValue, RecoveryError, fetch, local_mesh, remote, resync
-
-    def pid():
-        return os.getpid()
+PRELUDE = (
+    MESH_HELPERS
+    + """
+    from palatine import LostValue, RecoveryError, resync
 
     def filled(x):
         import torch
         return torch.ones(3) * float(x)
 
-    def pids_of(mesh):
-        return [fetch(remote(pid)(), shard=r).result(timeout=60) for r in range(len(mesh))]
-
     def kill(*pids):
         for p in pids:
             os.kill(p, signal.SIGKILL)
-
-    def until_failed(mesh):
-        # the failure reaches the client in milliseconds; a fetch raises it
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 10:
-            try:
-                fetch(remote(pid)(), shard=0).result(timeout=10)
-            except DeviceException as e:
-                return e
-            time.sleep(0.01)
-        raise AssertionError("no failure reported")
 """
+)
 
 
 def test_values_on_survivors_stay_valid_lost_ones_say_so_and_can_be_made_again() -> None:

@@ -110,6 +110,9 @@ EXAMPLES: dict[type[Any], list[Any]] = {
     wm.SendValue: [
         wm.SendValue(seq=9, args=PICKLED, stream=0),
         wm.SendValue(seq=10, mutates=[2], function=wm.FunctionPath("x.y"), args=PICKLED, stream=0),
+        wm.SendValue(
+            seq=11, args=PICKLED, stream=0, deliver_to=ActorId.parse("user[7].client_actor[0]")
+        ),
     ],
     wm.DeleteRefs: [wm.DeleteRefs(refs=[1, 2, 3])],
     wm.RequestStatus: [wm.RequestStatus(seq=4, controller=True), wm.RequestStatus(seq=5)],
@@ -150,9 +153,11 @@ EXAMPLES: dict[type[Any], list[Any]] = {
     # worker replies
     wm.Status: [wm.Status(seq=5, rank=1), wm.Status(seq=2, rank=0, controller=True)],
     wm.RemoteFunctionFailed: [wm.RemoteFunctionFailed(seq=5, error=WERR)],
+    wm.FetchedValue: [wm.FetchedValue(seq=22, value=PICKLED)],
     wm.FetchResult: [
         wm.FetchResult(seq=20, value=Ok(PICKLED)),
         wm.FetchResult(seq=21, value=Err(WERR)),
+        wm.FetchResult(seq=23, value=Ok(wm.DIRECT)),
     ],
     wm.WorkerProgress: [PROGRESS, wm.WorkerProgress(rank=0, pid=1)],
     wm.RefValue: [

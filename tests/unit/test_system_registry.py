@@ -119,6 +119,9 @@ class Harness:
             "stop_fallback_margin_s": 3.0,
             "rpc_timeout_s": 1.0,
             "wall_clock": lambda: 1_700_000_000.0,
+            # no restart: a fresh registry tells unknown procs at once (tests of the
+            # rejoin window set one)
+            "rejoin_window_s": 0.0,
         }
         settings.update(overrides)
         self.reg = SystemRegistry(self.clock, **settings)
@@ -175,6 +178,31 @@ class Harness:
             host=host,
             host_proc=pid(host_proc) if host_proc else None,
             incarnation=incarnation,
+        )
+        reply, instrs = self.send(msg, requester=p)
+        if isinstance(reply, Joined):
+            self.incarnations[p] = incarnation
+        return reply, instrs
+
+    def rejoin(
+        self,
+        proc: str,
+        incarnation: int,
+        world: UpsertWorld | None = None,
+        execution_id: str = "alice-20240101-000000-abcd",
+        pid_: int = 4242,
+    ) -> tuple[Any, list[Any]]:
+        """The proc of a previous system joins this one again (`Join.rejoin`)."""
+        p = pid(proc)
+        msg = Join(
+            proc_id=p,
+            addr=f"unix:/run/{p.world.name}_{p.rank}.sock",
+            pid=pid_,
+            host="node1",
+            incarnation=incarnation,
+            rejoin=True,
+            execution_id=execution_id,
+            world=world,
         )
         reply, instrs = self.send(msg, requester=p)
         if isinstance(reply, Joined):
@@ -1744,3 +1772,129 @@ def test_procs_told_a_peer_was_gone_hear_when_a_respawn_brings_it_back() -> None
     # and it is a resolver of the new incarnation: told when that one goes too
     instrs = h.send(ProcExited(proc_id=pid("w[1]"), host_proc=pid("hostw[0]"), pid=900))[1]
     assert [s.dest for s in sends(instrs, PeerGone)] == [agent_of(pid("w[0]"))]
+
+
+# --------------------------------------------------------------------------- a restarted system
+
+
+def _spec(name: str = "W", shape: list[int] | None = None, nph: int = 2) -> UpsertWorld:
+    return UpsertWorld(
+        world_id=wid(name),
+        shape=shape or [2],
+        num_procs_per_host=nph,
+        env=Exec(program="python -m palatine worker"),
+        labels={"world.palatine.dev/worker": "1"},
+    )
+
+
+def test_a_restarted_system_rebuilds_a_world_from_its_rejoining_host_and_procs_without_spawning() -> (
+    None
+):
+    h = Harness(rejoin_window_s=10.0)
+    reply, instrs = h.rejoin("hostW[0]", 77, world=_spec())
+    assert isinstance(reply, Joined)
+    assert not asks(instrs, SpawnProc)  # its procs run already
+    assert "world W rebuilt from the rejoin of hostW[0]" in " ".join(logs(instrs))
+    for r in (0, 1):
+        reply, instrs = h.rejoin(f"W[{r}]", 100 + r, pid_=500 + r)
+        assert isinstance(reply, Joined)
+        assert not asks(instrs, SpawnProc)
+    snap = h.snapshot(worlds=["W"])
+    world = snap.worlds["W"]
+    assert world.status == "Live"
+    assert world.labels == {"world.palatine.dev/worker": "1"}
+    assert {p: e.pid for p, e in world.procs.items()} == {"W[0]": 500, "W[1]": 501}
+    assert h.reg.rejoins == 3
+    # the window ends with every rank back: nothing is declared
+    assert not logs(h.advance(11.0, beat=["W[0]", "W[1]", "hostW[0]"]), logging.WARNING)
+    assert h.world_state("W").status.status == "Live"
+
+
+def test_a_host_rejoining_a_world_already_rebuilt_is_not_asked_to_spawn() -> None:
+    h = Harness(rejoin_window_s=10.0)
+    h.rejoin("hostW[0]", 7, world=_spec(shape=[4]))
+    reply, instrs = h.rejoin("hostW[1]", 8, world=_spec(shape=[4]))
+    assert isinstance(reply, Joined)
+    assert not asks(instrs, SpawnProc)
+
+
+def test_during_the_rejoin_window_unknown_procs_are_not_told_to_stop_and_queries_say_unavailable() -> (
+    None
+):
+    h = Harness(rejoin_window_s=10.0)
+    assert not sends(h.heartbeat("W[3]"), ProcStop)  # its rejoin is on the way
+    for msg in (
+        WorldState(world_id=wid("W")),
+        Subscribe(world_id=wid("W"), port=sub_port()),
+        Resolve(proc_id=pid("W[3]")),
+    ):
+        reply, _ = h.send(msg)
+        assert isinstance(reply, Rejected) and reply.code == "unavailable", reply
+        assert "has not rejoined the system yet" in reply.message
+    assert h.reg.subscribers("W") == []  # an unavailable subscription is not kept
+    reply, _ = h.send(ProcExited(proc_id=pid("W[3]"), exit_signal=9))  # its host reports again
+    assert isinstance(reply, Rejected) and reply.code == "unavailable", reply
+    h.advance(10.5)
+    (stop,) = sends(h.heartbeat("W[3]"), ProcStop)
+    assert stop.message.reason == "unknown to the system"
+    assert h.world_state("W") is None
+    reply, _ = h.send(Resolve(proc_id=pid("W[3]")))
+    assert isinstance(reply, Rejected) and reply.code == "not_found"
+
+
+def test_a_rank_that_does_not_rejoin_is_expired_when_the_window_ends_and_subscribers_hear_it() -> (
+    None
+):
+    h = Harness(rejoin_window_s=10.0)
+    h.rejoin("hostW[0]", 7, world=_spec())
+    h.rejoin("W[0]", 100)
+    h.ok(Subscribe(world_id=wid("W"), port=sub_port()))
+    instrs = h.advance(10.5, beat=["W[0]", "hostW[0]"])
+    (event,) = [e for e in events(instrs, sub_port()) if isinstance(e, ProcFailed)]
+    assert event.rank == 1 and event.state.health == "Expired"
+    assert h.health("W[1]") == "Expired"
+    rec = h.reg.record(pid("W[1]"))
+    assert rec is not None and rec.reason == "did not rejoin within 10 s of the system's restart"
+    assert h.world_state("W").status.status == "Unhealthy"
+
+
+def test_an_exit_reported_after_the_hosts_rejoin_names_its_signal() -> None:
+    h = Harness(rejoin_window_s=10.0)
+    h.rejoin("hostW[0]", 7, world=_spec())
+    h.rejoin("W[0]", 100)
+    h.ok(Subscribe(world_id=wid("W"), port=sub_port()))
+    _, instrs = h.send(ProcExited(proc_id=pid("W[1]"), host_proc=pid("hostW[0]"), exit_signal=9))
+    (event,) = [e for e in events(instrs, sub_port()) if isinstance(e, ProcFailed)]
+    assert event.rank == 1 and event.state.exit_signal == 9
+
+
+def test_a_rejoin_adopts_the_execution_id_only_when_this_system_was_given_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h = Harness(rejoin_window_s=10.0)  # given one
+    reply, _ = h.rejoin("W[0]", 1, execution_id="bob-20240101-000000-0000")
+    assert isinstance(reply, Rejected) and reply.code == "conflict"
+    assert "this system runs execution alice-20240101-000000-abcd" in reply.message
+    monkeypatch.delenv("PALATINE_EXECUTION_ID", raising=False)
+    h = Harness(rejoin_window_s=10.0, execution_id=None)  # started by hand, without one
+    reply, _ = h.rejoin("W[0]", 1, execution_id="bob-20240101-000000-0000")
+    assert isinstance(reply, Joined)
+    assert reply.execution_id == h.reg.execution_id == "bob-20240101-000000-0000"
+    reply, _ = h.rejoin("W[1]", 2, execution_id="carol-20240101-000000-0000")
+    assert isinstance(reply, Rejected) and reply.code == "conflict"
+
+
+def test_a_rejoin_to_a_system_that_never_went_away_changes_nothing_and_a_dead_proc_is_refused() -> (
+    None
+):
+    h = Harness(rejoin_window_s=10.0)
+    live_world(h, "W", 2)
+    inc = h.incarnations[pid("W[0]")]
+    reply, instrs = h.rejoin("W[0]", inc)
+    assert isinstance(reply, Joined)
+    assert not sends(instrs) and not asks(instrs)
+    assert h.reg.rejoins == 0
+    h.ok(ProcExited(proc_id=pid("W[1]"), exit_code=3))
+    reply, _ = h.rejoin("W[1]", h.incarnations[pid("W[1]")])
+    assert isinstance(reply, Rejected) and reply.code == "conflict"
+    assert "already declared Exited" in reply.message

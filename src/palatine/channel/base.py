@@ -97,6 +97,13 @@ class Rx(abc.ABC):
         "connection lost" signal).
         """
 
+    def acknowledge_every(self, n: int) -> None:  # noqa: B027 - optional: no acks to tune
+        """Ack after every ``n`` messages (1: each batch at once), whatever the configured
+        ``message_ack_every_n``. A server that may be restarted at its address uses 1:
+        its senders resend what was not acknowledged, and a message the old server
+        handled must not be handled again by the new one. Channels without acks ignore it.
+        """
+
     @abc.abstractmethod
     async def stop(self) -> None:
         """Stop accepting, flush final acks, close every connection."""

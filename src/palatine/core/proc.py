@@ -174,15 +174,23 @@ class Proc:
         self.counters: dict[str, Callable[[], float]] = {}
         self.activity: Callable[[], str] | None = None
         self.on_peer_lost: Callable[[set[ProcId]], None] | None = None
+        #: called on the loop once the proc has rejoined a restarted system: what it
+        #: asked of the old one (subscriptions, say) is to be asked again
+        self.rejoin_hooks: list[Callable[[], None]] = []
         self.return_sender: ActorId = UNKNOWN_ACTOR
         self.stopping = False
 
     # ------------------------------------------------------------ serving
-    async def serve(self, addr: ChannelAddr) -> ChannelAddr:
-        """Serve ``addr`` and start the mailbox server; returns the bound address."""
+    async def serve(self, addr: ChannelAddr, *, ack_every_n: int | None = None) -> ChannelAddr:
+        """Serve ``addr`` and start the mailbox server; returns the bound address.
+
+        ``ack_every_n`` overrides how often inbound messages are acknowledged
+        (`palatine.channel.base.Rx.acknowledge_every`)."""
         from palatine import channel
 
         bound, rx = await channel.serve(addr)
+        if ack_every_n is not None:
+            rx.acknowledge_every(ack_every_n)
         rx.set_handler(self._on_inbound, self._peer_lost)
         lanes = getattr(rx, "lanes", None)
         if lanes is not None:

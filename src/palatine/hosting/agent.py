@@ -60,6 +60,7 @@ from palatine.protocol.system import (
     PeerGone,
     Resolve,
     SupervisionUpdate,
+    UpsertWorld,
 )
 from palatine.wire.codec import loads
 
@@ -104,6 +105,12 @@ class ProcAgent(Actor):
         self.stop_reason = ""
         self._last_tick = time.monotonic()
         self._tick_task: asyncio.Task[None] | None = None
+        self._rejoining: asyncio.Task[None] | None = None
+        #: the spec of the world this proc brings to a restarted system when it rejoins
+        #: (`Join.world`): a host's served world, or a world the proc's owner upserted
+        #: for it alone (the controller's)
+        self.world_spec: UpsertWorld | None = None
+        self.rejoins = 0  # rejoins of a restarted system that succeeded
 
     # ------------------------------------------------------------ join
     @property
@@ -117,7 +124,9 @@ class ProcAgent(Actor):
         await self._join()
         self.state = "Joined"
         self._tick_task = asyncio.get_running_loop().create_task(self._tick())
-        if self.mode != DETACHED and self.interval_s > 0:
+        # A detached client beats too, though the system does not supervise it: the
+        # beats' connection tells it when the system restarted, and it rejoins.
+        if self.interval_s > 0:
             self._start_heartbeat()
 
     def _join_msg(self) -> Join:
@@ -208,6 +217,7 @@ class ProcAgent(Actor):
                 make_update=lambda: SupervisionUpdate(state=self._state()),
                 interval_s=self.interval_s,
                 on_system_lost=self._system_lost_threadsafe,
+                on_reconnected=self._reconnected_threadsafe,
                 exit_process=self.main_proc,
             )
         self.heartbeat.start()
@@ -222,6 +232,9 @@ class ProcAgent(Actor):
 
     def _system_lost(self) -> None:
         if self.state == "Stopping":
+            return
+        if self.mode == DETACHED:  # a client: its owner hears of the job's end otherwise
+            log.warning("%s: no contact with the system at %s", self.proc.proc_id, self.system_addr)
             return
         log.error("%s: system lost; stopping", self.proc.proc_id)
         asyncio.get_running_loop().create_task(
@@ -247,6 +260,61 @@ class ProcAgent(Actor):
         if self.state == "Joined":
             self._send_update()
             self.proc.loop.call_later(0.2, self._send_update)  # retried once
+
+    # ------------------------------------------------------------ a restarted system
+    def _reconnected_threadsafe(self) -> None:
+        """From the heartbeat thread: a new connection to the system after one was lost."""
+        self.proc.loop.call_soon_threadsafe(self._rejoin_soon)
+
+    def _rejoin_soon(self) -> None:
+        if self.state != "Joined" or (self._rejoining is not None and not self._rejoining.done()):
+            return
+        self._rejoining = self.proc.loop.create_task(self._rejoin())
+
+    async def _rejoin(self) -> None:
+        """Join again with this incarnation: a no-op for a system that never went away,
+        and for a restarted one the way it learns of this proc (and, from a host, of
+        its world). A refusal stops the proc; then the proc's rejoin hooks run."""
+        loop = asyncio.get_running_loop()
+        hb = self.heartbeat
+        bound = hb.settings.system_loss_timeout_s if hb is not None else self.join_timeout_s
+        deadline = loop.time() + bound
+        rpc = config.get().rpc_timeout_s
+        before = self.joined.execution_id if self.joined is not None else ""
+        msg = msgspec.structs.replace(
+            self._join_msg(), rejoin=True, execution_id=before, world=self.world_spec
+        )
+        last = "no answer"
+        while self.state == "Joined":
+            left = deadline - loop.time()
+            if left <= 0:
+                log.warning(
+                    "%s: no answer to its rejoin from the system at %s (%s)",
+                    self.proc.proc_id,
+                    self.system_addr,
+                    last,
+                )
+                return
+            try:
+                joined = await self.cx.mailbox.ask(SYSTEM_ACTOR, msg, min(rpc, left))
+            except SystemRequestError as e:
+                why = f"the system at {self.system_addr} refused its rejoin: {e.message}"
+                log.error("%s: %s; stopping", self.proc.proc_id, why)
+                await self._stop_proc(config.get().proc_stop_timeout_s, why)
+                return
+            except (DeliveryError, CallTimeout) as e:
+                last = str(e)
+                await asyncio.sleep(min(0.2, max(0.0, left)))
+                continue
+            self.joined = joined
+            self.rejoins += 1
+            log.info("%s: joined the system at %s again", self.proc.proc_id, self.system_addr)
+            for hook in list(self.proc.rejoin_hooks):
+                try:
+                    hook()
+                except Exception:  # noqa: BLE001 - one hook must not keep the others from running
+                    log.exception("%s: a rejoin hook failed", self.proc.proc_id)
+            return
 
     def _system_lost_threadsafe(self) -> None:
         """From the heartbeat thread: handle the system's loss on the loop."""
@@ -428,6 +496,9 @@ class ProcAgent(Actor):
             self.heartbeat.stop(timeout_s=1.0)
         if self._tick_task is not None:
             self._tick_task.cancel()
+        rejoining = self._rejoining
+        if rejoining is not None and rejoining is not asyncio.current_task():
+            rejoining.cancel()
 
 
 class ProcHandle:
@@ -499,13 +570,18 @@ async def bootstrap_proc(
         inst = proc.instance(proc_id.actor("proc"))
         if inst is None:
             raise RuntimeError("proc agent is gone")
-        try:
-            reply = await inst.mailbox.ask(
-                SYSTEM_ACTOR, Resolve(proc_id=target), config.get().rpc_timeout_s
-            )
-        except SystemRequestError as e:
-            raise RuntimeError(e.message) from e
-        return ChannelAddr.parse(reply.addr)
+        loop = asyncio.get_running_loop()
+        rpc = config.get().rpc_timeout_s
+        deadline = loop.time() + rpc
+        while True:
+            try:
+                reply = await inst.mailbox.ask(SYSTEM_ACTOR, Resolve(proc_id=target), rpc)
+                return ChannelAddr.parse(reply.addr)
+            except SystemRequestError as e:
+                # A restarted system whose procs are still rejoining: ask again.
+                if e.code != "unavailable" or loop.time() >= deadline:
+                    raise RuntimeError(e.message) from e
+            await asyncio.sleep(0.1)
 
     proc.resolver = resolve
     try:

@@ -167,7 +167,9 @@ class HeartbeatThread:
     (``failed_actors``, ``loop_lag``) under its own lock. ``sender`` is the proc agent,
     so the system learns which proc this connection belongs to. ``on_system_lost`` is
     called once, on the heartbeat thread, when the system is declared lost; the owner
-    must then stop the proc and call `stop` when done.
+    must then stop the proc and call `stop` when done. ``on_reconnected`` is called on
+    the heartbeat thread after each connection but the first: the system may have
+    restarted, and the owner rejoins it.
 
     On ``local:`` addresses pass ``post_via_loop`` instead; it is called once per beat.
     """
@@ -179,6 +181,7 @@ class HeartbeatThread:
         sender: ActorId,
         make_update: Callable[[], codec.Message] | None = None,
         on_system_lost: Callable[[], None] | None = None,
+        on_reconnected: Callable[[], None] | None = None,
         post_via_loop: Callable[[], None] | None = None,
         exit_process: bool = False,
         interval_s: float | None = None,
@@ -212,6 +215,7 @@ class HeartbeatThread:
         self._system_actor = system_actor
         self._make_update = make_update
         self._on_system_lost = on_system_lost
+        self._on_reconnected = on_reconnected
         self._post_via_loop = post_via_loop
         self._exit_process = exit_process
         self._token = b""
@@ -357,6 +361,11 @@ class HeartbeatThread:
                     continue
                 self.connects += 1
                 next_beat = time.monotonic()  # tell the system at once that we are here
+                if self.connects > 1 and self._on_reconnected is not None:
+                    try:
+                        self._on_reconnected()
+                    except Exception:
+                        logger.exception("on_reconnected callback of the heartbeat thread failed")
                 continue
             try:
                 if now >= next_beat:

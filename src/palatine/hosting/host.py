@@ -50,6 +50,7 @@ from palatine.protocol.system import (
     ProcAssignment,
     ProcExited,
     StartedProc,
+    UpsertWorld,
 )
 
 __all__ = ["HostAgent", "join_host"]
@@ -108,6 +109,14 @@ class HostAgent(ProcAgent):
                 raise SpawnError(
                     f"host {me} refused to spawn: {a.proc_id} is not in {msg.world_id}"
                 )
+        if msg.shape and msg.num_procs_per_host:  # what a rejoin brings (`world_spec`)
+            self.world_spec = UpsertWorld(
+                world_id=msg.world_id,
+                shape=list(msg.shape),
+                num_procs_per_host=msg.num_procs_per_host,
+                env=msg.env,
+                labels=dict(msg.labels),
+            )
         if isinstance(msg.env, Exec):
             return await self._spawn_exec(msg, msg.env.program)
         return await self._spawn_local(msg)

@@ -104,6 +104,11 @@ class SpawnProc(Message, kw_only=True):
     procs: list[ProcAssignment]
     world_size: int
     local_world_size: int
+    # The rest of the world's spec, which a host gives back when it rejoins a restarted
+    # system (`Join.world`): its shape, procs per host and labels.
+    shape: list[int] = []
+    num_procs_per_host: int = 0
+    labels: dict[str, str] = {}
 
 
 class SpawnProcResult(Message, kw_only=True):

@@ -23,7 +23,7 @@ Wire invariants:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
@@ -98,18 +98,17 @@ __all__ = [
 ]
 
 RejectCode = Literal[
-    "invalid_argument", "not_found", "already_exists", "conflict", "shutting_down", "internal"
-]
-"""The codes of `Rejected`."""
-
-REJECT_CODES: tuple[str, ...] = (
     "invalid_argument",
     "not_found",
     "already_exists",
     "conflict",
     "shutting_down",
+    "unavailable",
     "internal",
-)
+]
+"""The codes of `Rejected`."""
+
+REJECT_CODES: tuple[str, ...] = get_args(RejectCode)
 
 WorldStatusName = Literal["AwaitingCreation", "Unhealthy", "Live"]
 """Status strings of a world."""
@@ -283,6 +282,11 @@ class Join(Message, kw_only=True):
     ``mode`` is one of `PROC_MODES`; ``host_proc`` is the spawning host (from
     ``PALATINE_HOST_PROC_ID``); ``incarnation`` is random per process start, so a
     restarted proc is told apart from a retried join.
+
+    A **rejoin** (``rejoin``) is the same proc joining a system that restarted at the
+    same address: it brings the ``execution_id`` it joined before and, from a host, the
+    spec of the world it serves (``world``), so that the new system rebuilds its
+    registry from the procs that are still running instead of starting them again.
     """
 
     proc_id: ProcId
@@ -293,6 +297,9 @@ class Join(Message, kw_only=True):
     host: str = ""
     host_proc: ProcId | None = None
     incarnation: int = 0
+    rejoin: bool = False
+    execution_id: str = ""
+    world: UpsertWorld | None = None
 
 
 class Joined(Message, kw_only=True):

@@ -81,6 +81,8 @@ __all__ = [
     "Status",
     "RemoteFunctionFailed",
     "FetchResult",
+    "FetchedValue",
+    "DIRECT",
     "FetchValue",
     "WorkerProgress",
     "RefValue",
@@ -300,13 +302,19 @@ class CallFunction(Message, kw_only=True, tag=True):
 
 class SendValue(Message, kw_only=True, tag=True):
     """Compute a value (``function``, or the identity on the single argument) and send
-    ``FetchResult{seq, …}`` to the controller."""
+    ``FetchResult{seq, …}`` to the controller.
+
+    With ``deliver_to`` (the client's actor), a value of at least ``direct_value_bytes``
+    goes there directly as `FetchedValue`, and the controller gets `DIRECT` in its
+    place: a big value crosses one link and is held by no process in between.
+    """
 
     seq: int
     mutates: list[int] = []
     function: FunctionRef | None = None
     args: Pickled
     stream: int
+    deliver_to: ActorId | None = None
 
 
 class DeleteRefs(Message, kw_only=True, tag=True):
@@ -471,6 +479,19 @@ class RemoteFunctionFailed(Message, kw_only=True):
 
 FetchValue: TypeAlias = Ok[Pickled] | Err[WorkerError]
 """What a worker puts in `FetchResult.value`: ``Ok(Pickled)`` or ``Err(WorkerError)``."""
+
+
+DIRECT = Pickled(b"")
+"""The `FetchResult` value of a value sent to the client directly (`FetchedValue`):
+no pickle is empty, so an empty one cannot be mistaken for a value."""
+
+
+class FetchedValue(Message, kw_only=True):
+    """Worker to client: the value of ``SendValue`` ``seq``, sent directly
+    (``SendValue.deliver_to``); the controller's ``Result`` for ``seq`` carries `DIRECT`."""
+
+    seq: int
+    value: Pickled
 
 
 class FetchResult(Message, kw_only=True):

@@ -325,4 +325,5 @@ def registry_from_config(
         health_tick_interval_s=cfg.health_tick_interval_s,
         stop_fallback_margin_s=cfg.stop_fallback_margin_s,
         rpc_timeout_s=cfg.rpc_timeout_s,
+        rejoin_window_s=config.system_loss_timeout_s(cfg),
     )

@@ -119,6 +119,7 @@ from palatine.system.worlds import (
     check_upsert_spec,
     check_world_name,
     execution_id_from_env,
+    given_execution_id,
     host_ranks,
     hosts_needed,
     served_name,
@@ -169,6 +170,12 @@ class SystemRegistry:
         stop_fallback_margin_s, rpc_timeout_s: see `palatine.config.Config`.
         unknown_proc_stop_interval_s: at most one ``ProcStop`` per unknown heartbeating
             proc (and per zombie) in this interval.
+        rejoin_window_s: how long after its start the system waits for the procs of a
+            previous system at its address to rejoin (`Join.rejoin`): meanwhile unknown
+            heartbeats are not told to stop, and queries about unknown worlds and procs
+            are answered ``unavailable`` instead of "unknown". At its end, the ranks of a
+            rebuilt world that did not rejoin are declared ``Expired``. The procs give up
+            on a lost system after the system-loss timeout, so that is its default.
         wall_clock: wall-clock seconds, only for texts humans read (``declared Expired
             at 12:03:04``) and ``Joined.system_time``.
 
@@ -200,12 +207,16 @@ class SystemRegistry:
         stop_fallback_margin_s: float = 3.0,
         rpc_timeout_s: float = 30.0,
         unknown_proc_stop_interval_s: float = 10.0,
+        rejoin_window_s: float = 10.0,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
         self._clock = clock
         self._wall = wall_clock if wall_clock is not None else time.time
         self.supervision_update_timeout_s = supervision_update_timeout_s
         self.world_eviction_timeout_s = world_eviction_timeout_s
+        # An execution id of our own making is replaced by the one the first rejoining
+        # proc brings (a system restarted by hand, without PALATINE_EXECUTION_ID).
+        self._execution_id_made = not execution_id and not given_execution_id()
         self.execution_id = execution_id if execution_id else execution_id_from_env()
         self.health_tick_interval_s = (
             health_tick_interval_s
@@ -218,6 +229,10 @@ class SystemRegistry:
         self.stop_fallback_margin_s = stop_fallback_margin_s
         self.rpc_timeout_s = rpc_timeout_s
         self.unknown_proc_stop_interval_s = unknown_proc_stop_interval_s
+        self.rejoin_window_s = rejoin_window_s
+        self._started_at = clock()
+        self._rejoin_until: float | None = self._started_at + rejoin_window_s
+        self.rejoins = 0  # procs that rejoined after a restart of the system
 
         self._records: dict[ProcId, ProcRecord] = {}
         self._worlds: dict[str, WorldRecord] = {}
@@ -267,6 +282,24 @@ class SystemRegistry:
         who = f" from {requester}" if requester is not None else ""
         out.append(Log(logging.WARNING, f"rejected {type(msg).__name__}{who}: {code}: {text}"))
         return Rejected(code=code, message=text), out
+
+    def _awaiting_rejoins(self, now: float) -> bool:
+        """Within the rejoin window of a system that may have restarted: it has heard
+        rejoins, or nothing yet (queries must not call a proc that is rejoining unknown)."""
+        if self._rejoin_until is None or now >= self._rejoin_until:
+            return False
+        return self.rejoins > 0 or not any(r.kind != "detached" for r in self._records.values())
+
+    def _not_rejoined(
+        self, msg: Any, requester: ProcId | None, what: str, out: list[Instruction]
+    ) -> Result:
+        """``unavailable``: ``what`` may still rejoin this restarted system; ask again."""
+        age = format_seconds(round(self._clock() - self._started_at, 1))
+        text = (
+            f"{what} has not rejoined the system yet (it started {age} s ago; the procs of "
+            f"a system it replaces rejoin within {format_seconds(self.rejoin_window_s)} s)"
+        )
+        return Rejected(code="unavailable", message=text), out
 
     def _world_for(self, name: str) -> WorldRecord:
         world = self._worlds.get(name)
@@ -415,7 +448,8 @@ class SystemRegistry:
         now = self._clock() if arrived_at is None else arrived_at
         rec = self._records.get(pid)
         if rec is None:
-            self._tell_unknown(pid, "unknown to the system", now, out)
+            if not self._awaiting_rejoins(now):  # (else its rejoin is on the way)
+                self._tell_unknown(pid, "unknown to the system", now, out)
             return None, out
         if rec.kind == "detached":
             return None, out
@@ -545,6 +579,10 @@ class SystemRegistry:
         out: list[Instruction] = []
         now = self._clock()
         self._expire(now, out)
+        if self._rejoin_until is not None and now >= self._rejoin_until:
+            self._rejoin_until = None
+            if self.rejoins:
+                self._end_rejoins(now, out)
         for world in list(self._worlds.values()):
             if self._worlds.get(world.name) is not world:
                 continue
@@ -566,12 +604,41 @@ class SystemRegistry:
                 del self._unknown_told[pid]
         return None, out
 
+    def _end_rejoins(self, now: float, out: list[Instruction]) -> None:
+        """The rejoin window is over: a rank of a rebuilt world that has not rejoined
+        (it died while the system was down, say) is ``Expired``, so that its world's
+        subscribers hear of it instead of waiting for it forever."""
+        limit = format_seconds(self.rejoin_window_s)
+        for world in list(self._worlds.values()):
+            if not world.rebuilt or world.size is None or world.phase != ACTIVE:
+                continue
+            for rank in range(world.size):
+                if rank in world.procs:
+                    continue
+                pid = world.world_id.proc(rank)
+                rec = ProcRecord(pid, "proc", joined=False)
+                rec.health = EXPIRED
+                rec.reason = f"did not rejoin within {limit} s of the system's restart"
+                rec.failed_at = now
+                rec.declared_wall = self._wall()
+                self.detections[EXPIRED] += 1
+                self._records[pid] = rec
+                world.procs[rank] = rec
+                world.failed.add(rank)
+                out.append(Log(logging.WARNING, rec.describe()))
+                self._report(rec, out)
+            self._evaluate(world, now, out)
+
     def handle_proc_exited(self, msg: ProcExited, requester: ProcId | None = None) -> Result:
-        """A host's exit report: always `Ok`."""
+        """A host's exit report: `Ok`, or ``unavailable`` while the world of a proc this
+        restarted system does not know yet may still be rebuilt (the host reports again)."""
         out: list[Instruction] = []
         pid = msg.proc_id
         rec = self._records.get(pid)
         if rec is None or rec.kind == "detached":
+            world = self._worlds.get(pid.world.name)
+            if (world is None or not world.upserted) and self._awaiting_rejoins(self._clock()):
+                return self._not_rejoined(msg, requester, f"world {pid.world.name}", out)
             self._exit_before_join(msg, out)
             return Ok(), out
         if rec.joined and msg.pid and rec.pid and msg.pid != rec.pid:
@@ -1208,6 +1275,25 @@ class SystemRegistry:
         if problem is not None:
             return self._reject(msg, requester, problem[0], problem[1], out)
         pid = msg.proc_id
+        if msg.rejoin and msg.execution_id and msg.execution_id != self.execution_id:
+            if self._execution_id_made and not any(
+                r.kind != "detached" for r in self._records.values()
+            ):
+                out.append(
+                    Log(
+                        logging.INFO,
+                        f"execution {msg.execution_id} goes on: its procs rejoin this system "
+                        f"(was {self.execution_id})",
+                    )
+                )
+                self.execution_id = msg.execution_id
+                self._execution_id_made = False
+            else:
+                text = (
+                    f"cannot rejoin {pid} of execution {msg.execution_id}: this system runs "
+                    f"execution {self.execution_id}"
+                )
+                return self._reject(msg, requester, "conflict", text, out)
         old = self._records.get(pid)
         carried: set[ProcId] = set()
         if old is not None and old.joined:
@@ -1251,6 +1337,10 @@ class SystemRegistry:
                 )
         if old is not None:
             self._drop_record(old, out)
+        if msg.rejoin:
+            self.rejoins += 1
+            if msg.world is not None:
+                self._adopt_spec(msg, out)
         self._add_record(msg, out)
         rec = self._records[pid]
         world = self._world_of(rec) if rec.kind == "proc" else None
@@ -1269,6 +1359,34 @@ class SystemRegistry:
             for resolver in sorted(notify):
                 out.append(Send(agent_of(resolver), notice))
         return self._joined(), out
+
+    def _adopt_spec(self, msg: Join, out: list[Instruction]) -> None:
+        """A rejoining host brings the spec of the world it serves: a world this system
+        does not have yet is rebuilt from it, without asking any host to start procs."""
+        spec = msg.world
+        assert spec is not None
+        name = spec.world_id.name
+        problem = check_world_name(name) or check_upsert_spec(spec)
+        if problem is not None:
+            out.append(
+                Log(logging.WARNING, f"rejoin of {msg.proc_id}: ignoring its world spec: {problem}")
+            )
+            return
+        world = self._world_for(name)
+        if world.upserted or world.phase != ACTIVE:
+            return
+        self._generation += 1
+        world.apply_spec(spec, self._generation)
+        world.rebuilt = True
+        out.append(
+            Log(
+                logging.INFO,
+                f"world {name} rebuilt from the rejoin of {msg.proc_id}: shape {world.shape}, "
+                f"{world.size} procs",
+            )
+        )
+        if not world.procs:
+            self._push(name, WorldStatusChanged(world=world.world_id, status=world.status), out)
 
     def _pid_on_host(self, rec: ProcRecord) -> str:
         pid = rec.pid if rec.pid else "?"
@@ -1316,6 +1434,8 @@ class SystemRegistry:
         elif kind == "host":
             world = self._world_for(served_name(name))
             world.hosts[pid.rank] = rec
+            if msg.rejoin:  # its procs run already: nothing to start
+                world.assigned.add((pid.rank, msg.incarnation))
             if world.upserted and world.phase == ACTIVE:
                 self._assign(world, rec, out)
         elif kind == "proc":
@@ -1467,6 +1587,7 @@ class SystemRegistry:
                 ],
                 world_size=world.size,
                 local_world_size=len(host_ranks(host_rank, nph, world.size)),
+                **self._spec_fields(world),
             )
             token = SpawnToken(
                 world.name, world.incarnation, host.proc_id, host.incarnation, tuple(ranks)
@@ -1475,6 +1596,16 @@ class SystemRegistry:
         out.append(Log(logging.INFO, f"respawning {name} ranks {sorted(msg.ranks)}"))
         self._evaluate(world, self._clock(), out)
         return Ok(), out
+
+    @staticmethod
+    def _spec_fields(world: WorldRecord) -> dict[str, Any]:
+        """What a `SpawnProc` carries of the world's spec beyond its size and env, so that
+        the host can give it back to a restarted system (`Join.world`)."""
+        return {
+            "shape": list(world.shape or ()),
+            "num_procs_per_host": world.num_procs_per_host,
+            "labels": dict(world.labels),
+        }
 
     def _least_loaded_host(
         self, world: WorldRecord, plan: dict[int, list[int]]
@@ -1533,6 +1664,7 @@ class SystemRegistry:
             procs=procs,
             world_size=world.size,
             local_world_size=len(ranks),
+            **self._spec_fields(world),
         )
         asked = tuple(a.rank for a in procs)
         token = SpawnToken(world.name, world.incarnation, host.proc_id, host.incarnation, asked)
@@ -1601,8 +1733,12 @@ class SystemRegistry:
     def handle_world_state(self, msg: WorldState, requester: ProcId | None = None) -> Result:
         """`WorldState`: `WorldStateReply` whose state lists only unhealthy procs."""
         out: list[Instruction] = []
-        self._expire(self._clock(), out)
-        return WorldStateReply(state=self._world_state(msg.world_id.name)), out
+        now = self._clock()
+        self._expire(now, out)
+        state = self._world_state(msg.world_id.name)
+        if state is None and self._awaiting_rejoins(now):
+            return self._not_rejoined(msg, requester, f"world {msg.world_id.name}", out)
+        return WorldStateReply(state=state), out
 
     def _world_state(self, name: str) -> WorldSupervisionState | None:
         if name.startswith(HOST_WORLD_PREFIX) and name != HOST_WORLD_PREFIX:
@@ -1635,9 +1771,13 @@ class SystemRegistry:
             return self._reject(
                 msg, requester, "invalid_argument", f"invalid world name {name!r}", out
             )
-        self._expire(self._clock(), out)
+        now = self._clock()
+        self._expire(now, out)
+        state = self._world_state(name)
+        if state is None and self._awaiting_rejoins(now):
+            return self._not_rejoined(msg, requester, f"world {name}", out)
         self._subs.setdefault(name, {})[msg.port] = None
-        return Subscribed(state=self._world_state(name)), out
+        return Subscribed(state=state), out
 
     def handle_unsubscribe(self, msg: Unsubscribe, requester: ProcId | None = None) -> Result:
         """`Unsubscribe`: `Ok` (also when there was no such subscription)."""
@@ -1654,6 +1794,8 @@ class SystemRegistry:
         pid = msg.proc_id
         rec = self._records.get(pid)
         if rec is None:
+            if self._awaiting_rejoins(self._clock()):
+                return self._not_rejoined(msg, requester, f"proc {pid}", out)
             return self._reject(
                 msg, requester, "not_found", f"proc {pid} is not known to the system", out
             )

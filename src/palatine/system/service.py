@@ -159,7 +159,9 @@ class System:
         """Create ``system[0]`` with the SystemActor and serve ``addr``."""
         a = ChannelAddr.parse(addr) if isinstance(addr, str) else addr
         proc = Proc(SYSTEM_PROC)
-        await proc.serve(a)
+        # Every request acknowledged at once: a system started again at this address is
+        # sent again only what this one never received, not requests it already handled.
+        await proc.serve(a, ack_every_n=1)
         actor = SystemActor(
             registry_from_config(supervision_update_timeout_s, world_eviction_timeout_s)
         )
@@ -173,8 +175,6 @@ class System:
         """Join as a detached client proc ``user[R]``; bounded by ``timeout_s``."""
         pid = proc_id or random_user_proc()
         t = config.get().join_timeout_s if timeout_s is None else timeout_s
-        handle = await bootstrap_proc(
-            pid, self.addr, mode=DETACHED, join_timeout_s=t, supervision_update_interval_s=0
-        )
+        handle = await bootstrap_proc(pid, self.addr, mode=DETACHED, join_timeout_s=t)
         client = handle.proc.attach("client")
         return SystemClient(handle, client, self.addr)

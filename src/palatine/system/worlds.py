@@ -38,6 +38,7 @@ __all__ = [
     "check_upsert_spec",
     "check_world_name",
     "execution_id_from_env",
+    "given_execution_id",
     "host_ranks",
     "hosts_needed",
     "served_name",
@@ -75,6 +76,7 @@ class WorldRecord:
         "name",
         "num_procs_per_host",
         "pending",
+        "rebuilt",
         "replaced",
         "told_gone",
         "phase",
@@ -115,6 +117,8 @@ class WorldRecord:
         #: rank -> the procs told it was gone (`PeerGone`): told again when a new
         #: incarnation joins (`AddressChanged`), so that they route to it once more.
         self.told_gone: dict[int, set[ProcId]] = {}
+        #: the spec came from a rejoining host after a restart of the system
+        self.rebuilt = False
 
     def __repr__(self) -> str:
         return f"WorldRecord({self.name}, {self.status}, {self.phase})"
@@ -161,6 +165,7 @@ class WorldRecord:
         self.pending = set()
         self.gone_reason = ""
         self.assigned = set()
+        self.rebuilt = False
 
 
 def host_ranks(host_rank: int, num_procs_per_host: int, world_size: int) -> range:
@@ -225,12 +230,17 @@ def check_upsert_spec(msg: UpsertWorld) -> str | None:
     return None
 
 
+def given_execution_id(environ: Mapping[str, str] | None = None) -> str:
+    """``PALATINE_EXECUTION_ID``, or ``""`` when it is not set."""
+    return Handoff.from_env(os.environ if environ is None else environ).execution_id or ""
+
+
 def execution_id_from_env(
     environ: Mapping[str, str] | None = None, now: float | None = None
 ) -> str:
     """``PALATINE_EXECUTION_ID``, or a new ``<user>-<YYYYmmdd-HHMMSS>-<4 hex>``."""
     environ = os.environ if environ is None else environ
-    given = Handoff.from_env(environ).execution_id
+    given = given_execution_id(environ)
     if given:
         return given
     try:

@@ -689,6 +689,9 @@ class NetRx(Rx):
         """The next delivered envelope; raises `ChannelClosed` after `stop` (once drained)."""
         return await self._queue.get()
 
+    def acknowledge_every(self, n: int) -> None:
+        self._ack_every_n = max(1, n)
+
     def set_handler(
         self, on_envelope: EnvelopeHandler, on_peer_lost: PeerLostHandler | None = None
     ) -> None:

@@ -10,15 +10,19 @@ are Live (bounded), attaches, and builds the `DeviceMesh`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from palatine import config
 from palatine.core import runtime
+from palatine.errors import DeviceException
 from palatine.fastpath.direct_tx import open_direct
 from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import check_open_files
@@ -27,6 +31,8 @@ from palatine.ids import ActorId, ProcId
 from palatine.output.console import ConsoleWriter
 from palatine.output.logs import LogSession
 from palatine.protocol.controller import Attach, AttachRejected, AttachReply
+from palatine.protocol.supervision import exit_text
+from palatine.system.worlds import execution_id_from_env
 from palatine.tensor.client.mesh import DeviceMesh
 from palatine.tensor.client.procs import RoleProcess
 from palatine.tensor.client.session import ClientActor, Session
@@ -52,7 +58,7 @@ _CONTROLLER_OPTS = (
     "operations_per_worker_progress_request",
     "fail_on_worker_timeout",
 )
-_OURS = ("device", "transport", "log_dir", "startup_timeout_in_sec")
+_OURS = ("device", "transport", "log_dir", "startup_timeout_in_sec", "system_restarts")
 
 #: What the fork servers of a local mesh's hosts import once the spawns have settled
 #: (``fork_server_warm``): torch, and torch._dynamo, which building the first optimizer
@@ -82,9 +88,18 @@ class LocalCluster:
     ``<logs>/<role>.log``, and what is meant for a person (a program's output, warnings,
     errors) onto this process's stderr through one `ConsoleWriter`, which never blocks a
     role: a console that does not keep up loses lines, counted, never the log files.
+
+    It also keeps the system: when ``palatine system`` ends while the job runs, it is
+    started again at the same address, with the same token and execution id, up to
+    ``system_restarts`` times (`palatine.config.Config`), and the running hosts, procs
+    and controller rejoin it. Without a restart left, or when the new one does not come
+    up, ``on_system_lost`` is told at once: its parent sees the exit as it happens,
+    which no heartbeat can match.
     """
 
-    def __init__(self, env: dict[str, str], logs: LogSession) -> None:
+    def __init__(
+        self, env: dict[str, str], logs: LogSession, system_restarts: int | None = None
+    ) -> None:
         self.env = env
         self.logs = logs
         self.console = ConsoleWriter(
@@ -92,21 +107,116 @@ class LocalCluster:
         )
         self.procs: list[RoleProcess] = []
         self.system_addr = ""
+        self.system: RoleProcess | None = None
+        self.restarts_left = (
+            config.get().system_restarts if system_restarts is None else system_restarts
+        )
+        #: (pid that ended, how, pid of its successor or None, seconds to restart)
+        self.system_restarts: list[tuple[int, str, int | None, float]] = []
+        #: told (on a launcher thread) why the system is gone for good
+        self.on_system_lost: Callable[[str, int, int | None], None] | None = None
+        self._system_args: list[str] = []
+        self._startup_s = 60.0
+        self._lock = threading.Lock()
+        self._stopping = False
+
+    def start_system(self, role_args: list[str], timeout_s: float) -> RoleProcess:
+        """Start the system role and keep it (see the class)."""
+        self._system_args = role_args
+        self._startup_s = timeout_s
+        self.system = self.start(role_args, timeout_s, "system", on_exit=self._system_ended)
+        self.system_addr = self.system.addr
+        return self.system
+
+    def _system_ended(self, rp: RoleProcess, code: int) -> None:
+        """The system ended by itself (on its pump's thread): start it again, or tell."""
+        how = exit_text(None if code < 0 else code, -code if code < 0 else None)
+        with self._lock:
+            if self._stopping or rp is not self.system or code == 0:
+                return  # (0: it was asked to stop, which its procs hear from it)
+            if self.restarts_left <= 0:
+                self.system_restarts.append((rp.pid, how, None, 0.0))
+                self._lost(f"the system at {self.system_addr} (pid {rp.pid}) {how}", rp.pid, code)
+                return
+            self.restarts_left -= 1
+            t0 = time.monotonic()
+            args = list(self._system_args)
+            args[args.index("--system-addr") + 1] = self.system_addr
+            try:
+                new = self._start_role(args, "system", self._system_ended, wait=False)
+            except (OSError, RuntimeError) as e:
+                self._lost(
+                    f"the system at {self.system_addr} (pid {rp.pid}) {how}, and it could not "
+                    f"be started again: {e}",
+                    rp.pid,
+                    code,
+                )
+                return
+            self.procs.append(new)
+            self.system = new
+        try:
+            new.wait_ready(self._startup_s)
+        except RuntimeError as e:
+            with self._lock:
+                if self._stopping:
+                    return
+                self.system_restarts.append((rp.pid, how, None, time.monotonic() - t0))
+                self._lost(
+                    f"the system at {self.system_addr} (pid {rp.pid}) {how}, and it did not "
+                    f"start again: {e}",
+                    rp.pid,
+                    code,
+                )
+            return
+        took = time.monotonic() - t0
+        self.system_restarts.append((rp.pid, how, new.pid, took))
+        log.warning(
+            "the system at %s (pid %d) %s; started it again as pid %d in %.2f s: the job's "
+            "procs rejoin it",
+            self.system_addr,
+            rp.pid,
+            how,
+            new.pid,
+            took,
+        )
+
+    def _lost(self, text: str, pid: int, code: int) -> None:
+        tell = self.on_system_lost
+        if tell is None:
+            log.error("%s", text)
+            return
+        tell(text, pid, code)
+
+    def _start_role(
+        self,
+        role_args: list[str],
+        name: str,
+        on_exit: Callable[[RoleProcess, int], None] | None,
+        wait: bool,
+        timeout_s: float | None = None,
+    ) -> RoleProcess:
+        return RoleProcess(
+            role_args,
+            self.env,
+            self._startup_s if timeout_s is None else timeout_s,
+            die_with_parent=False,
+            log_path=self.logs.file(f"{name}.log"),
+            console=self.console,
+            wait=wait,
+            on_exit=on_exit,
+        )
 
     def start(
-        self, role_args: list[str], timeout_s: float, name: str, wait: bool = True
+        self,
+        role_args: list[str],
+        timeout_s: float,
+        name: str,
+        wait: bool = True,
+        on_exit: Callable[[RoleProcess, int], None] | None = None,
     ) -> RoleProcess:
         """Start one role; with ``wait`` (else see `wait_ready`) return once it is ready."""
         try:
-            rp = RoleProcess(
-                role_args,
-                self.env,
-                timeout_s,
-                die_with_parent=False,
-                log_path=self.logs.file(f"{name}.log"),
-                console=self.console,
-                wait=wait,
-            )
+            rp = self._start_role(role_args, name, on_exit, wait, timeout_s)
         except RuntimeError as e:
             self.stop(1.0, clean=False)
             raise RuntimeError(f"local mesh failed to start: {e}") from None
@@ -125,6 +235,8 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 5.0, *, clean: bool = True) -> None:
         """Stop every role; remove the logs after a ``clean`` run, else keep them and say where."""
+        with self._lock:
+            self._stopping = True
         for rp in reversed(self.procs):
             if rp.popen.poll() is None:
                 try:
@@ -213,6 +325,8 @@ def start_local(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Loca
     logs = LogSession.create("mesh", options.get("log_dir"))
     # Every role and worker writes its logs there (roles: <role>.log; workers: see palatine.output.logs).
     env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(32), "PALATINE_LOG_DIR": str(logs.path)}
+    # One execution id for every role, so that a system started again keeps it.
+    env.update(Handoff(execution_id=execution_id_from_env()).to_env())
     if "OMP_NUM_THREADS" not in os.environ:
         # Several workers share this machine's cores: one intra-op thread pool per core.
         env["OMP_NUM_THREADS"] = str(
@@ -236,12 +350,11 @@ def start_local(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Loca
         addr = "tcp:127.0.0.1:0"
     else:
         raise ValueError(f"transport must be 'unix' or 'tcp', not {transport!r}")
-    cluster = LocalCluster(env, logs)
+    cluster = LocalCluster(env, logs, options.get("system_restarts"))
     try:
-        system = cluster.start(
-            ["system", "--system-addr", addr, *_flags(options, _SYSTEM_OPTS)], startup, "system"
+        system = cluster.start_system(
+            ["system", "--system-addr", addr, *_flags(options, _SYSTEM_OPTS)], startup
         )
-        cluster.system_addr = system.addr
         # Hosts and the controller start together: the world the controller creates waits
         # for its hosts, and their start-up (interpreter, imports, fork server) overlaps.
         roles = [
@@ -345,12 +458,36 @@ def connect(
     session = runtime.submit(lambda: _connect(system_addr, worker_world, timeout)).get()
     if _local is not None:
         session.controller_log = _local.logs.file("controller.log")
+        _local.on_system_lost = _system_lost_to(session, _local)
     world = session.world_size
     per = session.per_host if session.per_host and world % session.per_host == 0 else world
     mesh = DeviceMesh(session, ["host", "proc"], [world // per, per], local=_local)
     session.root_mesh = mesh
     mesh.stream("main")
     return mesh
+
+
+def _system_lost_to(
+    session: Session, cluster: LocalCluster
+) -> Callable[[str, int, int | None], None]:
+    """What a local mesh's keeper calls when its system is gone for good: the session
+    fails at once with ``system_lost``, naming the system's pid and how it ended."""
+
+    def lost(text: str, pid: int, code: int | None) -> None:
+        where = f" (its log: {cluster.logs.file('system.log')})"
+        exc = DeviceException(
+            f"{text}; the job can no longer be supervised{where}",
+            "system_lost",
+            proc_id="system[0]",
+            pid=pid,
+            exit_code=code if code is not None and code >= 0 else None,
+            exit_signal=-code if code is not None and code < 0 else None,
+            reason=text,
+        )
+        with contextlib.suppress(RuntimeError):  # (its loop has ended: nobody to tell)
+            session.loop.call_soon_threadsafe(session.fail, exc)
+
+    return lost
 
 
 async def _connect(system_addr: str, worker_world: str | None, timeout: float) -> Session:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 from palatine.hosting.child_env import Handoff
@@ -84,8 +85,12 @@ class RoleProcess:
         console: ConsoleWriter | None = None,
         wait: bool = True,
         prefix: list[str] | None = None,
+        on_exit: Callable[[RoleProcess, int], None] | None = None,
     ) -> None:
         self.args = args
+        # called on the pump's thread with the exit status once the role has ended by
+        # itself (its output closed), not when `kill` ends it
+        self.on_exit = on_exit
         self.log_path = log_path
         full_env = dict(os.environ)
         full_env.update(env or {})
@@ -116,6 +121,7 @@ class RoleProcess:
         self._stderr_tail_bytes = 0
         self._tail_lock = threading.Lock()
         self._stop_pump = False
+        self._killing = False
         assert self.popen.stdout is not None and self.popen.stderr is not None
         self._pump = threading.Thread(
             target=self._run_pump,
@@ -200,6 +206,16 @@ class RoleProcess:
             if log_file is not None:
                 with contextlib.suppress(OSError):
                     log_file.close()
+        on_exit = self.on_exit
+        if on_exit is not None and not self._stop_pump and not self._killing:
+            try:
+                code = self.popen.wait(timeout=_PUMP_JOIN_S)
+            except subprocess.TimeoutExpired:
+                return  # its output closed, yet it runs: not an exit
+            try:
+                on_exit(self, code)
+            except Exception:
+                log.exception("handling the exit of palatine %s failed", " ".join(self.args))
 
     def _route(
         self,
@@ -271,6 +287,7 @@ class RoleProcess:
 
     def kill(self) -> None:
         """SIGKILL the whole process group (idempotent)."""
+        self._killing = True
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

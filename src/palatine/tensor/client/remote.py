@@ -178,7 +178,16 @@ def fetch(obj: Any, shard: Any = None) -> Future[Any]:
 
     def commands(seq: int) -> list[tuple[Slice, Any]]:
         return [
-            (one, SendValue(seq=seq, function=None, args=pickled, stream=stream.id)),
+            (
+                one,
+                SendValue(
+                    seq=seq,
+                    function=None,
+                    args=pickled,
+                    stream=stream.id,
+                    deliver_to=session.actor.cx.actor_id,
+                ),
+            ),
             (world, RequestStatus(seq=seq, controller=False)),
         ]
 

@@ -51,6 +51,7 @@ from palatine.protocol.controller import (
     Serialized,
 )
 from palatine.protocol.worker import (
+    DIRECT,
     BorrowDrop,
     BorrowLastUse,
     CommandGroup,
@@ -59,7 +60,9 @@ from palatine.protocol.worker import (
     DeleteRefs,
     Err,
     Exit,
+    FetchedValue,
     Ok,
+    Pickled,
     RequestStatus,
     Slice,
     WorkerError,
@@ -251,6 +254,11 @@ class ClientActor(Actor):
                 self.session.on_result(r)
 
     @handler
+    def on_fetched_value(self, msg: FetchedValue) -> None:
+        if self.session is not None:
+            self.session.on_fetched_value(msg)
+
+    @handler
     def on_log(self, msg: Log) -> None:
         log.log(
             _LEVELS.get(msg.level, logging.INFO), "%s", msg.message, extra={"details": msg.details}
@@ -379,6 +387,11 @@ class Session:
         self._borrow_ids = itertools.count(1)
         self.streams: dict[str, int] = {}
         self.pending: dict[int, _Pending] = {}
+        # Fetched values a worker sent here directly (`FetchedValue`), by seq: those
+        # that came before their Result (`arrived`), and the seqs whose Result came
+        # first (`awaited`: still pending until the value is here).
+        self.arrived: dict[int, Pickled] = {}
+        self.awaited: set[int] = set()
         self.root_sites: OrderedDict[int, tuple[IssueSite | None, str]] = OrderedDict()
         # Root errors no fetch has raised yet, with their warning text: a fetch of this
         # value (or of one computed from it) usually follows its Result, so the warning
@@ -699,14 +712,39 @@ class Session:
         if entry.future is None:
             return
         if isinstance(res, Ok):
-            try:
-                value = loads(res.value.data, list(res.value.buffers))
-            except Exception as e:  # noqa: BLE001 - surfaced to the waiter
-                entry.future.set_exception(e)
-                return
-            entry.future.set_result(value)
+            pickled = res.value
+            if pickled == DIRECT:  # the value comes from the worker itself
+                got = self.arrived.pop(msg.seq, None)
+                if got is None:
+                    self.pending[msg.seq] = entry  # (a failure meanwhile fails it too)
+                    self.awaited.add(msg.seq)
+                    return
+                pickled = got
+            self._deliver(entry, pickled)
         else:
             entry.future.set_result(None)
+
+    def _deliver(self, entry: _Pending, pickled: Pickled) -> None:
+        assert entry.future is not None
+        try:
+            value = loads(pickled.data, list(pickled.buffers))
+        except Exception as e:  # noqa: BLE001 - surfaced to the waiter
+            entry.future.set_exception(e)
+            return
+        entry.future.set_result(value)
+
+    def on_fetched_value(self, msg: FetchedValue) -> None:
+        """A worker's direct `FetchedValue`: its fetch completes with it once the
+        controller's Result for it has come too (in either order)."""
+        if msg.seq in self.awaited:
+            self.awaited.discard(msg.seq)
+            entry = self.pending.pop(msg.seq, None)
+            if entry is not None and entry.future is not None:
+                self._deliver(entry, msg.value)
+            return
+        if self.failure is not None or msg.seq < self.abandoned_below or self.closed:
+            return  # nobody will ask for it
+        self.arrived[msg.seq] = msg.value
 
     def remote_exception(
         self, seq: int, err: Error[WorkerError], entry: _Pending
@@ -759,6 +797,8 @@ class Session:
             if entry.future is not None:
                 entry.future.set_exception(self.failure)
         self.pending.clear()
+        self.arrived.clear()
+        self.awaited.clear()
         with self._result_event:
             self._result_event.notify_all()
 
@@ -850,7 +890,8 @@ def shutdown_session(
     interrupted = error is not None and not isinstance(error, Exception)
     system_gone = getattr(session.failure, "kind", None) == "system_lost"
     healthy = session.failure is None and not interrupted
-    stop_s, gone_s = (0.5, 0.5) if interrupted else (5.0, 10.0)
+    # Interrupted, or with no system to leave: nothing stops gracefully, so no long waits.
+    stop_s, gone_s = (0.5, 0.5) if interrupted or system_gone else (5.0, 10.0)
     whole = Slice(offset=0, sizes=[session.world_size], strides=[1])
     try:
         if healthy:
@@ -881,7 +922,7 @@ def shutdown_session(
                     log.warning("shutdown: %s", e.reason)
             if system_gone:  # nobody is left to ask: the hosts stop their procs themselves
                 with contextlib.suppress(Exception):
-                    async with asyncio.timeout(1.0):
+                    async with asyncio.timeout(stop_s):
                         await client.close()
                 return
             try:

@@ -40,7 +40,7 @@ from palatine import config
 from palatine.core.actor import Actor, handler
 from palatine.core.comm import Cast, RankSet, cast_envelope, normalize
 from palatine.core.proc import Proc
-from palatine.errors import error_text
+from palatine.errors import SystemRequestError, error_text
 from palatine.ids import SYSTEM_ACTOR, ActorId, GangId, PortId, ProcId
 from palatine.protocol.agent import KillProc, Spawn
 from palatine.protocol.controller import (
@@ -180,6 +180,8 @@ class ControllerActor(Actor):
             self.params, self.history, self.supervision.dead_ranks
         )
         self.cx.spawn_task(self._subscribe())
+        # A restarted system has no subscriptions: subscribe again once rejoined.
+        Proc.of(self.cx).rejoin_hooks.append(self._subscribe_again)
         self._execute(self.supervision.tick(now))
         self._schedule(self._client_check_period(), CheckClient())
         # reported with the proc's heartbeats (the system's metrics)
@@ -753,17 +755,31 @@ class ControllerActor(Actor):
     def on_system_stopping(self, msg: SystemStopping) -> None:
         self._supervise(msg)
 
-    async def _subscribe(self) -> None:
+    def _subscribe_again(self) -> None:
+        self.cx.spawn_task(self._subscribe(self.params.system_loss_timeout_s))
+
+    async def _subscribe(self, patience_s: float = 0.0) -> None:
+        """Subscribe to the worker world's events; for ``patience_s`` (after a restart of
+        the system) ask again while the world has not rejoined it yet."""
         # Events arrive on the ProcFailed handler port; delivery dispatches by type id,
         # so WorldGone & co. reach their own handlers through it.
         port = PortId(self.cx.actor_id, ProcFailed.__palatine_type_id__)
-        try:
-            reply = await self.cx.mailbox.ask(
-                SYSTEM_ACTOR, Subscribe(world_id=self.world, port=port), self._rpc_s
-            )
-        except Exception as e:  # noqa: BLE001 - fed back; polling still runs
-            self._post_self(SupervisionResult(source="subscribe", error=error_text(e)))
-            return
+        give_up = self._now() + patience_s
+        while True:
+            try:
+                reply = await self.cx.mailbox.ask(
+                    SYSTEM_ACTOR, Subscribe(world_id=self.world, port=port), self._rpc_s
+                )
+                break
+            except SystemRequestError as e:
+                if e.code == "unavailable" and self._now() < give_up:
+                    await asyncio.sleep(0.1)
+                    continue
+                self._post_self(SupervisionResult(source="subscribe", error=error_text(e)))
+                return
+            except Exception as e:  # noqa: BLE001 - fed back; polling still runs
+                self._post_self(SupervisionResult(source="subscribe", error=error_text(e)))
+                return
         self._post_self(SupervisionResult(source="subscribe", state=reply.state))
 
     async def _query_world_state(self) -> None:

@@ -43,7 +43,13 @@ from palatine.errors import CallTimeout, JoinError, PalatineError, error_text
 from palatine.ids import ActorId, WorldId
 from palatine.protocol.agent import Spawn, Spawned
 from palatine.protocol.controller import CONTROLLER_ACTOR_TYPE, ControllerParams, WorkerProcRecord
-from palatine.protocol.system import Snapshot, SnapshotFilter, SystemSnapshot, WorldSnapshot
+from palatine.protocol.system import (
+    Snapshot,
+    SnapshotFilter,
+    SystemSnapshot,
+    UpsertWorld,
+    WorldSnapshot,
+)
 from palatine.protocol.worker import WorkerParams
 from palatine.tensor.controller.startup import (
     WORKER_ACTOR_TYPE,
@@ -342,6 +348,8 @@ async def run_controller(
             raise BootstrapError(
                 f"cannot create controller world {x_world}: {error_text(e)}"
             ) from None
+        # what the controller's proc brings to a restarted system when it rejoins it
+        handle.agent.world_spec = UpsertWorld(world_id=WorldId(x_world), shape=[1])
     except BaseException:
         if created:
             await _stop_worlds(client, [cmd.worker_world, x_world])

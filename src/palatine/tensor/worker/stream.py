@@ -34,10 +34,12 @@ from palatine import config
 from palatine.errors import InfrastructureError, ValueTooLarge
 from palatine.ids import PortId
 from palatine.protocol.worker import (
+    DIRECT,
     BackendNetworkInit,
     CallFunction,
     CreateProcessGroup,
     Err,
+    FetchedValue,
     FetchResult,
     FunctionPath,
     FunctionRef,
@@ -54,6 +56,7 @@ from palatine.tensor.worker.reduce import reduce
 from palatine.tensor.worker.state import MISSING, Borrow, Countdown, WorkerState, set_current_stream
 from palatine.tensor.worker.values import (
     TEST_PANIC_PATH,
+    InPlace,
     ResolvedFunction,
     SeqError,
     dumps_fetched,
@@ -64,6 +67,32 @@ from palatine.tensor.worker.values import (
 __all__ = ["InfrastructureError", "Stream"]
 
 log = logging.getLogger(__name__)
+
+_SIZE_WALK_ITEMS = 10_000  # a container this big is not walked further for its size
+
+
+def _nbytes_at_least(value: Any, limit: int) -> bool:
+    """Whether ``value``'s tensors, arrays and bytes add up to at least ``limit`` bytes
+    (a quick walk through lists, tuples and dicts, before anything is pickled)."""
+    total = 0
+    stack = [value]
+    seen = 0
+    while stack and seen < _SIZE_WALK_ITEMS:
+        v = stack.pop()
+        seen += 1
+        if isinstance(v, (bytes, bytearray, memoryview)):
+            total += memoryview(v).nbytes
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        else:
+            n = getattr(v, "nbytes", None)  # numpy arrays and torch tensors
+            if isinstance(n, int):
+                total += n
+        if total >= limit:
+            return True
+    return False
 
 
 class _Stopped(BaseException):
@@ -344,16 +373,32 @@ class Stream:
                     value = args[0]
                 else:
                     value = rf.fn(*args, **kwargs)
-                pickled = dumps_fetched(value)
+                cfg = config.get()
+                to = cmd.deliver_to
+                # A big value for the client goes to it directly, from its own memory
+                # (no snapshot): this stream waits until it is received, so nothing it
+                # runs meanwhile can write that memory.
+                big = to is not None and _nbytes_at_least(value, cfg.direct_value_bytes)
+                in_place = InPlace() if big else None
+                pickled = dumps_fetched(value, in_place)
                 nbytes = len(pickled.data) + sum(memoryview(b).nbytes for b in pickled.buffers)
                 what = "the fetched value" if rf is None else f"the value {label} returned"
                 too_large = config.value_too_large(what, nbytes)
                 if too_large is not None:
                     del pickled
                     raise ValueTooLarge(too_large)
-                msg = FetchResult(seq=seq, value=Ok(pickled))
-                del value, pickled
+                if to is not None and nbytes >= cfg.direct_value_bytes:
+                    # Straight to the client; the controller orders the fetch as ever.
+                    port = PortId(to, FetchedValue.__palatine_type_id__)
+                    self.worker.reply(port, FetchedValue(seq=seq, value=pickled))
+                    msg = FetchResult(seq=seq, value=Ok(DIRECT))
+                else:
+                    msg = FetchResult(seq=seq, value=Ok(pickled))
+                del value, pickled, args, kwargs
                 self.worker.send(msg)
+                if in_place is not None:
+                    self.worker.flush()
+                    self._await_sent(in_place, seq, cfg.message_delivery_timeout_s + 5.0)
             except (InfrastructureError, _Stopped):
                 raise
             except BaseException as e:  # noqa: BLE001
@@ -362,6 +407,13 @@ class Stream:
         finally:
             self.current = None
             self.last_completed_seq = seq
+
+    def _await_sent(self, in_place: InPlace, seq: int, timeout_s: float) -> None:
+        """Wait until the channel has let go of a value sent from its own memory."""
+        if not in_place.wait(timeout_s):
+            log.warning(
+                "s%d: the fetched value was not received within %s s; going on", seq, timeout_s
+            )
 
     def run_marker(self, countdown: Countdown) -> None:
         """A `RequestStatus` barrier: this stream has finished everything before it."""

@@ -38,7 +38,9 @@ import linecache
 import logging
 import pickle
 import sys
+import threading
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +58,7 @@ __all__ = [
     "SeqError",
     "dumps_args",
     "dumps_fetched",
+    "InPlace",
     "dumps_value",
     "function_label",
     "function_ref",
@@ -138,12 +141,17 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad:
     return t
 
 
-def _reduce_tensor(t: Any, detach: bool, private: set[int] | None = None) -> Any:
+def _reduce_tensor(
+    t: Any, detach: bool, private: set[int] | None = None, sent: object | None = None
+) -> Any:
     """Reduce a dense tensor to ``(rebuild, (raw buffer, dtype, shape, grad))``, or
     ``NotImplemented`` to let torch pickle it (sparse, quantized, non-CPU...).
 
     ``detach`` (a fetch): the buffer is a snapshot in pooled memory, copied once from
-    any device and layout, and its `pickle.PickleBuffer`'s id is added to ``private``.
+    any device and layout, and its `pickle.PickleBuffer`'s id is added to ``private``;
+    but with ``sent`` (`InPlace`), a contiguous CPU tensor goes from its own memory: the
+    buffer keeps the tensor and ``sent`` alive, so that ``sent`` dies when the last
+    buffer is let go.
     """
     import torch
 
@@ -156,19 +164,22 @@ def _reduce_tensor(t: Any, detach: bool, private: set[int] | None = None) -> Any
         t = t.detach()
         requires_grad = requires_grad and not detach
     if detach:
-        # A fetched value is sent later, from the event loop, while the stream goes on
-        # running commands: its buffer must be a snapshot, not the user's memory.
         t = t.resolve_conj().resolve_neg()
         shape = tuple(t.shape)
         nbytes = t.numel() * t.element_size()
         if nbytes == 0:
             return (_rebuild_tensor, (b"", str(t.dtype), shape, False))
-        view = take_buffer(nbytes)
-        torch.frombuffer(view, dtype=t.dtype).view(shape).copy_(t)
-        snapshot = pickle.PickleBuffer(view)
+        if sent is not None and t.device.type == "cpu" and t.is_contiguous():
+            buf = _memory_of(t, nbytes, sent)  # its sender waits until it is let go
+        else:
+            # A fetched value is sent later, from the event loop, while the stream goes
+            # on running commands: its buffer must be a snapshot, not the user's memory.
+            view = take_buffer(nbytes)
+            torch.frombuffer(view, dtype=t.dtype).view(shape).copy_(t)
+            buf = pickle.PickleBuffer(view)
         if private is not None:
-            private.add(id(snapshot))
-        return (_rebuild_tensor, (snapshot, str(t.dtype), shape, False))
+            private.add(id(buf))
+        return (_rebuild_tensor, (buf, str(t.dtype), shape, False))
     if t.device.type != "cpu":
         return NotImplemented
     t = t.resolve_conj().resolve_neg().contiguous()
@@ -176,9 +187,16 @@ def _reduce_tensor(t: Any, detach: bool, private: set[int] | None = None) -> Any
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return (_rebuild_tensor, (b"", str(t.dtype), shape, requires_grad))
-    raw = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    return (_rebuild_tensor, (_memory_of(t, nbytes), str(t.dtype), shape, requires_grad))
+
+
+def _memory_of(t: Any, nbytes: int, sent: object | None = None) -> pickle.PickleBuffer:
+    """A buffer over a contiguous CPU tensor's own memory, keeping the tensor (and
+    ``sent``, `InPlace`'s token) alive for as long as the buffer lives."""
+    raw: Any = (ctypes.c_char * nbytes).from_address(t.data_ptr())
     raw._palatine_keep = t  # the memory must outlive the buffer
-    return (_rebuild_tensor, (pickle.PickleBuffer(raw), str(t.dtype), shape, requires_grad))
+    raw._palatine_sent = sent
+    return pickle.PickleBuffer(raw)
 
 
 # --------------------------------------------------------------------------- client side
@@ -200,10 +218,10 @@ def _persistent_ref(obj: Any) -> tuple[str, int] | None:
     return None if ref is None else (REF_TAG, ref)
 
 
-def _override(obj: Any, detach: bool, private: set[int]) -> Any:
+def _override(obj: Any, detach: bool, private: set[int], sent: object | None = None) -> Any:
     tt = _torch_tensor_types()
     if tt is not None and (type(obj) is tt[0] or (detach and type(obj) is tt[1])):
-        return _reduce_tensor(obj, detach, private)  # a fetched Parameter arrives as its data
+        return _reduce_tensor(obj, detach, private, sent)  # a fetched Parameter arrives as its data
     return NotImplemented
 
 
@@ -231,6 +249,7 @@ class _Pickler(pickle.Pickler):
         self._on_ref = on_ref
         self.private: set[int] = set()  # ids of buffers that are snapshots already
         self.by_value = False  # met something only cloudpickle can ship (`refers_by_value`)
+        self.sent: object | None = None  # tensors go from their own memory (`InPlace`)
 
     def persistent_id(self, obj: Any) -> Any:
         return _persistent(obj, self._refs, self._on_ref)
@@ -238,7 +257,7 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if not self.by_value and refers_by_value(obj):
             self.by_value = True
-        return _override(obj, self._detach, self.private)
+        return _override(obj, self._detach, self.private, self.sent)
 
 
 _cloud_pickler: type[Any] | None = None
@@ -264,12 +283,13 @@ def _cloud_pickler_type() -> type[Any]:
                 self._detach = detach
                 self._on_ref = on_ref
                 self.private: set[int] = set()
+                self.sent: object | None = None
 
             def persistent_id(self, obj: Any) -> Any:
                 return _persistent(obj, self._refs, self._on_ref)
 
             def reducer_override(self, obj: Any) -> Any:
-                r = _override(obj, self._detach, self.private)
+                r = _override(obj, self._detach, self.private, self.sent)
                 if r is NotImplemented:
                     return super().reducer_override(obj)
                 return r
@@ -278,16 +298,20 @@ def _cloud_pickler_type() -> type[Any]:
     return _cloud_pickler
 
 
-def _dumps(value: Any, refs: bool, detach: bool, on_ref: OnRef | None = None) -> Pickled:
+def _dumps(
+    value: Any, refs: bool, detach: bool, on_ref: OnRef | None = None, sent: object | None = None
+) -> Pickled:
     """Pickle with the stdlib pickler, falling back to cloudpickle (as `codec.dumps`).
 
     ``on_ref(handle)`` is called for every client handle met (it may raise to refuse it).
+    With ``sent`` (`InPlace`), tensors go from their own memory.
     """
     bufs: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
     data: bytes | None
     seen: list[Any] = []
     pickler: Any = _Pickler(f, bufs.append, refs, detach, seen.append)
+    pickler.sent = sent
     try:
         pickler.dump(value)
         data = f.getvalue()
@@ -298,6 +322,7 @@ def _dumps(value: Any, refs: bool, detach: bool, on_ref: OnRef | None = None) ->
         seen = []
         f = io.BytesIO()
         pickler = _cloud_pickler_type()(f, bufs.append, refs, detach, seen.append)
+        pickler.sent = sent
         pickler.dump(value)
         data = f.getvalue()
     if on_ref is not None:
@@ -446,15 +471,47 @@ def load_value(p: Pickled, lookup: Callable[[int], Any]) -> Any:
     return _ArgUnpickler(p.data, p.buffers, lookup).load()
 
 
-def dumps_fetched(value: Any) -> Pickled:
+class InPlace:
+    """Tensors of a fetched value sent from their own memory, and when they are let go.
+
+    A snapshot of a big value costs a copy of it, held until it is sent. Instead, while
+    the stream that owns the value waits, so that nothing it runs can write the memory
+    meanwhile, the value's contiguous CPU tensors can go from their own memory. Each of
+    their buffers holds a token; `wait` returns once the channel has let go of every
+    one (the receiver acknowledged the message, or it was given up as undeliverable).
+    """
+
+    __slots__ = ("_done", "_ref", "token")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        token = _SentToken()
+        self._ref = weakref.ref(token, lambda _r: self._done.set())
+        self.token: object | None = token
+
+    def wait(self, timeout_s: float) -> bool:
+        """Drop our own hold and wait until the buffers are let go; False on timeout."""
+        self.token = None
+        return self._done.wait(timeout_s)
+
+
+class _SentToken:
+    """What each in-place buffer holds: it dies with the last of them."""
+
+    __slots__ = ("__weakref__",)
+
+
+def dumps_fetched(value: Any, in_place: InPlace | None = None) -> Pickled:
     """Pickle a fetched value: every tensor detached and copied to CPU, every buffer a
-    private snapshot (one copy, into pooled memory).
+    private snapshot (one copy, into pooled memory); but with ``in_place``, contiguous
+    CPU tensors go from their own memory (the caller then waits, `InPlace.wait`).
 
     Raises ``TypeError("cannot pickle a value of type T for fetch: ...")`` when the
     value does not pickle (a user error).
     """
     try:
-        return _dumps(value, refs=False, detach=True)
+        sent = in_place.token if in_place is not None else None
+        return _dumps(value, refs=False, detach=True, sent=sent)
     except Exception as e:
         tname = qualified_type_name(type(value))
         raise TypeError(

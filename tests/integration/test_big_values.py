@@ -1,0 +1,70 @@
+"""Big fetched values go from the worker to the client directly, from the worker's own
+memory: the controller holds no copy, the worker makes no snapshot, and the stream
+waits until the value is received, so what it runs next cannot change what was sent.
+Small values keep the controller's path. Each run is a user's script in a fresh
+interpreter on a real local mesh."""
+
+from __future__ import annotations
+
+import pytest
+from user_scripts import run_script
+
+pytestmark = pytest.mark.timeout(150)
+
+
+SCRIPT = """
+    import torch
+    from palatine import fetch, local_mesh, remote
+    from palatine.tensor.client.session import Session
+
+    direct = []  # the values that came from the worker itself
+    received = Session.on_fetched_value
+    Session.on_fetched_value = lambda self, msg: (direct.append(msg.seq), received(self, msg))[1]
+
+    def make(n):
+        import torch
+        return torch.arange(n, dtype=torch.float32)
+
+    def bump(t):
+        t.add_(1)
+
+    def as_list(t):
+        return [t, {"twice": t * 2}]
+
+    N = 1 << 22  # 16 MiB: over the 1 MiB from which values go directly
+
+    with local_mesh(1, 2) as mesh:
+        with mesh.activate():
+            t = remote(make)(N)
+            first = fetch(t, shard=1)
+            remote(bump, mutates=("t",))(t)  # on the same stream, after the fetch
+            second = fetch(t, shard=1)
+            want = torch.arange(N, dtype=torch.float32)
+            print("FIRST", bool(torch.equal(first.result(60), want)))
+            print("SECOND", bool(torch.equal(second.result(60), want + 1)))
+            nested = fetch(remote(as_list)(t), shard=0).result(60)
+            print("NESTED", bool(torch.equal(nested[1]["twice"], (want + 1) * 2)))
+            small = fetch(remote(make)(16), shard=0).result(60)
+            print("SMALL", small.tolist()[-1])
+            session = mesh.session
+            print("LEFT", len(session.arrived), len(session.awaited), len(session.pending))
+            print("DIRECT", len(direct))
+"""
+
+
+def test_a_big_fetch_is_received_as_it_was_when_fetched_and_small_ones_still_arrive() -> None:
+    out, _ = run_script(SCRIPT)
+    assert out["FIRST"] == "True"  # the in-place bump ran only once it was received
+    assert out["SECOND"] == "True"
+    assert out["NESTED"] == "True"
+    assert out["SMALL"] == "15.0"
+    assert out["LEFT"] == "0 0 0"
+    assert out["DIRECT"] == "3"  # the three big ones; the small one came through the controller
+
+
+def test_a_big_fetch_through_the_controller_when_direct_values_are_turned_off() -> None:
+    out, _ = run_script(SCRIPT, env={"PALATINE_DIRECT_VALUE": str(1 << 40)})
+    assert out["DIRECT"] == "0"
+    assert out["FIRST"] == "True"
+    assert out["SECOND"] == "True"
+    assert out["NESTED"] == "True"

@@ -1,0 +1,133 @@
+"""A job survives a restart of its system: `local_mesh` starts ``palatine system`` again
+at the same address when it dies, and the running hosts, procs, controller and client
+rejoin it with their identities; the training loop goes on with no call failed, and the
+rebuilt registry supervises as before. Without a restart, the loss is reported at once.
+
+Each test runs a script as a user would (a fresh interpreter, a real local mesh) and
+kills processes with SIGKILL from outside, as a fault would.
+"""
+
+from __future__ import annotations
+
+import pytest
+from user_scripts import MESH_HELPERS, run_script
+
+pytestmark = pytest.mark.timeout(180)
+
+
+PRELUDE = (
+    MESH_HELPERS
+    + """
+    from palatine.cli import demo
+    from palatine.core import runtime
+    from palatine.system.service import System
+
+    def snapshot(addr):
+        async def ask():
+            client = await System(addr).attach(timeout_s=10)
+            try:
+                return await client.snapshot()
+            finally:
+                await client.close()
+        return runtime.submit(ask).get()
+"""
+)
+
+
+def test_training_goes_on_across_a_sigkill_and_restart_of_the_system() -> None:
+    lines, _ = run_script(
+        PRELUDE
+        + """
+    with local_mesh(1, 2) as mesh:
+        with mesh.activate():
+            state = remote(demo.init_state)(mesh.process_group(), 0, 64, 0.05, 32)
+            step = remote(demo.train_step, mutates=("state",))
+            fetch(step(state)).result(timeout=60)
+            before = pids_of(mesh)
+            cluster = mesh._local
+            old = cluster.system.pid
+            os.kill(old, signal.SIGKILL)
+            t0 = time.monotonic()
+            steps = 0
+            while time.monotonic() - t0 < 3.0:  # the restart and the rejoins happen meanwhile
+                fetch(step(state)).result(timeout=60)
+                steps += 1
+            print("RESTARTED", cluster.system.pid != old, len(cluster.system_restarts))
+            print("STEPS", steps > 3)
+            snap = snapshot(cluster.system_addr)
+            worker = snap.worlds["worker"]
+            print("WORLD", worker.status, sorted(e.pid for e in worker.procs.values()) == sorted(before))
+            print("CONTROLLER", snap.worlds["controller"].status)
+            print("PIDS", pids_of(mesh) == before)
+            sums = {fetch(remote(demo.evaluate)(state), shard=r).result(timeout=60)[1]
+                    for r in range(2)}
+            print("REPLICAS", len(sums))
+            # the rebuilt registry supervises: a worker killed now is reported by name
+            os.kill(before[1], signal.SIGKILL)
+            e = until_failed(mesh)
+            print("FAILED", e.kind, "worker[1]" in str(e), "signal 9" in str(e))
+    """
+    )
+    assert lines["RESTARTED"] == "True 1"
+    assert lines["STEPS"] == "True"
+    assert lines["WORLD"] == "Live True"
+    assert lines["CONTROLLER"] == "Live"
+    assert lines["PIDS"] == "True"
+    assert lines["REPLICAS"] == "1"
+    assert lines["FAILED"] == "proc_failed True True"
+
+
+def test_a_worker_killed_while_the_system_is_down_is_reported_with_its_signal() -> None:
+    lines, _ = run_script(
+        PRELUDE
+        + """
+    with local_mesh(1, 2) as mesh:
+        with mesh.activate():
+            before = pids_of(mesh)
+            os.kill(mesh._local.system.pid, signal.SIGKILL)
+            os.kill(before[1], signal.SIGKILL)
+            t0 = time.monotonic()
+            e = until_failed(mesh)
+            print("FAILED", e.kind, "worker[1]" in str(e), "signal 9" in str(e))
+            print("WITHIN", time.monotonic() - t0 < 10)
+    """
+    )
+    assert lines["FAILED"] == "proc_failed True True"
+    assert lines["WITHIN"] == "True"
+
+
+def test_a_system_killed_more_often_than_it_may_restart_fails_the_job_at_once() -> None:
+    lines, _ = run_script(
+        PRELUDE
+        + """
+    def slow():
+        import time
+        time.sleep(60)
+        return 1
+
+    with local_mesh(1, 2, system_restarts=1) as mesh:
+        with mesh.activate():
+            fetch(remote(pid)()).result(timeout=60)
+            cluster = mesh._local
+            first = cluster.system.pid
+            os.kill(first, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while len(cluster.system_restarts) < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            fetch(remote(pid)()).result(timeout=60)
+            pending = fetch(remote(slow)())
+            second = cluster.system.pid
+            t0 = time.monotonic()
+            os.kill(second, signal.SIGKILL)
+            try:
+                pending.result(timeout=60)
+            except DeviceException as e:
+                print("LOST", e.kind, time.monotonic() - t0 < 1.0)
+                print("NAMES", f"pid {second}" in str(e), "SIGKILL" in str(e))
+            left = time.monotonic()
+    print("LEFT", time.monotonic() - left < 2.0)
+    """
+    )
+    assert lines["LOST"] == "system_lost True"
+    assert lines["NAMES"] == "True True"
+    assert lines["LEFT"] == "True"
