@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Final
 import msgspec
 
 from palatine.wire.envelope import ENC_MSGPACK, ENC_PICKLE, Envelope
+from palatine.wire.tensors import reduce_tensor, tensor_types
 
 __all__ = [
     "Message",
@@ -217,6 +218,11 @@ class _Pickler(pickle.Pickler):
         self.buffers.append(buf)
 
     def reducer_override(self, obj: Any) -> Any:
+        tt = tensor_types()
+        if tt is not None and type(obj) is tt[0]:
+            # Out of band, over a snapshot: the loop writes it later, while its owner
+            # may change the tensor (`palatine.wire.tensors`).
+            return reduce_tensor(obj, False, snapshot=True)
         if not self.by_value and refers_by_value(obj):
             self.by_value = True
         return NotImplemented

@@ -56,13 +56,13 @@ from palatine.tensor.worker.reduce import reduce
 from palatine.tensor.worker.state import MISSING, Borrow, Countdown, WorkerState, set_current_stream
 from palatine.tensor.worker.values import (
     TEST_PANIC_PATH,
-    InPlace,
     ResolvedFunction,
     SeqError,
     dumps_fetched,
     load_args,
     load_value,
 )
+from palatine.wire.tensors import InPlace
 
 __all__ = ["InfrastructureError", "Stream"]
 

@@ -30,7 +30,6 @@ plain memoryviews, which msgpack inlines.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib
 import io
@@ -38,9 +37,7 @@ import linecache
 import logging
 import pickle
 import sys
-import threading
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +45,7 @@ from palatine.protocol.worker import Cloudpickle, FunctionPath, FunctionRef, Pic
 from palatine.tensor.worker.user_errors import qualified_type_name, register_sources
 from palatine.wire.buffers import take_buffer
 from palatine.wire.codec import refers_by_value
+from palatine.wire.tensors import InPlace, reduce_tensor, tensor_types
 
 __all__ = [
     "MAX_SOURCE_BYTES",
@@ -58,7 +56,6 @@ __all__ = [
     "SeqError",
     "dumps_args",
     "dumps_fetched",
-    "InPlace",
     "dumps_value",
     "function_label",
     "function_ref",
@@ -104,101 +101,6 @@ class SeqError:
         return f"SeqError({self.text()!r})"
 
 
-# --------------------------------------------------------------------------- tensors
-
-_tensor_types: tuple[Any, Any] | None = None
-
-
-def _torch_tensor_types() -> tuple[Any, Any] | None:
-    """``(torch.Tensor, torch.nn.Parameter)`` once torch is imported (no tensors can
-    exist before that), else None."""
-    global _tensor_types
-    if _tensor_types is None:
-        torch = sys.modules.get("torch")
-        if torch is not None and hasattr(torch, "Tensor") and hasattr(torch, "nn"):
-            _tensor_types = (torch.Tensor, torch.nn.Parameter)
-    return _tensor_types
-
-
-def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
-    """Unpickle side of `_reduce_tensor`: a tensor over (a private copy of) ``buf``."""
-    import torch
-
-    dt = getattr(torch, dtype.removeprefix("torch."))
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel == 0:
-        t = torch.empty(shape, dtype=dt)
-    else:
-        mv = memoryview(buf)
-        # A read-only buffer (bytes off the wire) is copied once: torch tensors are
-        # writable, and sharing the receive buffer would alias user data.
-        data: Any = bytearray(mv) if mv.readonly else mv
-        t = torch.frombuffer(data, dtype=dt).reshape(shape)
-    if requires_grad:
-        t.requires_grad_(True)
-    return t
-
-
-def _reduce_tensor(
-    t: Any, detach: bool, private: set[int] | None = None, sent: object | None = None
-) -> Any:
-    """Reduce a dense tensor to ``(rebuild, (raw buffer, dtype, shape, grad))``, or
-    ``NotImplemented`` to let torch pickle it (sparse, quantized, non-CPU...).
-
-    ``detach`` (a fetch): the buffer is a snapshot in pooled memory, copied once from
-    any device and layout, and its `pickle.PickleBuffer`'s id is added to ``private``;
-    but with ``sent`` (`InPlace`), a contiguous CPU tensor goes from its own memory: the
-    buffer keeps the tensor and ``sent`` alive, so that ``sent`` dies when the last
-    buffer is let go.
-    """
-    import torch
-
-    if t.layout != torch.strided or t.is_quantized or t.is_nested:
-        return NotImplemented
-    requires_grad = bool(t.requires_grad)
-    if detach or requires_grad:
-        if requires_grad and not detach and not t.is_leaf:
-            return NotImplemented  # torch refuses this too; keep its error
-        t = t.detach()
-        requires_grad = requires_grad and not detach
-    if detach:
-        t = t.resolve_conj().resolve_neg()
-        shape = tuple(t.shape)
-        nbytes = t.numel() * t.element_size()
-        if nbytes == 0:
-            return (_rebuild_tensor, (b"", str(t.dtype), shape, False))
-        if sent is not None and t.device.type == "cpu" and t.is_contiguous():
-            buf = _memory_of(t, nbytes, sent)  # its sender waits until it is let go
-        else:
-            # A fetched value is sent later, from the event loop, while the stream goes
-            # on running commands: its buffer must be a snapshot, not the user's memory.
-            view = take_buffer(nbytes)
-            torch.frombuffer(view, dtype=t.dtype).view(shape).copy_(t)
-            buf = pickle.PickleBuffer(view)
-        if private is not None:
-            private.add(id(buf))
-        return (_rebuild_tensor, (buf, str(t.dtype), shape, False))
-    if t.device.type != "cpu":
-        return NotImplemented
-    t = t.resolve_conj().resolve_neg().contiguous()
-    shape = tuple(t.shape)
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return (_rebuild_tensor, (b"", str(t.dtype), shape, requires_grad))
-    return (_rebuild_tensor, (_memory_of(t, nbytes), str(t.dtype), shape, requires_grad))
-
-
-def _memory_of(t: Any, nbytes: int, sent: object | None = None) -> pickle.PickleBuffer:
-    """A buffer over a contiguous CPU tensor's own memory, keeping the tensor (and
-    ``sent``, `InPlace`'s token) alive for as long as the buffer lives."""
-    raw: Any = (ctypes.c_char * nbytes).from_address(t.data_ptr())
-    raw._palatine_keep = t  # the memory must outlive the buffer
-    raw._palatine_sent = sent
-    return pickle.PickleBuffer(raw)
-
-
 # --------------------------------------------------------------------------- client side
 
 
@@ -219,9 +121,9 @@ def _persistent_ref(obj: Any) -> tuple[str, int] | None:
 
 
 def _override(obj: Any, detach: bool, private: set[int], sent: object | None = None) -> Any:
-    tt = _torch_tensor_types()
+    tt = tensor_types()
     if tt is not None and (type(obj) is tt[0] or (detach and type(obj) is tt[1])):
-        return _reduce_tensor(obj, detach, private, sent)  # a fetched Parameter arrives as its data
+        return reduce_tensor(obj, detach, private, sent)  # a fetched Parameter arrives as its data
     return NotImplemented
 
 
@@ -469,36 +371,6 @@ def load_args(p: Pickled, lookup: Callable[[int], Any]) -> tuple[tuple[Any, ...]
 def load_value(p: Pickled, lookup: Callable[[int], Any]) -> Any:
     """Unpickle one value (``SetRefUnitTestsOnly``), each ref replaced by ``lookup(n)``."""
     return _ArgUnpickler(p.data, p.buffers, lookup).load()
-
-
-class InPlace:
-    """Tensors of a fetched value sent from their own memory, and when they are let go.
-
-    A snapshot of a big value costs a copy of it, held until it is sent. Instead, while
-    the stream that owns the value waits, so that nothing it runs can write the memory
-    meanwhile, the value's contiguous CPU tensors can go from their own memory. Each of
-    their buffers holds a token; `wait` returns once the channel has let go of every
-    one (the receiver acknowledged the message, or it was given up as undeliverable).
-    """
-
-    __slots__ = ("_done", "_ref", "token")
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        token = _SentToken()
-        self._ref = weakref.ref(token, lambda _r: self._done.set())
-        self.token: object | None = token
-
-    def wait(self, timeout_s: float) -> bool:
-        """Drop our own hold and wait until the buffers are let go; False on timeout."""
-        self.token = None
-        return self._done.wait(timeout_s)
-
-
-class _SentToken:
-    """What each in-place buffer holds: it dies with the last of them."""
-
-    __slots__ = ("__weakref__",)
 
 
 def dumps_fetched(value: Any, in_place: InPlace | None = None) -> Pickled:
