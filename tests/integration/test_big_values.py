@@ -1,8 +1,9 @@
-"""Big fetched values go from the worker to the client directly, from the worker's own
+"""Big values: fetched ones go from the worker to the client directly, from the worker's own
 memory: the controller holds no copy, the worker makes no snapshot, and the stream
 waits until the value is received, so what it runs next cannot change what was sent.
-Small values keep the controller's path. Each run is a user's script in a fresh
-interpreter on a real local mesh."""
+Small values keep the controller's path. And a proc sending big actor results keeps
+its heartbeats flowing. Each run is a user's script in a fresh interpreter on a real
+mesh."""
 
 from __future__ import annotations
 
@@ -68,3 +69,35 @@ def test_a_big_fetch_through_the_controller_when_direct_values_are_turned_off() 
     assert out["FIRST"] == "True"
     assert out["SECOND"] == "True"
     assert out["NESTED"] == "True"
+
+
+def test_heartbeats_keep_flowing_while_an_actor_returns_big_results() -> None:
+    # Heartbeats every 0.2 s, a proc declared dead after 1 s of silence: three 256 MiB
+    # results (a few seconds of pickling, sending and receiving) must not silence it.
+    out, _ = run_script(
+        """
+        import time
+        import torch  # here, not on the event loop when the first tensor arrives
+        from palatine import Actor, endpoint, this_host
+
+        class Big(Actor):
+            @endpoint
+            def make(self, n):
+                import torch
+                return torch.ones(n, dtype=torch.uint8)
+
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        actor = procs.spawn("big", Big)
+        actor.make.call_one(10).get(timeout=60)
+        sizes = [actor.make.call_one(256 << 20).get(timeout=60).numel() for _ in range(3)]
+        print("BIG", sizes == [256 << 20] * 3)
+        print("AFTER", actor.make.call_one(5).get(timeout=30).numel())
+        procs.stop().get(timeout=30)
+        """,
+        env={
+            "PALATINE_SUPERVISION_UPDATE_INTERVAL": "0.2",
+            "PALATINE_SUPERVISION_UPDATE_TIMEOUT": "1",
+        },
+    )
+    assert out["BIG"] == "True"
+    assert out["AFTER"] == "5"

@@ -262,3 +262,15 @@ def test_tensors_the_snapshot_cannot_take_still_pickle_as_torch_pickles_them() -
     got = codec.loads(data, buffers)
     assert type(got[0]) is torch.nn.Parameter and torch.equal(got[0].detach(), torch.ones(2))
     assert got[1].is_sparse and torch.equal(got[1].to_dense(), torch.eye(3))
+
+
+def test_a_big_bytes_value_goes_out_of_band_as_it_is_and_arrives_as_bytes() -> None:
+    big = bytes(range(256)) * 4096  # 1 MiB
+    data, buffers = dumps(big)
+    assert len(buffers) == 1 and len(data) < 256
+    assert memoryview(buffers[0]).obj is big  # no copy: a bytes cannot change
+    got = codec.loads(data, buffers)
+    assert type(got) is bytes and got == big
+    small = b"x" * 100
+    data, buffers = dumps(small)
+    assert buffers == [] and codec.loads(data) == small

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Final
 import msgspec
 
 from palatine.wire.envelope import ENC_MSGPACK, ENC_PICKLE, Envelope
-from palatine.wire.tensors import reduce_tensor, tensor_types
+from palatine.wire.oob import big_bytes, reduce_tensor, tensor_types
 
 __all__ = [
     "Message",
@@ -221,7 +221,7 @@ class _Pickler(pickle.Pickler):
         tt = tensor_types()
         if tt is not None and type(obj) is tt[0]:
             # Out of band, over a snapshot: the loop writes it later, while its owner
-            # may change the tensor (`palatine.wire.tensors`).
+            # may change the tensor (`palatine.wire.oob`).
             return reduce_tensor(obj, False, snapshot=True)
         if not self.by_value and refers_by_value(obj):
             self.by_value = True
@@ -255,6 +255,7 @@ def dumps(value: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle ``value`` (protocol 5), returning the bytes and out-of-band buffers: the
     stdlib pickler, or cloudpickle for a value that `refers_by_value` (or that the stdlib
     pickler refuses)."""
+    value = big_bytes(value)  # (a big bytes out of band, as it is: it cannot change)
     p: _Pickler | None = getattr(_picklers, "p", None)
     if p is None or p.busy:  # (busy: a value's own reduction is pickling something)
         p = _picklers.p = _Pickler()

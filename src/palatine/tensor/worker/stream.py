@@ -62,7 +62,7 @@ from palatine.tensor.worker.values import (
     load_args,
     load_value,
 )
-from palatine.wire.tensors import InPlace
+from palatine.wire.oob import InPlace
 
 __all__ = ["InfrastructureError", "Stream"]
 

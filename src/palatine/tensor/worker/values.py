@@ -45,7 +45,7 @@ from palatine.protocol.worker import Cloudpickle, FunctionPath, FunctionRef, Pic
 from palatine.tensor.worker.user_errors import qualified_type_name, register_sources
 from palatine.wire.buffers import take_buffer
 from palatine.wire.codec import refers_by_value
-from palatine.wire.tensors import InPlace, reduce_tensor, tensor_types
+from palatine.wire.oob import BigBytes, InPlace, big_bytes, reduce_tensor, tensor_types
 
 __all__ = [
     "MAX_SOURCE_BYTES",
@@ -121,8 +121,13 @@ def _persistent_ref(obj: Any) -> tuple[str, int] | None:
 
 
 def _override(obj: Any, detach: bool, private: set[int], sent: object | None = None) -> Any:
+    t = type(obj)
+    if t is BigBytes:
+        reduced = obj.__reduce_ex__(5)
+        private.add(id(reduced[1][0]))  # immutable: it needs no snapshot
+        return reduced
     tt = tensor_types()
-    if tt is not None and (type(obj) is tt[0] or (detach and type(obj) is tt[1])):
+    if tt is not None and (t is tt[0] or (detach and t is tt[1])):
         return reduce_tensor(obj, detach, private, sent)  # a fetched Parameter arrives as its data
     return NotImplemented
 
@@ -383,7 +388,7 @@ def dumps_fetched(value: Any, in_place: InPlace | None = None) -> Pickled:
     """
     try:
         sent = in_place.token if in_place is not None else None
-        return _dumps(value, refs=False, detach=True, sent=sent)
+        return _dumps(big_bytes(value), refs=False, detach=True, sent=sent)
     except Exception as e:
         tname = qualified_type_name(type(value))
         raise TypeError(

@@ -1,4 +1,5 @@
-"""Dense torch tensors in pickles: out of band, as raw memory, never through torch.save.
+"""What a pickle of ours sends out of band: dense torch tensors and big bytes, as raw
+memory, never through torch.save and never copied into the pickle itself.
 
 torch pickles a tensor by saving its storage into bytes (``torch.save``), a copy on each
 side and a third when the bytes are framed. `reduce_tensor` reduces a strided tensor to
@@ -16,6 +17,12 @@ What the buffer is depends on what may happen to the tensor while it is being se
 * its own memory again under an `InPlace`, whose owner waits until the channel has let
   go of every buffer before it goes on.
 
+`bytes` are immutable: a big one (`BIG_BYTES`) goes out of band over its own memory;
+the receiver makes its `bytes` from the received buffer, the one copy an immutable
+object needs there. (A ``bytearray`` goes out of band by itself.) Picklers never ask
+``reducer_override`` about a `bytes`, so a value that is one is wrapped first
+(`big_bytes`); a big `bytes` inside a container is pickled inline.
+
 torch is never imported here: there can be no tensor to reduce before it is.
 """
 
@@ -26,11 +33,23 @@ import pickle
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import Any, Final
 
 from palatine.wire.buffers import take_buffer
 
-__all__ = ["InPlace", "memory_of", "rebuild_tensor", "reduce_tensor", "tensor_types"]
+__all__ = [
+    "BIG_BYTES",
+    "BigBytes",
+    "InPlace",
+    "big_bytes",
+    "memory_of",
+    "rebuild_tensor",
+    "reduce_tensor",
+    "tensor_types",
+]
+
+BIG_BYTES: Final = 64 * 1024
+"""From this size a `bytes` object goes out of band (smaller ones cost less inline)."""
 
 _tensor_types: tuple[Any, Any] | None = None
 
@@ -167,3 +186,22 @@ class _SentToken:
     """What each in-place buffer holds: it dies with the last of them."""
 
     __slots__ = ("__weakref__",)
+
+
+class BigBytes:
+    """A big `bytes` to pickle out of band: it unpickles as the `bytes` itself."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[pickle.PickleBuffer]]:
+        return (bytes, (pickle.PickleBuffer(self.data),))
+
+
+def big_bytes(value: Any) -> Any:
+    """``value``, or a `BigBytes` of it when it is a `bytes` of at least `BIG_BYTES`."""
+    if type(value) is bytes and len(value) >= BIG_BYTES:
+        return BigBytes(value)
+    return value
