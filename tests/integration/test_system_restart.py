@@ -131,3 +131,42 @@ def test_a_system_killed_more_often_than_it_may_restart_fails_the_job_at_once() 
     assert lines["LOST"] == "system_lost True"
     assert lines["NAMES"] == "True True"
     assert lines["LEFT"] == "True"
+
+
+def test_a_system_restarted_by_hand_without_its_execution_id_gets_the_job_back() -> None:
+    # A job whose launcher does not keep its system: the user starts `palatine system`
+    # again at the same address, with the cluster token and nothing else.
+    lines, _ = run_script(
+        PRELUDE
+        + """
+    from palatine import connect
+    from palatine.tensor.client.local import start_local
+    from palatine.tensor.client.procs import RoleProcess
+
+    cluster = start_local(1, 2, system_restarts=0)
+    try:
+        token = cluster.env["PALATINE_CLUSTER_TOKEN"]
+        with connect(cluster.system_addr, "worker", _token=token) as mesh, mesh.activate():
+            before = pids_of(mesh)
+            old = snapshot(cluster.system_addr).execution_id
+            cluster.system.kill()
+            env = {k: v for k, v in cluster.env.items() if k != "PALATINE_EXECUTION_ID"}
+            again = RoleProcess(["system", "--system-addr", cluster.system_addr], env, 30)
+            cluster.procs.append(again)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                snap = snapshot(cluster.system_addr)
+                w = snap.worlds.get("worker")
+                if w is not None and w.status == "Live" and snap.worlds.get("controller"):
+                    break
+                time.sleep(0.1)
+            print("BACK", w.status, sorted(e.pid for e in w.procs.values()) == sorted(before))
+            print("EXECUTION", snap.execution_id == old)
+            print("PIDS", pids_of(mesh) == before)
+    finally:
+        cluster.stop(2.0)
+    """
+    )
+    assert lines["BACK"] == "Live True"
+    assert lines["EXECUTION"] == "True"
+    assert lines["PIDS"] == "True"
