@@ -284,6 +284,17 @@ def test_system_lost_once_after_the_loss_timeout() -> None:
     assert sup.system_lost
 
 
+def test_a_restarted_system_still_rebuilding_the_world_counts_as_contact() -> None:
+    sup = monitor()  # loss timeout 5 s
+    sent: list[DeviceFailure] = []
+    for t in range(0, 15):
+        now = float(t)
+        sent += fails(sup.tick(now))
+        sent += fails(sup.on_result(SupervisionResult(rebuilding=True), now + 0.5))
+    assert sent == []
+    assert not sup.system_lost
+
+
 def test_pending_query_counts_as_failing() -> None:
     sup = monitor()
     queries = 0

@@ -110,6 +110,9 @@ class ProcAgent(Actor):
         #: (`Join.world`): a host's served world, or a world the proc's owner upserted
         #: for it alone (the controller's)
         self.world_spec: UpsertWorld | None = None
+        #: why a restarted system refused this proc's rejoin (it then stops)
+        self.refused: str | None = None
+        self.leaving = False  # `leave` has begun
         self.rejoins = 0  # rejoins of a restarted system that succeeded
 
     # ------------------------------------------------------------ join
@@ -219,6 +222,7 @@ class ProcAgent(Actor):
                 on_system_lost=self._system_lost_threadsafe,
                 on_reconnected=self._reconnected_threadsafe,
                 exit_process=self.main_proc,
+                keep_dialing=self.mode == DETACHED,
             )
         self.heartbeat.start()
 
@@ -233,8 +237,7 @@ class ProcAgent(Actor):
     def _system_lost(self) -> None:
         if self.state == "Stopping":
             return
-        if self.mode == DETACHED:  # a client: its owner hears of the job's end otherwise
-            log.warning("%s: no contact with the system at %s", self.proc.proc_id, self.system_addr)
+        if self.mode == DETACHED:  # a client: its session hears of the job's fate otherwise
             return
         log.error("%s: system lost; stopping", self.proc.proc_id)
         asyncio.get_running_loop().create_task(
@@ -267,7 +270,9 @@ class ProcAgent(Actor):
         self.proc.loop.call_soon_threadsafe(self._rejoin_soon)
 
     def _rejoin_soon(self) -> None:
-        if self.state != "Joined" or (self._rejoining is not None and not self._rejoining.done()):
+        if self.state != "Joined" or self.leaving:
+            return
+        if self._rejoining is not None and not self._rejoining.done():
             return
         self._rejoining = self.proc.loop.create_task(self._rejoin())
 
@@ -299,7 +304,11 @@ class ProcAgent(Actor):
                 joined = await self.cx.mailbox.ask(SYSTEM_ACTOR, msg, min(rpc, left))
             except SystemRequestError as e:
                 why = f"the system at {self.system_addr} refused its rejoin: {e.message}"
+                if self.mode == DETACHED:  # a client: its session hears of the job's fate
+                    log.error("%s: %s", self.proc.proc_id, why)
+                    return
                 log.error("%s: %s; stopping", self.proc.proc_id, why)
+                self.refused = why
                 await self._stop_proc(config.get().proc_stop_timeout_s, why)
                 return
             except (DeliveryError, CallTimeout) as e:
@@ -387,6 +396,9 @@ class ProcAgent(Actor):
 
     @handler
     async def on_proc_stop(self, msg: ProcStop) -> None:
+        if self.mode == DETACHED and msg.reason.startswith("unknown to the system"):
+            self._rejoin_soon()  # a client the system lost track of joins it again
+            return
         env = self.cx.env
         stopped, aborted = await self._stop_actors(msg.timeout_s, msg.reason)
         if env is not None and env.reply_to is not None:
@@ -421,6 +433,7 @@ class ProcAgent(Actor):
 
     async def leave(self, reason: str) -> None:
         """A self-initiated stop: tell the system why first (best effort, ≤ 1 s)."""
+        self.leaving = True  # no rejoin from now on (a last beat may meet no record)
         try:
             await self.cx.mailbox.ask(
                 SYSTEM_ACTOR, Leave(proc_id=self.proc.proc_id, reason=reason), 1.0

@@ -169,7 +169,9 @@ class HeartbeatThread:
     called once, on the heartbeat thread, when the system is declared lost; the owner
     must then stop the proc and call `stop` when done. ``on_reconnected`` is called on
     the heartbeat thread after each connection but the first: the system may have
-    restarted, and the owner rejoins it.
+    restarted, and the owner rejoins it. With ``keep_dialing`` (a detached client, which
+    the system does not supervise), a loss is reported (``on_system_lost``, once per
+    loss) and the thread goes on dialing instead of ending.
 
     On ``local:`` addresses pass ``post_via_loop`` instead; it is called once per beat.
     """
@@ -184,6 +186,7 @@ class HeartbeatThread:
         on_reconnected: Callable[[], None] | None = None,
         post_via_loop: Callable[[], None] | None = None,
         exit_process: bool = False,
+        keep_dialing: bool = False,
         interval_s: float | None = None,
         ack_timeout_s: float | None = None,
         system_loss_timeout_s: float | None = None,
@@ -216,6 +219,7 @@ class HeartbeatThread:
         self._make_update = make_update
         self._on_system_lost = on_system_lost
         self._on_reconnected = on_reconnected
+        self._keep_dialing = keep_dialing
         self._post_via_loop = post_via_loop
         self._exit_process = exit_process
         self._token = b""
@@ -335,8 +339,10 @@ class HeartbeatThread:
         while not self._stop.is_set():
             now = time.monotonic()
             if now - self.last_ok > s.system_loss_timeout_s:
-                self._declare_lost(now)
-                return
+                if not self._keep_dialing:
+                    self._declare_lost(now)
+                    return
+                self._lost_but_dialing(now)
             # A hair past the limit, so waking at the deadline finds it exceeded.
             loss_at = self.last_ok + s.system_loss_timeout_s + 1e-3
             if self._local:
@@ -408,6 +414,23 @@ class HeartbeatThread:
         logger.warning("%s", text)
 
     # -- system loss -------------------------------------------------------------------------
+
+    def _lost_but_dialing(self, now: float) -> None:
+        """``keep_dialing``: say so (once per loss) and go on dialing; a system that
+        comes back (restarted) is rejoined as after any new connection."""
+        if self.lost_reason is None:
+            message = lost_contact_message(
+                self.addr, now - self.last_ok, self.settings.system_loss_timeout_s
+            )
+            self.lost_reason = message.removesuffix("; stopping") + "; still dialing"
+            logger.warning("%s", self.lost_reason)
+            callback = self._on_system_lost
+            if callback is not None:
+                try:
+                    callback()
+                except Exception:
+                    logger.exception("on_system_lost callback of the heartbeat thread failed")
+        self.last_ok = now  # (the next report, if any, a whole timeout later)
 
     def _declare_lost(self, now: float) -> None:
         s = self.settings
@@ -550,6 +573,9 @@ class HeartbeatThread:
                     link.acked = seq
                     link.ever_acked = True
                     self.last_ok = time.monotonic()
+                    if self.lost_reason is not None and self._keep_dialing:
+                        self.lost_reason = None
+                        logger.info("heartbeats to system at %s acknowledged again", self.addr)
             elif type(frame) is frames.Reject:
                 raise LinkLost(rejected_reason(frame.reason), fatal=True)
             else:

@@ -367,13 +367,16 @@ class SupervisionResult(Message, kw_only=True):
     """Outcome of a ``WorldState`` query (``source = "poll"``) or of the ``Subscribe``
     reply (``source = "subscribe"``), posted back to the actor.
 
-    ``error`` set: the query failed (timeout, undeliverable, rejected). Otherwise
-    ``state`` is the answer, ``None`` meaning the system does not know ``W``.
+    ``error`` set: the query failed (timeout, undeliverable, rejected). ``rebuilding``:
+    the system answered, but it restarted and ``W`` has not rejoined it yet (contact,
+    with no state). Otherwise ``state`` is the answer, ``None`` meaning the system does
+    not know ``W``.
     """
 
     source: Literal["poll", "subscribe"] = "poll"
     state: WorldSupervisionState | None = None
     error: str | None = None
+    rebuilding: bool = False
 
 
 class RankStallData(msgspec.Struct, kw_only=True):

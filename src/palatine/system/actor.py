@@ -325,5 +325,12 @@ def registry_from_config(
         health_tick_interval_s=cfg.health_tick_interval_s,
         stop_fallback_margin_s=cfg.stop_fallback_margin_s,
         rpc_timeout_s=cfg.rpc_timeout_s,
-        rejoin_window_s=config.system_loss_timeout_s(cfg),
+        # as long as a proc may wait for a lost system, and no shorter than the silence
+        # after which this system would declare a proc Expired anyway
+        rejoin_window_s=max(
+            config.system_loss_timeout_s(cfg),
+            cfg.supervision_update_timeout_s
+            if supervision_update_timeout_s is None
+            else supervision_update_timeout_s,
+        ),
     )

@@ -174,8 +174,9 @@ class SystemRegistry:
             previous system at its address to rejoin (`Join.rejoin`): meanwhile unknown
             heartbeats are not told to stop, and queries about unknown worlds and procs
             are answered ``unavailable`` instead of "unknown". At its end, the ranks of a
-            rebuilt world that did not rejoin are declared ``Expired``. The procs give up
-            on a lost system after the system-loss timeout, so that is its default.
+            rebuilt world that did not rejoin are declared ``Expired``. The shell makes it
+            the longer of the procs' system-loss timeout (how long they wait for a lost
+            system) and ``supervision_update_timeout_s``.
         wall_clock: wall-clock seconds, only for texts humans read (``declared Expired
             at 12:03:04``) and ``Joined.system_time``.
 

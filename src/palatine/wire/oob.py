@@ -102,11 +102,16 @@ def reduce_tensor(
     but with ``sent`` (`InPlace`), a contiguous CPU tensor goes from its own memory: the
     buffer keeps the tensor and ``sent`` alive, so that ``sent`` dies when the last
     buffer is let go. Otherwise only CPU tensors are reduced, over their own memory, or
-    over a snapshot with ``snapshot`` (a value the event loop sends later).
+    over a snapshot with ``snapshot`` (a value the event loop sends later); with
+    ``snapshot``, a view (which torch pickles sharing its base's storage with any other
+    view of it in the value), a non-contiguous tensor (an expanded one would grow) and a
+    tensor with attributes of its own are left to torch, which keeps all of that.
     """
     import torch
 
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        return NotImplemented
+    if snapshot and (t._base is not None or not t.is_contiguous() or t.__dict__):
         return NotImplemented
     requires_grad = bool(t.requires_grad)
     if detach or requires_grad:

@@ -119,6 +119,7 @@ class LocalCluster:
         self._startup_s = 60.0
         self._lock = threading.Lock()
         self._stopping = False
+        self._ended: set[int] = set()  # pids of systems whose end was handled
 
     def start_system(self, role_args: list[str], timeout_s: float) -> RoleProcess:
         """Start the system role and keep it (see the class)."""
@@ -132,8 +133,9 @@ class LocalCluster:
         """The system ended by itself (on its pump's thread): start it again, or tell."""
         how = exit_text(None if code < 0 else code, -code if code < 0 else None)
         with self._lock:
-            if self._stopping or rp is not self.system or code == 0:
+            if self._stopping or rp is not self.system or code == 0 or rp.pid in self._ended:
                 return  # (0: it was asked to stop, which its procs hear from it)
+            self._ended.add(rp.pid)
             if self.restarts_left <= 0:
                 self.system_restarts.append((rp.pid, how, None, 0.0))
                 self._lost(f"the system at {self.system_addr} (pid {rp.pid}) {how}", rp.pid, code)
@@ -152,10 +154,10 @@ class LocalCluster:
                     code,
                 )
                 return
-            self.procs.append(new)
-            self.system = new
+            self.procs.append(new)  # (`stop` ends it; it is not `system` until it is up)
         try:
-            new.wait_ready(self._startup_s)
+            # The procs give up on a lost system after the loss timeout: no use after it.
+            new.wait_ready(min(self._startup_s, config.system_loss_timeout_s()))
         except RuntimeError as e:
             with self._lock:
                 if self._stopping:
@@ -169,6 +171,10 @@ class LocalCluster:
                 )
             return
         took = time.monotonic() - t0
+        with self._lock:
+            if self._stopping:
+                return
+            self.system = new
         self.system_restarts.append((rp.pid, how, new.pid, took))
         log.warning(
             "the system at %s (pid %d) %s; started it again as pid %d in %.2f s: the job's "
@@ -179,6 +185,9 @@ class LocalCluster:
             new.pid,
             took,
         )
+        ended = new.popen.poll()
+        if ended is not None:  # it ended before it was the system: its exit was not seen
+            self._system_ended(new, ended)
 
     def _lost(self, text: str, pid: int, code: int) -> None:
         tell = self.on_system_lost

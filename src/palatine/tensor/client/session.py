@@ -23,10 +23,12 @@ import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from palatine import config
 from palatine.core import runtime
 from palatine.core.actor import Actor, handler
 from palatine.core.future import Future
 from palatine.errors import (
+    DeliveryError,
     DeviceException,
     LostValue,
     RecoveryError,
@@ -680,6 +682,18 @@ class Session:
 
     # ------------------------------------------------------------ results (loop thread)
     def on_result(self, msg: Result) -> None:
+        res = msg.result
+        if (
+            isinstance(res, Ok)
+            and res.value == DIRECT
+            and msg.seq not in self.arrived
+            and msg.seq in self.pending
+        ):
+            # The value comes from the worker itself: pending until it is here, bounded.
+            self.awaited.add(msg.seq)
+            bound = config.get().message_delivery_timeout_s + 10.0
+            self.loop.call_later(bound, self._direct_overdue, msg.seq, bound)
+            return
         entry = self.pending.pop(msg.seq, None)
         if self._drain_waiters:  # read after the pop: a waiter that counts itself later sees it
             with self._result_event:
@@ -689,8 +703,8 @@ class Session:
                 # (else a seq the session's failure abandoned: its Result is expected)
                 log.warning("protocol error: Result for unknown seq s%d", msg.seq)
             return
-        res = msg.result
         if isinstance(res, Err):
+            self.arrived.pop(msg.seq, None)
             err: Error[WorkerError] = res.error
             if err.caused_by == msg.seq:
                 self.root_sites[msg.seq] = (entry.site, entry.label)
@@ -713,13 +727,8 @@ class Session:
             return
         if isinstance(res, Ok):
             pickled = res.value
-            if pickled == DIRECT:  # the value comes from the worker itself
-                got = self.arrived.pop(msg.seq, None)
-                if got is None:
-                    self.pending[msg.seq] = entry  # (a failure meanwhile fails it too)
-                    self.awaited.add(msg.seq)
-                    return
-                pickled = got
+            if pickled == DIRECT:  # the value came from the worker itself, first
+                pickled = self.arrived.pop(msg.seq)
             self._deliver(entry, pickled)
         else:
             entry.future.set_result(None)
@@ -738,13 +747,35 @@ class Session:
         controller's Result for it has come too (in either order)."""
         if msg.seq in self.awaited:
             self.awaited.discard(msg.seq)
-            entry = self.pending.pop(msg.seq, None)
+            entry = self._complete(msg.seq)
             if entry is not None and entry.future is not None:
                 self._deliver(entry, msg.value)
             return
-        if self.failure is not None or msg.seq < self.abandoned_below or self.closed:
-            return  # nobody will ask for it
+        if msg.seq not in self.pending or self.failure is not None or self.closed:
+            return  # nobody will ask for it (its fetch failed, or was abandoned)
         self.arrived[msg.seq] = msg.value
+
+    def _direct_overdue(self, seq: int, bound: float) -> None:
+        """The controller said the value of ``seq`` went directly, and it never came."""
+        if seq not in self.awaited:
+            return
+        self.awaited.discard(seq)
+        entry = self._complete(seq)
+        if entry is not None and entry.future is not None:
+            entry.future.set_exception(
+                DeliveryError(
+                    f"the value of fetch s{seq} ({entry.label}) did not reach this client "
+                    f"within {bound:g} s of its worker sending it"
+                )
+            )
+
+    def _complete(self, seq: int) -> _Pending | None:
+        """Take ``seq``'s pending entry, telling drain waiters."""
+        entry = self.pending.pop(seq, None)
+        if self._drain_waiters:
+            with self._result_event:
+                self._result_event.notify_all()
+        return entry
 
     def remote_exception(
         self, seq: int, err: Error[WorkerError], entry: _Pending

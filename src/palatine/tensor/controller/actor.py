@@ -199,9 +199,12 @@ class ControllerActor(Actor):
             await asyncio.sleep(0.05)  # let the Failure reach the channel before the proc closes
 
     def _system_lost(self) -> bool:
+        """The proc stops for want of the system: lost, or it refused the proc's rejoin."""
         agent = Proc.of(self.cx).instance(self.cx.actor_id.proc.actor("proc"))
-        hb = getattr(agent.actor, "heartbeat", None) if agent is not None else None
-        return bool(getattr(hb, "lost", False))
+        if agent is None:
+            return False
+        hb = getattr(agent.actor, "heartbeat", None)
+        return bool(getattr(hb, "lost", False) or getattr(agent.actor, "refused", None))
 
     # ------------------------------------------------------------------ helpers
 
@@ -787,6 +790,11 @@ class ControllerActor(Actor):
             reply = await self.cx.mailbox.ask(
                 SYSTEM_ACTOR, WorldState(world_id=self.world), self._rpc_s
             )
+        except SystemRequestError as e:
+            rebuilding = e.code == "unavailable"  # (a restarted system, W not back yet)
+            error = None if rebuilding else error_text(e)
+            self._post_self(SupervisionResult(source="poll", error=error, rebuilding=rebuilding))
+            return
         except Exception as e:  # noqa: BLE001 - fed back to the monitor
             self._post_self(SupervisionResult(source="poll", error=error_text(e)))
             return

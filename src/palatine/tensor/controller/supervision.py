@@ -342,6 +342,8 @@ class SupervisionMonitor:
         """A ``WorldState`` answer or failure, or the ``Subscribe`` reply."""
         if result.source == "poll":
             self._query_sent_at = None
+        if result.rebuilding:  # a restarted system answers: contact, but no state yet
+            return self._contact(now)
         if result.error is not None:
             if result.source == "subscribe":
                 return [

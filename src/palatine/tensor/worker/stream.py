@@ -387,18 +387,22 @@ class Stream:
                 if too_large is not None:
                     del pickled
                     raise ValueTooLarge(too_large)
-                if to is not None and nbytes >= cfg.direct_value_bytes:
+                direct = to is not None and nbytes >= cfg.direct_value_bytes
+                if direct:
                     # Straight to the client; the controller orders the fetch as ever.
+                    assert to is not None
                     port = PortId(to, FetchedValue.__palatine_type_id__)
                     self.worker.reply(port, FetchedValue(seq=seq, value=pickled))
-                    msg = FetchResult(seq=seq, value=Ok(DIRECT))
                 else:
-                    msg = FetchResult(seq=seq, value=Ok(pickled))
+                    self.worker.send(FetchResult(seq=seq, value=Ok(pickled)))
                 del value, pickled, args, kwargs
-                self.worker.send(msg)
                 if in_place is not None:
                     self.worker.flush()
                     self._await_sent(in_place, seq, cfg.message_delivery_timeout_s + 5.0)
+                if direct:
+                    # Sent once the value is received (or given up): the client has it
+                    # by then, and waits a bounded time for it otherwise.
+                    self.worker.send(FetchResult(seq=seq, value=Ok(DIRECT)))
             except (InfrastructureError, _Stopped):
                 raise
             except BaseException as e:  # noqa: BLE001
