@@ -395,6 +395,23 @@ def test_bad_role_flags_are_a_usage_error_named_at_once(argv: list[str], says: s
     assert time.monotonic() - t0 < 15  # refused before any join attempt
 
 
+def test_snapshot_with_the_wrong_token_is_refused_at_once(cluster: Cluster) -> None:
+    env = {**os.environ, **cluster.env, "PALATINE_CLUSTER_TOKEN": secrets.token_hex(16)}
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [*palatine_cmd(), "snapshot", "--system-addr", cluster.system.addr],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
+    took = time.monotonic() - t0
+    assert out.returncode == 1
+    assert "authentication failed (cluster token mismatch?" in out.stderr
+    assert took < 3.0, took  # a refused handshake is final: no waiting out the timeout
+    assert "Traceback" not in out.stderr
+
+
 def test_snapshot_of_an_unreachable_system_says_so() -> None:
     proc = subprocess.run(
         [*palatine_cmd(), "snapshot", "--system-addr", "tcp:127.0.0.1:1", "--timeout-in-sec", "1"],
