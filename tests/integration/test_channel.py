@@ -607,7 +607,8 @@ async def test_a_big_frame_that_stops_arriving_is_rejected_and_its_buffer_freed(
     assert await slow.frame() == Ack(-1)
     raw = await Raw.client(addr)
     assert await raw.frame() == Ack(-1)
-    raw.write(struct.pack(">Q", 4 << 20) + b"\0" * 1024)
+    stalled, stalled_bufs, _ = encode_message(0, False, mk(0, buffers=[bytearray(4 << 20)]))
+    raw.write(stalled + bytes(stalled_bufs[0][:1024]))  # its header, and 1 KiB of its buffer
     free_before = POOL.free_bytes
     start = time.monotonic()
     frames = await raw.until_eof(timeout=5.0)

@@ -60,7 +60,8 @@ def test_layout_is_length_header_length_header_buffers() -> None:
     decoded = msgspec.msgpack.decode(header)
     assert decoded[0] == 5  # the Message tag
     assert decoded[1:3] == [3, False]
-    assert decoded[-1] == [3, 0, 4]  # buffer lengths, not contents
+    assert decoded[-2] == [3, 0, 4]  # buffer lengths, not contents
+    assert decoded[-1] == [0]  # the buffers that are whole `bytes` objects
     assert b"wxyz" not in header
 
 
@@ -108,8 +109,8 @@ def test_many_frames_in_one_chunk_and_split_anywhere() -> None:
 
 
 def test_big_frame_gets_its_own_writable_buffer() -> None:
-    payload = bytes(range(256)) * 4096  # 1 MiB
-    raw = message_bytes(1, env(buffers=[payload, b"tail"]))
+    payload = bytearray(bytes(range(256)) * 4096)  # 1 MiB
+    raw = message_bytes(1, env(buffers=[payload, bytearray(b"tail")]))
     parser = FrameParser(limit=10 * 2**20)
     out = []
     for i in range(0, len(raw), 65536):
@@ -118,6 +119,24 @@ def test_big_frame_gets_its_own_writable_buffer() -> None:
     big, tail = msg.envelope.buffers
     assert bytes(big) == payload and bytes(tail) == b"tail"
     assert not big.readonly
+
+
+@pytest.mark.parametrize("chunk", [65536, 1 << 20])
+def test_a_bytes_buffer_of_a_big_frame_arrives_as_a_bytes_of_its_own(chunk: int) -> None:
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    raw = message_bytes(1, env(buffers=[bytearray(b"head"), payload, b"", b"tail"]))
+    for read in (
+        lambda p: [f for i in range(0, len(raw), chunk) for f in p.feed(raw[i : i + chunk])],
+        lambda p: read_like_a_socket(p, raw, chunk),
+    ):
+        parser = FrameParser(limit=10 * 2**20)
+        (msg,) = read(parser)
+        head, big, empty, tail = msg.envelope.buffers
+        assert type(big) is bytes and big == payload  # the value can be this very object
+        assert type(tail) is bytes and tail == b"tail"
+        assert bytes(head) == b"head" and not memoryview(head).readonly
+        assert bytes(empty) == b""
+        assert parser.at_boundary
 
 
 def read_like_a_socket(parser: FrameParser, stream: bytes, chunk: int) -> list[object]:
@@ -143,7 +162,10 @@ def test_reading_into_the_big_window_gives_the_same_frames(chunk: int) -> None:
     payloads = [bytes(range(256)) * 2048, b"x" * 300_000, bytes(1 << 20)]  # 512 KiB ...
     stream = b"".join(
         [message_bytes(0, env(b"small")), encode_frame(Ack(1))]
-        + [message_bytes(i + 1, env(b"%d" % i, [p, b"tail"])) for i, p in enumerate(payloads)]
+        + [
+            message_bytes(i + 1, env(b"%d" % i, [bytearray(p), bytearray(b"tail")]))
+            for i, p in enumerate(payloads)
+        ]
         + [message_bytes(9, env(b"last"))]
     )
     parser = FrameParser(limit=1 << 30)
@@ -160,8 +182,8 @@ def test_reading_into_the_big_window_gives_the_same_frames(chunk: int) -> None:
 
 
 def test_big_frames_do_not_share_memory() -> None:
-    one = message_bytes(0, env(buffers=[b"a" * 500_000]))
-    two = message_bytes(1, env(buffers=[b"b" * 500_000]))
+    one = message_bytes(0, env(buffers=[bytearray(b"a" * 500_000)]))
+    two = message_bytes(1, env(buffers=[bytearray(b"b" * 500_000)]))
     parser = FrameParser(limit=1 << 30)
     (first,) = read_like_a_socket(parser, one, 65536)
     (second,) = read_like_a_socket(parser, two, 65536)

@@ -23,11 +23,12 @@ from __future__ import annotations
 import collections
 import ctypes
 import mmap
+import sys
 import threading
 import weakref
 from typing import Any, Final
 
-__all__ = ["POOL", "BufferPool", "take_buffer"]
+__all__ = ["POOL", "BufferPool", "fresh_bytes", "take_buffer"]
 
 _PAGE: Final = mmap.PAGESIZE
 _POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
@@ -136,3 +137,22 @@ POOL: Final = BufferPool()
 def take_buffer(nbytes: int) -> memoryview:
     """`BufferPool.take` of the process-wide `POOL`."""
     return POOL.take(nbytes)
+
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_BYTES_DATA: Final = sys.getsizeof(b"") - 1  # where a bytes object's data starts (CPython)
+
+
+def fresh_bytes(nbytes: int) -> tuple[bytes, memoryview]:
+    """A new `bytes` of ``nbytes`` not filled in yet, and a writable view of its data.
+
+    What a C extension does with ``PyBytes_FromStringAndSize(NULL, n)``: the object is
+    filled before anybody else sees it (a received buffer that is to become a `bytes`,
+    so that it needs no copy). The view must not be used once the object is handed on.
+    Raises `MemoryError` when there is no memory for it.
+    """
+    data = _new_bytes(None, nbytes)
+    view = memoryview((ctypes.c_char * nbytes).from_address(id(data) + _BYTES_DATA)).cast("B")
+    return data, view

@@ -29,7 +29,7 @@ import msgspec
 
 from palatine.errors import PalatineError
 from palatine.ids import ActorId
-from palatine.wire.buffers import take_buffer
+from palatine.wire.buffers import fresh_bytes, take_buffer
 from palatine.wire.envelope import Envelope
 
 __all__ = [
@@ -117,13 +117,16 @@ class Message(msgspec.Struct, tag=5, array_like=True, gc=False):
 
     ``ack_now`` asks the server to acknowledge at once (``Tx.send``). ``buffer_lens``
     are the byte lengths of the envelope's out-of-band buffers, which follow the header
-    raw; the envelope in the header always has ``buffers == []``.
+    raw; the envelope in the header always has ``buffers == []``. ``bytes_buffers``
+    lists those that are `bytes` objects: in a big frame, the receiver reads each of
+    them into a `bytes` of its own, which the value then is (no copy).
     """
 
     seq: _Seq
     ack_now: bool
     envelope: Envelope
     buffer_lens: list[int] = []
+    bytes_buffers: list[int] = []
 
 
 class Ack(msgspec.Struct, tag=6, array_like=True, gc=False):
@@ -197,10 +200,13 @@ def encode_message(seq: int, ack_now: bool, env: Envelope) -> tuple[bytes, list[
         return _prefix.pack(len(header) + 4, len(header)) + header, _NO_BUFFERS, len(header) + 12
     views = [buffer_view(b) for b in bufs]
     lens = [v.nbytes for v in views]
+    whole = [
+        i for i, v in enumerate(views) if lens[i] and type(v.obj) is bytes and len(v.obj) == lens[i]
+    ]
     # The header must not contain the buffers: encode the envelope with none attached.
     env.buffers = _NO_BUFFERS
     try:
-        header = _encoder.encode(Message(seq, ack_now, env, lens))
+        header = _encoder.encode(Message(seq, ack_now, env, lens, whole))
     finally:
         env.buffers = bufs
     body = 4 + len(header) + sum(lens)
@@ -215,6 +221,103 @@ def message_frame_size(env: Envelope) -> int:
 _decoder = msgspec.msgpack.Decoder(Frame)
 
 
+def _decode_header(header: memoryview) -> Frame:
+    try:
+        frame: Frame = _decoder.decode(header)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise FrameError(f"undecodable frame header: {exc}") from None
+    except RecursionError:
+        raise FrameError("undecodable frame header: nested too deeply") from None
+    return frame
+
+
+class _BigFrame:
+    """A big frame being received, in segments of memory of their own: the header's
+    length, the header, then each of a `Message`'s buffers (a `bytes` one straight into
+    a new `bytes`, `Message.bytes_buffers`; the others into one pooled block)."""
+
+    __slots__ = ("bufs", "done", "frame", "head", "length", "phase", "seg", "segs")
+
+    def __init__(self, length: int) -> None:
+        self.length = length  # of the body (after the length prefix)
+        self.phase = 0  # 0: the header's length, 1: the header, 2: the buffers
+        self.segs: list[memoryview] = [memoryview(bytearray(4))]
+        self.seg = 0
+        self.done = 0  # bytes of the segments already filled
+        self.head: memoryview | None = None
+        self.frame: Frame | None = None
+        self.bufs: list[Any] = []
+
+    def current(self) -> memoryview:
+        return self.segs[self.seg]
+
+    def advance(self) -> Frame | None:
+        """The current segment is full: plan the next one; the frame once all is in."""
+        self.done += len(self.segs[self.seg])
+        if self.phase == 0:
+            (hlen,) = _u32.unpack_from(self.segs[0], 0)
+            if 4 + hlen > self.length:
+                raise FrameError(f"header length {hlen} exceeds the frame ({self.length} bytes)")
+            self.head = (
+                take_buffer(hlen) if hlen >= _BIG_FRAME_BYTES else memoryview(bytearray(hlen))
+            )
+            self.phase = 1
+            if hlen:
+                self.segs, self.seg = [self.head], 0
+                return None
+        if self.phase == 1:
+            assert self.head is not None
+            return self._plan(_decode_header(self.head))
+        self.seg += 1
+        if self.seg < len(self.segs):
+            return None
+        return self._complete()
+
+    def _plan(self, frame: Frame) -> Frame | None:
+        assert self.head is not None
+        rest = self.length - 4 - len(self.head)
+        lens = frame.buffer_lens if type(frame) is Message else None
+        if not lens:
+            if rest:
+                raise FrameError(f"{rest} stray bytes after the frame header")
+            if type(frame) is Message and frame.envelope.buffers:
+                raise FrameError("message envelope carries inline buffers")
+            return frame
+        assert type(frame) is Message
+        if any(n < 0 for n in lens) or sum(lens) > rest:
+            raise FrameError("message buffers exceed the frame")
+        if sum(lens) < rest:
+            raise FrameError(f"{rest - sum(lens)} stray bytes after the message buffers")
+        whole = set(frame.bytes_buffers)
+        pooled = sum(n for i, n in enumerate(lens) if i not in whole)
+        try:
+            block = take_buffer(pooled) if pooled else memoryview(b"")
+            pos = 0
+            bufs: list[Any] = []
+            segs: list[memoryview] = []
+            for i, n in enumerate(lens):
+                if i in whole and n:
+                    data, view = fresh_bytes(n)
+                    bufs.append(data)
+                    segs.append(view)
+                    continue
+                part = block[pos : pos + n]
+                pos += n
+                bufs.append(part)
+                if n:
+                    segs.append(part)
+        except MemoryError:
+            raise FrameError(f"no memory for a frame of {self.length} bytes") from None
+        self.frame, self.bufs, self.segs, self.seg, self.phase = frame, bufs, segs, 0, 2
+        return None if segs else self._complete()
+
+    def _complete(self) -> Frame:
+        frame = self.frame
+        assert type(frame) is Message
+        frame.envelope.buffers = self.bufs
+        return frame
+
+
 def _decode_body(buf: Any, view: memoryview, start: int, end: int) -> Frame:
     """Decode the frame body ``buf[start:end]`` (``view`` is ``memoryview(buf)``)."""
     if end - start < 4:
@@ -224,12 +327,7 @@ def _decode_body(buf: Any, view: memoryview, start: int, end: int) -> Frame:
     hend = hstart + hlen
     if hend > end:
         raise FrameError(f"header length {hlen} exceeds the frame ({end - start} bytes)")
-    try:
-        frame = _decoder.decode(view[hstart:hend])
-    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-        raise FrameError(f"undecodable frame header: {exc}") from None
-    except RecursionError:
-        raise FrameError("undecodable frame header: nested too deeply") from None
+    frame = _decode_header(view[hstart:hend])
     if type(frame) is Message:
         lens = frame.buffer_lens
         if lens:
@@ -264,13 +362,15 @@ class FrameParser:
     After a `FrameError` the stream is unusable: close the connection.
     """
 
-    __slots__ = ("_big", "_big_pos", "_failed", "_part", "limit")
+    __slots__ = ("_big", "_big_pos", "_bf", "_failed", "_part", "limit")
 
     def __init__(self, limit: int = PREAUTH_MAX_FRAME_BYTES) -> None:
         self.limit = limit
         # Bytes of an incomplete small frame (or of an incomplete length prefix).
         self._part = bytearray()
-        # An incomplete big frame: its body buffer and how much of it is filled.
+        # An incomplete big frame (`_BigFrame`): the segment being filled and how much
+        # of it is.
+        self._bf: _BigFrame | None = None
         self._big: memoryview | None = None
         self._big_pos = 0
         self._failed = False
@@ -283,12 +383,14 @@ class FrameParser:
     @property
     def buffered_bytes(self) -> int:
         """How many bytes of an incomplete frame are held."""
-        return len(self._part) + self._big_pos
+        done = self._bf.done if self._bf is not None else 0
+        return len(self._part) + done + self._big_pos
 
     def discard(self) -> None:
         """Drop any incomplete frame (its connection is gone): its buffer is freed, and
         the parser takes nothing more."""
         self._part = bytearray()
+        self._bf = None
         self._big = None
         self._big_pos = 0
         self._failed = True
@@ -360,13 +462,26 @@ class FrameParser:
         self._big_pos += n
         if self._big_pos < len(big):
             return []
-        self._big = None
-        self._big_pos = 0
+        frame = self._next_segment()
+        return [] if frame is None else [frame]
+
+    def _next_segment(self) -> Frame | None:
+        """The segment being filled is full: on to the next, or the frame is done."""
+        bf = self._bf
+        assert bf is not None
         try:
-            return [_decode_body(big, big, 0, len(big))]
+            frame = bf.advance()
         except FrameError:
             self._failed = True
             raise
+        if frame is None:
+            self._big = bf.current()
+            self._big_pos = 0
+            return None
+        self._bf = None
+        self._big = None
+        self._big_pos = 0
+        return frame
 
     def _keep(self, data: bytes, off: int) -> None:
         """Hold the incomplete frame starting at ``data[off:]``."""
@@ -379,27 +494,31 @@ class FrameParser:
         self._part += memoryview(data)[off:]
 
     def _start_big(self, length: int) -> None:
-        # Pooled memory: no page faults for a body as big as the one before, and the
-        # block is reused only once no buffer of this frame is referenced any more.
-        try:
-            self._big = take_buffer(length)
-        except MemoryError:
-            raise FrameError(f"no memory for a frame of {length} bytes") from None
+        # Its buffers go into pooled memory (no page faults for a body as big as the one
+        # before; a block is reused only once no buffer of it is referenced any more),
+        # a `bytes` buffer into a new `bytes` (`_BigFrame`).
+        self._bf = _BigFrame(length)
+        self._big = self._bf.current()
         self._big_pos = 0
 
     def _fill_big(self, data: bytes | memoryview, out: list[Frame]) -> int:
         """Copy into the big frame; returns bytes consumed, appends the frame when full."""
-        big = self._big
-        assert big is not None
-        need = len(big) - self._big_pos
-        take = min(need, len(data))
-        big[self._big_pos : self._big_pos + take] = data[:take]
-        self._big_pos += take
-        if take == need:
-            self._big = None
-            self._big_pos = 0
-            out.append(_decode_body(big, big, 0, len(big)))
-        return take
+        off = 0
+        n = len(data)
+        while off < n:
+            big = self._big
+            assert big is not None
+            need = len(big) - self._big_pos
+            take = min(need, n - off)
+            big[self._big_pos : self._big_pos + take] = data[off : off + take]
+            self._big_pos += take
+            off += take
+            if take == need:
+                frame = self._next_segment()
+                if frame is not None:
+                    out.append(frame)
+                    break
+        return off
 
     def _fill_part(self, data: bytes, out: list[Frame]) -> int:
         """Complete the held small frame (or prefix); returns bytes of ``data`` consumed."""

@@ -17,9 +17,10 @@ What the buffer is depends on what may happen to the tensor while it is being se
 * its own memory again under an `InPlace`, whose owner waits until the channel has let
   go of every buffer before it goes on.
 
-`bytes` are immutable: a big one (`BIG_BYTES`) goes out of band over its own memory;
-the receiver makes its `bytes` from the received buffer, the one copy an immutable
-object needs there. (A ``bytearray`` goes out of band by itself.) Picklers never ask
+`bytes` are immutable: a big one (`BIG_BYTES`) goes out of band over its own memory,
+and a receiver that read it into a `bytes` of its own (a big frame's ``bytes``
+buffer: `palatine.wire.frames`) hands that very object to the value (`bytes_of`); a
+smaller frame's is copied once. (A ``bytearray`` goes out of band by itself.) Picklers never ask
 ``reducer_override`` about a `bytes`, so a value that is one is wrapped first
 (`big_bytes`); a big `bytes` inside a container is pickled inline.
 
@@ -42,6 +43,7 @@ __all__ = [
     "BigBytes",
     "InPlace",
     "big_bytes",
+    "bytes_of",
     "memory_of",
     "rebuild_tensor",
     "reduce_tensor",
@@ -202,7 +204,18 @@ class BigBytes:
         self.data = data
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[pickle.PickleBuffer]]:
-        return (bytes, (pickle.PickleBuffer(self.data),))
+        return (bytes_of, (pickle.PickleBuffer(self.data),))
+
+
+def bytes_of(buf: Any) -> bytes:
+    """Unpickle side of `BigBytes`: the `bytes` the buffer is, when it is one whole (the
+    channel received it into a `bytes` of its own, or it never left this process), else
+    a copy of the buffer."""
+    raw = buf.raw() if isinstance(buf, pickle.PickleBuffer) else memoryview(buf)
+    obj = raw.obj
+    if type(obj) is bytes and len(obj) == raw.nbytes:
+        return obj
+    return bytes(raw)
 
 
 def big_bytes(value: Any) -> Any:
