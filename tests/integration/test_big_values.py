@@ -29,6 +29,9 @@ SCRIPT = """
     def bump(t):
         t.add_(1)
 
+    def blob(n):
+        return bytes(range(256)) * (n // 256)
+
     def as_list(t):
         return [t, {"twice": t * 2}]
 
@@ -45,6 +48,8 @@ SCRIPT = """
             print("SECOND", bool(torch.equal(second.result(60), want + 1)))
             nested = fetch(remote(as_list)(t), shard=0).result(60)
             print("NESTED", bool(torch.equal(nested[1]["twice"], (want + 1) * 2)))
+            data = fetch(remote(blob)(N), shard=1).result(60)  # a big bytes: out of band too
+            print("BYTES", type(data).__name__, data == bytes(range(256)) * (N // 256))
             small = fetch(remote(make)(16), shard=0).result(60)
             print("SMALL", small.tolist()[-1])
             session = mesh.session
@@ -60,12 +65,14 @@ def test_a_big_fetch_is_received_as_it_was_when_fetched_and_small_ones_still_arr
     assert out["NESTED"] == "True"
     assert out["SMALL"] == "15.0"
     assert out["LEFT"] == "0 0 0"
-    assert out["DIRECT"] == "3"  # the three big ones; the small one came through the controller
+    assert out["BYTES"] == "bytes True"
+    assert out["DIRECT"] == "4"  # the four big ones; the small one came through the controller
 
 
 def test_a_big_fetch_through_the_controller_when_direct_values_are_turned_off() -> None:
     out, _ = run_script(SCRIPT, env={"PALATINE_DIRECT_VALUE": str(1 << 40)})
     assert out["DIRECT"] == "0"
+    assert out["BYTES"] == "bytes True"
     assert out["FIRST"] == "True"
     assert out["SECOND"] == "True"
     assert out["NESTED"] == "True"
