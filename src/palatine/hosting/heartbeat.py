@@ -80,6 +80,15 @@ _JITTER: Final = 0.1
 _WARN_INTERVAL_S: Final = 60.0
 
 
+def _notify(callback: Callable[[], None] | None, name: str) -> None:
+    """Call an owner's callback from the heartbeat thread; a failure is logged, never raised."""
+    if callback is not None:
+        try:
+            callback()
+        except Exception:
+            logger.exception("%s callback of the heartbeat thread failed", name)
+
+
 def lost_contact_message(addr: ChannelAddr | str, silent_s: float, limit_s: float) -> str:
     """``lost contact with system at ADDR: no heartbeat acknowledged for 10.4 s (limit 10 s); stopping``."""
     return (
@@ -367,11 +376,8 @@ class HeartbeatThread:
                     continue
                 self.connects += 1
                 next_beat = time.monotonic()  # tell the system at once that we are here
-                if self.connects > 1 and self._on_reconnected is not None:
-                    try:
-                        self._on_reconnected()
-                    except Exception:
-                        logger.exception("on_reconnected callback of the heartbeat thread failed")
+                if self.connects > 1:
+                    _notify(self._on_reconnected, "on_reconnected")
                 continue
             try:
                 if now >= next_beat:
@@ -424,12 +430,7 @@ class HeartbeatThread:
             )
             self.lost_reason = message.removesuffix("; stopping") + "; still dialing"
             logger.warning("%s", self.lost_reason)
-            callback = self._on_system_lost
-            if callback is not None:
-                try:
-                    callback()
-                except Exception:
-                    logger.exception("on_system_lost callback of the heartbeat thread failed")
+            _notify(self._on_system_lost, "on_system_lost")
         self.last_ok = now  # (the next report, if any, a whole timeout later)
 
     def _declare_lost(self, now: float) -> None:
@@ -440,12 +441,7 @@ class HeartbeatThread:
             logger.info("last heartbeat error for system at %s: %s", self.addr, self.last_error)
         self.lost_reason = message
         self._drop_link()
-        callback = self._on_system_lost
-        if callback is not None:
-            try:
-                callback()
-            except Exception:
-                logger.exception("on_system_lost callback of the heartbeat thread failed")
+        _notify(self._on_system_lost, "on_system_lost")
         grace = s.proc_stop_timeout_s + _STOP_GRACE_S
         if self._stop.wait(None if math.isinf(grace) else grace):  # (inf: no bound)
             return

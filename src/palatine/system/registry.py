@@ -289,11 +289,13 @@ class SystemRegistry:
         rejoins, or nothing yet (queries must not call a proc that is rejoining unknown)."""
         if self._rejoin_until is None or now >= self._rejoin_until:
             return False
-        return self.rejoins > 0 or not any(r.kind != "detached" for r in self._records.values())
+        return self.rejoins > 0 or not self._supervises_any()
 
-    def _not_rejoined(
-        self, msg: Any, requester: ProcId | None, what: str, out: list[Instruction]
-    ) -> Result:
+    def _supervises_any(self) -> bool:
+        """Whether any proc but detached clients has joined this system."""
+        return any(r.kind != "detached" for r in self._records.values())
+
+    def _not_rejoined(self, what: str, out: list[Instruction]) -> Result:
         """``unavailable``: ``what`` may still rejoin this restarted system; ask again."""
         age = format_seconds(round(self._clock() - self._started_at, 1))
         text = (
@@ -616,18 +618,11 @@ class SystemRegistry:
             for rank in range(world.size):
                 if rank in world.procs:
                     continue
-                pid = world.world_id.proc(rank)
-                rec = ProcRecord(pid, "proc", joined=False)
+                rec = ProcRecord(world.world_id.proc(rank), "proc", joined=False)
                 rec.health = EXPIRED
                 rec.reason = f"did not rejoin within {limit} s of the system's restart"
-                rec.failed_at = now
-                rec.declared_wall = self._wall()
                 self.detections[EXPIRED] += 1
-                self._records[pid] = rec
-                world.procs[rank] = rec
-                world.failed.add(rank)
-                out.append(Log(logging.WARNING, rec.describe()))
-                self._report(rec, out)
+                self._failed_unjoined(world, rec, rec.describe(), now, out)
             self._evaluate(world, now, out)
 
     def handle_proc_exited(self, msg: ProcExited, requester: ProcId | None = None) -> Result:
@@ -639,7 +634,7 @@ class SystemRegistry:
         if rec is None or rec.kind == "detached":
             world = self._worlds.get(pid.world.name)
             if (world is None or not world.upserted) and self._awaiting_rejoins(self._clock()):
-                return self._not_rejoined(msg, requester, f"world {pid.world.name}", out)
+                return self._not_rejoined(f"world {pid.world.name}", out)
             self._exit_before_join(msg, out)
             return Ok(), out
         if rec.joined and msg.pid and rec.pid and msg.pid != rec.pid:
@@ -706,14 +701,21 @@ class SystemRegistry:
         )
         rec.set_exit(msg.exit_code, msg.exit_signal, msg.reason, msg.stderr_tail)
         now = self._clock()
+        self._failed_unjoined(world, rec, f"{rec.describe()} before joining", now, out)
+        self._evaluate(world, now, out)
+
+    def _failed_unjoined(
+        self, world: WorldRecord, rec: ProcRecord, text: str, now: float, out: list[Instruction]
+    ) -> None:
+        """Record a rank that failed without joining (its health set): it counts as
+        failed for its world, and its subscribers hear of it once."""
         rec.failed_at = now
         rec.declared_wall = self._wall()
-        self._records[pid] = rec
-        world.procs[pid.rank] = rec
-        world.failed.add(pid.rank)
-        out.append(Log(logging.WARNING, f"{rec.describe()} before joining"))
+        self._records[rec.proc_id] = rec
+        world.procs[rec.proc_id.rank] = rec
+        world.failed.add(rec.proc_id.rank)
+        out.append(Log(logging.WARNING, text))
         self._report(rec, out)
-        self._evaluate(world, now, out)
 
     def handle_connection_lost(self, proc_id: ProcId) -> Result:
         """An inbound connection from ``proc_id`` closed without a prior `Leave`.
@@ -1277,9 +1279,7 @@ class SystemRegistry:
             return self._reject(msg, requester, problem[0], problem[1], out)
         pid = msg.proc_id
         if msg.rejoin and msg.execution_id and msg.execution_id != self.execution_id:
-            if self._execution_id_made and not any(
-                r.kind != "detached" for r in self._records.values()
-            ):
+            if self._execution_id_made and not self._supervises_any():
                 out.append(
                     Log(
                         logging.INFO,
@@ -1738,7 +1738,7 @@ class SystemRegistry:
         self._expire(now, out)
         state = self._world_state(msg.world_id.name)
         if state is None and self._awaiting_rejoins(now):
-            return self._not_rejoined(msg, requester, f"world {msg.world_id.name}", out)
+            return self._not_rejoined(f"world {msg.world_id.name}", out)
         return WorldStateReply(state=state), out
 
     def _world_state(self, name: str) -> WorldSupervisionState | None:
@@ -1776,7 +1776,7 @@ class SystemRegistry:
         self._expire(now, out)
         state = self._world_state(name)
         if state is None and self._awaiting_rejoins(now):
-            return self._not_rejoined(msg, requester, f"world {name}", out)
+            return self._not_rejoined(f"world {name}", out)
         self._subs.setdefault(name, {})[msg.port] = None
         return Subscribed(state=state), out
 
@@ -1796,7 +1796,7 @@ class SystemRegistry:
         rec = self._records.get(pid)
         if rec is None:
             if self._awaiting_rejoins(self._clock()):
-                return self._not_rejoined(msg, requester, f"proc {pid}", out)
+                return self._not_rejoined(f"proc {pid}", out)
             return self._reject(
                 msg, requester, "not_found", f"proc {pid} is not known to the system", out
             )

@@ -694,10 +694,7 @@ class Session:
             bound = config.get().message_delivery_timeout_s + 10.0
             self.loop.call_later(bound, self._direct_overdue, msg.seq, bound)
             return
-        entry = self.pending.pop(msg.seq, None)
-        if self._drain_waiters:  # read after the pop: a waiter that counts itself later sees it
-            with self._result_event:
-                self._result_event.notify_all()
+        entry = self._complete(msg.seq)
         if entry is None:
             if msg.seq >= self.abandoned_below and self.failure is None:
                 # (else a seq the session's failure abandoned: its Result is expected)
@@ -772,7 +769,7 @@ class Session:
     def _complete(self, seq: int) -> _Pending | None:
         """Take ``seq``'s pending entry, telling drain waiters."""
         entry = self.pending.pop(seq, None)
-        if self._drain_waiters:
+        if self._drain_waiters:  # read after the pop: a waiter that counts itself later sees it
             with self._result_event:
                 self._result_event.notify_all()
         return entry

@@ -68,7 +68,7 @@ __all__ = ["InfrastructureError", "Stream"]
 
 log = logging.getLogger(__name__)
 
-_SIZE_WALK_ITEMS = 10_000  # a container this big is not walked further for its size
+_SIZE_WALK_ITEMS = 1000  # items looked at, at most: the walk must cost little next to the pickle
 
 
 def _nbytes_at_least(value: Any, limit: int) -> bool:
