@@ -12,6 +12,12 @@ interpreter::
 * ``cross_node_1_1_calls_tcp`` / ``_tls``: the same loop (``call_one(i).get()`` one at a
   time) to an actor on a proc of the other node, over TCP / mutual TLS; each line has
   ``ratio_to_unix`` (goal ≥ 0.7).
+* ``cross_node_bare_echo_unix_us`` / ``_tcp_us`` / ``_tls_us``: the median round trip of
+  a bare echo (``bench/_echo.py``: palatine's serving loop and a lane's socket, with
+  nothing of palatine in between) over unix on this machine, and over TCP / mutual TLS to
+  the other node. What the transport alone adds to a call; from them the tcp and tls
+  lines get ``ceiling_ratio``, the ratio to unix that a call would reach if the
+  transport's extra cost were all it paid.
 * ``cross_node_fetch_64MiB_GBps``: a 64 MiB tensor made on a worker of the other node
   and fetched by the client (goal ≥ 1 GB/s).
 * ``cross_node_detect_sigkill_s``: a worker on the other node SIGKILLed under a pending
@@ -39,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cloudpickle  # noqa: E402
 from _common import parse_args, rate_rep, run_metric  # noqa: E402
+from _echo import median_rtts_us  # noqa: E402
 
 from palatine import Actor, DeviceException, endpoint, fetch, inspect, remote  # noqa: E402
 from palatine.job.jobhosts import JobHosts  # noqa: E402
@@ -86,8 +93,25 @@ def unix_calls(args: Any) -> tuple[list[float], dict[str, Any]]:
     raise RuntimeError(f"bench/actor_calls.py gave no figure: {done.stderr[-500:]}")
 
 
+def bare_echo(
+    args: Any, bed: TestBed, transport: str, pki: dict[str, dict[str, str]] | None = None
+) -> tuple[list[float], dict[str, Any]]:
+    count = 10_000
+    if transport == "unix":
+        with tempfile.TemporaryDirectory() as d:
+            return median_rtts_us("unix", f"{d}/echo.sock", args.reps, count), {}
+    where = bed.node_ip(0)
+    env = pki[where] if pki else None
+    with patch.dict(os.environ, pki[bed.root_ip] if pki else {}):
+        return median_rtts_us(transport, where, args.reps, count, bed.prefix(0), env), {}
+
+
 def remote_calls(
-    args: Any, bed: TestBed, tls: dict[str, dict[str, str]] | None, unix: float | None
+    args: Any,
+    bed: TestBed,
+    tls: dict[str, dict[str, str]] | None,
+    unix: float | None,
+    bare_extra_us: float | None = None,
 ) -> tuple[list[float], dict[str, Any]]:
     with roles_on_bed(bed, tls=tls) as roles:
         hosts = JobHosts(roles.system_addr, roles.token, "hostworker", bed.nodes, sys.executable)
@@ -105,6 +129,9 @@ def remote_calls(
     if unix:
         extra["ratio_to_unix"] = round(sorted(reps)[len(reps) // 2] / unix, 3)
         extra["target_value"] = round(0.7 * unix, 1)  # the goal: 70 % of this run's unix
+        if bare_extra_us is not None:  # a call that paid only the transport's extra cost
+            unix_us = 1e6 / unix
+            extra["ceiling_ratio"] = round(unix_us / (unix_us + bare_extra_us), 3)
     return reps, extra
 
 
@@ -178,20 +205,44 @@ def main() -> None:
     def unix_median() -> float | None:
         return sorted(unix)[len(unix) // 2] if unix else None
 
-    def measure_tls() -> tuple[list[float], dict[str, Any]]:
+    bare: dict[str, float] = {}  # transport -> median bare round trip (µs)
+
+    def measure_bare(transport: str, pki: dict[str, dict[str, str]] | None = None) -> Any:
+        reps, extra = bare_echo(args, need_bed(), transport, pki)
+        bare[transport] = sorted(reps)[len(reps) // 2]
+        return reps, extra
+
+    def bare_extra(transport: str) -> float | None:
+        if transport in bare and "unix" in bare:
+            return bare[transport] - bare["unix"]
+        return None
+
+    def with_pki(measure: Any) -> tuple[list[float], dict[str, Any]]:
         from palatine.testing.certs import make_node_pki
 
         b = need_bed()
         with tempfile.TemporaryDirectory() as d:
             pki = make_node_pki(d, [b.root_ip, *(b.node_ip(i) for i in range(b.nodes))])
-            with patch.dict(os.environ, pki[b.root_ip]):  # this machine's certificate
-                return remote_calls(args, b, pki, unix_median())
+            return measure(b, pki)  # type: ignore[no-any-return]
+
+    def measure_tls(
+        b: TestBed, pki: dict[str, dict[str, str]]
+    ) -> tuple[list[float], dict[str, Any]]:
+        with patch.dict(os.environ, pki[b.root_ip]):  # this machine's certificate
+            return remote_calls(args, b, pki, unix_median(), bare_extra("tls"))
 
     try:
         run_metric(args, "cross_node_1_1_calls_unix", IMPL, "calls/s", True, VERSION, measure_unix)
+        run_metric(args, "cross_node_bare_echo_unix_us", IMPL, "µs", False, VERSION,
+                   lambda: measure_bare("unix"))  # fmt: skip
+        run_metric(args, "cross_node_bare_echo_tcp_us", IMPL, "µs", False, VERSION,
+                   lambda: measure_bare("tcp"))  # fmt: skip
+        run_metric(args, "cross_node_bare_echo_tls_us", IMPL, "µs", False, VERSION,
+                   lambda: with_pki(lambda b, pki: measure_bare("tls", pki)))  # fmt: skip
         run_metric(args, "cross_node_1_1_calls_tcp", IMPL, "calls/s", True, VERSION,
-                   lambda: remote_calls(args, need_bed(), None, unix_median()))  # fmt: skip
-        run_metric(args, "cross_node_1_1_calls_tls", IMPL, "calls/s", True, VERSION, measure_tls)
+                   lambda: remote_calls(args, need_bed(), None, unix_median(), bare_extra("tcp")))  # fmt: skip
+        run_metric(args, "cross_node_1_1_calls_tls", IMPL, "calls/s", True, VERSION,
+                   lambda: with_pki(measure_tls))  # fmt: skip
         run_metric(args, "cross_node_fetch_64MiB_GBps", IMPL, "GB/s", True, VERSION,
                    lambda: fetch_rate(args, need_bed()))  # fmt: skip
         run_metric(args, "cross_node_detect_sigkill_s", IMPL, "s", False, VERSION,

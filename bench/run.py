@@ -83,6 +83,9 @@ PROGRAMS = (
                 "cross_node_1_1_calls_unix",
                 "cross_node_1_1_calls_tcp",
                 "cross_node_1_1_calls_tls",
+                "cross_node_bare_echo_unix_us",
+                "cross_node_bare_echo_tcp_us",
+                "cross_node_bare_echo_tls_us",
                 "cross_node_fetch_64MiB_GBps",
                 "cross_node_detect_sigkill_s",
                 "cross_node_detect_link_cut_s",
@@ -182,6 +185,10 @@ METRICS: dict[str, tuple[str, bool, Target]] = {
     "cross_node_1_1_calls_unix": ("calls/s", True, Target("the reference for the two below")),
     "cross_node_1_1_calls_tcp": ("calls/s", True, Target("≥ 70 % of the unix figure")),
     "cross_node_1_1_calls_tls": ("calls/s", True, Target("≥ 70 % of the unix figure")),
+    # A bare echo (bench/_echo.py): what the transport alone costs per round trip.
+    "cross_node_bare_echo_unix_us": ("µs", False, Target("reference: unix on this machine")),
+    "cross_node_bare_echo_tcp_us": ("µs", False, Target("reference: tcp to the other node")),
+    "cross_node_bare_echo_tls_us": ("µs", False, Target("reference: tls to the other node")),
     "cross_node_fetch_64MiB_GBps": ("GB/s", True, Target("≥ 1 GB/s", 1.0)),
     "cross_node_detect_sigkill_s": ("s", False, Target("≤ 0.5 s", 0.5)),
     "cross_node_detect_link_cut_s": (
