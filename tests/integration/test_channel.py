@@ -127,6 +127,12 @@ class Raw:
             sockaddr = addr.sockaddr()
             assert isinstance(sockaddr, str)
             r, w = await asyncio.open_unix_connection(sockaddr)
+        elif addr.transport == "tls":  # (with the PALATINE_TLS_* files of the environment)
+            from palatine.channel.tls import client_context
+
+            r, w = await asyncio.open_connection(
+                addr.host, addr.port, ssl=client_context(), server_hostname=addr.host
+            )
         else:
             r, w = await asyncio.open_connection(addr.host, addr.port)
         return cls(r, w)
@@ -743,10 +749,9 @@ async def test_local_handler_sees_objects_in_order_without_recursion() -> None:
 # -- TLS ----------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(60)
-async def test_tls_mutual_auth(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+async def serve_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ChannelAddr, Rx]:
+    """A test PKI; a tls Rx served with the server's certificate; then this process's
+    environment set to the client's. Returns (pki, addr, rx)."""
     pytest.importorskip("cryptography")
     from palatine.testing.certs import make_test_pki, tls_env
 
@@ -757,6 +762,16 @@ async def test_tls_mutual_auth(
     assert addr.transport == "tls"
     for key, value in tls_env(pki, "client").items():
         monkeypatch.setenv(key, value)
+    return pki, addr, rx
+
+
+@pytest.mark.timeout(60)
+async def test_tls_mutual_auth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from palatine.testing.certs import tls_env
+
+    pki, addr, rx = await serve_tls(tmp_path, monkeypatch)
     tx = dial(addr)
     await tx.send(mk(0))
     assert seqs(await recv_n(rx, 1)) == [0]
@@ -792,6 +807,53 @@ async def test_tls_mutual_auth(
         monkeypatch.delenv(var)
     with pytest.raises(ConfigError, match="tls transport requires PALATINE_TLS_CERT"):
         dial(addr)
+
+
+@pytest.mark.timeout(60)
+async def test_tls_hands_a_big_message_to_the_transport_a_slice_at_a_time_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _pki, addr, rx = await serve_tls(tmp_path, monkeypatch)
+    tx = dial(addr)
+    assert isinstance(tx, NetTx)
+    await tx.send(mk(0))  # connected
+    payload = os.urandom(1 << 20) * 32  # 32 MiB
+    tx.post(mk(1, buffers=[payload]))
+    tx.post(mk(2))
+    tx.post(mk(3, buffers=[b"z" * 1000]))
+    await asyncio.sleep(0)  # the flush: the big one starts out
+    conn = tx._conn
+    assert conn is not None and conn.writer is not None
+    # Only a slice or so went to the transport; the rest waits for it to ask for more,
+    # and the two small messages wait behind it.
+    assert conn.writer.busy
+    got = await recv_n(rx, 4)
+    assert seqs(got) == [0, 1, 2, 3]
+    assert bytes(got[1].buffers[0]) == payload
+    assert bytes(got[3].buffers[0]) == b"z" * 1000
+    assert not conn.writer.busy
+    await tx.close()
+
+    # The same on the serving side: a lane's big reply, between two small ones.
+    seen: list[Envelope] = []
+    rx.set_handler(seen.append)
+    lane = ActorId.parse("src[0].lane[4]")
+    raw = await Raw.client(addr, session_id=79, lane=lane)
+    assert await raw.frame() == Ack(-1)
+    raw.send_msg(0, mk(0))
+    await wait_for(lambda: len(seen) == 1)
+    assert isinstance(rx, NetRx)
+    back = rx.lanes[lane]
+    sender = ActorId.parse("dst[0].actor[0]")
+    for i, buffers in enumerate(([], [payload], [])):
+        reply = Envelope(sender, PortId(lane, i), 7, 1, b"%d" % i, buffers=buffers)
+        assert back.send_back(reply) is None
+    assert back._writer is not None and back._writer.busy
+    replies = [await raw.frame() for _ in range(3)]
+    assert [r.envelope.data for r in replies if isinstance(r, Message)] == [b"0", b"1", b"2"]
+    assert isinstance(replies[1], Message) and bytes(replies[1].envelope.buffers[0]) == payload
+    raw.close()
+    await rx.stop()
 
 
 # -- token configuration -------------------------------------------------------------

@@ -4,8 +4,9 @@ The sending side is `palatine.channel.net.tx` (`NetTx`: sessions, seqs, acks, re
 delivery timeout); the receiving side is `palatine.channel.net.rx` (`NetRx`: listening,
 authentication, in-order delivery, back-pressure). What both ends share — error texts,
 socket options, rate-limited warnings about bad peers, the token and TLS context of an
-end — is in `sockets`; `rx` also holds each accepted connection; this module holds the
-two entry points, `serve_net` and `dial_net`.
+end — is in `sockets`, and big writes to a TLS transport go a slice at a time through
+`slices`; `rx` also holds each accepted connection; this module holds the two entry
+points, `serve_net` and `dial_net`.
 
 Hot-path rules, for both ends: posts are encoded once, coalesced per loop iteration and
 written with one call; frames are parsed in place from each read; nothing is logged per

@@ -32,6 +32,7 @@ from palatine.channel import addr as addrs
 from palatine.channel.addr import ChannelAddr
 from palatine.channel.base import EnvelopeHandler, PeerLostHandler, Rx
 from palatine.channel.local import InboundQueue
+from palatine.channel.net.slices import SlicedWriter
 from palatine.channel.net.sockets import PeerWarnings, resolve_security, tune_transport
 from palatine.channel.spin import loop_spin
 from palatine.config import format_seconds
@@ -100,6 +101,10 @@ class ServerConn(asyncio.BufferedProtocol):
     def __init__(self, rx: NetRx) -> None:
         self.rx = rx
         self.transport: asyncio.Transport | None = None
+        # What frames are written through: the transport, or for tls a `SlicedWriter`
+        # over it (big lane replies a slice at a time).
+        self.out: Any = None
+        self._writer: SlicedWriter | None = None
         self.parser = FrameParser(PREAUTH_MAX_FRAME_BYTES)
         self._into_big = False
         self.handshake = ServerHandshake(rx._token)
@@ -132,12 +137,15 @@ class ServerConn(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)
         rx = self.rx
         tune_transport(transport)
+        self.out = self.transport
+        if rx._ssl is not None:
+            self.out = self._writer = SlicedWriter(self.transport)
         self.peer, self.peer_key = _peer_of(transport)
         if rx._stopping:
             self.transport.abort()
             return
         rx._conns.add(self)
-        self.transport.write(encode_frame(self.handshake.hello()))
+        self.out.write(encode_frame(self.handshake.hello()))
         self._auth_handle = rx._loop.call_later(rx._auth_timeout, self._auth_expired)
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -188,9 +196,9 @@ class ServerConn(asyncio.BufferedProtocol):
             transport = self.transport
             if out and transport is not None and not transport.is_closing():
                 if len(out) == 1:
-                    transport.write(out[0])
+                    self.out.write(out[0])
                 else:
-                    transport.writelines(out)
+                    self.out.writelines(out)
 
     def _frames(self, frames: list[Frame]) -> None:
         """Deliver in-session ``Message`` frames, handle the rest; then maybe ack."""
@@ -238,10 +246,10 @@ class ServerConn(asyncio.BufferedProtocol):
             if type(reply) is Reject:
                 reason = reply.reason
                 self.rx._warn(self.peer_key, f"refused connection from {self.peer}: {reason}")
-                self.transport.write(encode_frame(reply))
+                self.out.write(encode_frame(reply))
                 self._close()
                 return
-            self.transport.write(encode_frame(reply))
+            self.out.write(encode_frame(reply))
             self.parser.limit = self.rx._max_frame
             self.state = _INIT  # (the auth timer runs on until the Init: `_auth_expired`)
         elif type(frame) is Init:
@@ -290,7 +298,7 @@ class ServerConn(asyncio.BufferedProtocol):
         # client resends only what is missing.
         self._last_ack = session.expected - 1
         assert self.transport is not None
-        self.transport.write(encode_frame(Ack(self._last_ack)))
+        self.out.write(encode_frame(Ack(self._last_ack)))
 
     def _take_over(self) -> None:
         """A newer connection owns our session now: close without reporting a lost peer."""
@@ -319,12 +327,12 @@ class ServerConn(asyncio.BufferedProtocol):
             if bufs:
                 out.extend(bufs)
             if len(out) >= BACK_FLUSH_BUFFERS:
-                transport.writelines(out)
+                self.out.writelines(out)
                 out.clear()
         elif bufs:
-            transport.writelines([head, *bufs])
+            self.out.writelines([head, *bufs])
         else:
-            transport.write(head)
+            self.out.write(head)
         return None
 
     def _unregister_lane(self) -> None:
@@ -346,7 +354,7 @@ class ServerConn(asyncio.BufferedProtocol):
         if seq < 0 or (seq == self._last_ack and not force):
             return
         self._last_ack = seq
-        self.transport.write(encode_frame(Ack(seq)))
+        self.out.write(encode_frame(Ack(seq)))
 
     def _ack_timer(self) -> None:
         self._ack_handle = None
@@ -398,7 +406,7 @@ class ServerConn(asyncio.BufferedProtocol):
         """A malformed or invalid frame: warn (rate-limited), ``Reject``, close."""
         self.rx._warn(self.peer_key, f"closing connection from {self.peer}: {reason}")
         if reject and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(encode_frame(Reject(reason)))
+            self.out.write(encode_frame(Reject(reason)))
         self._close(abort=not reject)
 
     def _release(self) -> None:
@@ -440,13 +448,18 @@ class ServerConn(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self._write_blocked = True
+        if self._writer is not None:
+            self._writer.pause()
         self._update_reading()
 
     def resume_writing(self) -> None:
         self._write_blocked = False
-        held, self._held = self._held, None
-        if held and self.state != _CLOSED:
-            self._lane_frames(held)  # (may block writing again)
+        if self._writer is not None:
+            self._writer.resume()  # (a big write's next slices: may block writing again)
+        if not self._write_blocked:
+            held, self._held = self._held, None
+            if held and self.state != _CLOSED:
+                self._lane_frames(held)  # (may block writing again)
         self._update_reading()
 
     def _update_reading(self) -> None:
@@ -471,6 +484,8 @@ class ServerConn(asyncio.BufferedProtocol):
             logger.debug("connection from %s lost inside a frame", self.peer)
         self.state = _CLOSED
         self._release()
+        if self._writer is not None:
+            self._writer.clear()
         rx._conns.discard(self)
         rx._paused.discard(self)
         self._unregister_lane()

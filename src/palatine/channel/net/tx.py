@@ -30,6 +30,7 @@ from typing import Any, Final, cast
 from palatine import config
 from palatine.channel.addr import ChannelAddr
 from palatine.channel.base import ReturnCallback, Tx, TxStatus
+from palatine.channel.net.slices import SlicedWriter
 from palatine.channel.net.sockets import resolve_security, tune_transport
 from palatine.config import format_seconds
 from palatine.errors import ChannelClosed, SendError, error_text
@@ -120,11 +121,15 @@ class _ClientConn(asyncio.Protocol):
         self.lost: asyncio.Future[str] = loop.create_future()
         self.open = False
         self.write_paused = False
+        # tls: big writes a slice at a time (`palatine.channel.net.slices`)
+        self.writer: SlicedWriter | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
         tune_transport(transport)
+        if self.tx._ssl is not None:
+            self.writer = SlicedWriter(self.transport, self.tx._schedule_flush)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -175,15 +180,23 @@ class _ClientConn(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        if self.writer is not None:
+            self.writer.pause()
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self.writer is not None:
+            self.writer.resume()  # (schedules a flush once its big write is handed over)
+            if self.writer.busy:
+                return
         self.tx._schedule_flush()
 
     def eof_received(self) -> bool | None:
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.writer is not None:
+            self.writer.clear()  # (unacked: a new connection sends it all again)
         if exc is not None:
             reason = f"connection lost: {error_text(exc)}"
         elif not self.parser.at_boundary:
@@ -350,7 +363,7 @@ class NetTx(Tx):
             self._check_handle = self._loop.call_later(self._check_every, self._check)
 
     def _schedule_flush(self) -> None:
-        if not self._flush_scheduled and self._conn is not None:
+        if not self._flush_scheduled and self._conn is not None and self._outbox:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
@@ -361,8 +374,10 @@ class NetTx(Tx):
         outbox = self._outbox
         if conn is None or conn.write_paused or not outbox or self._init_ack_handle is not None:
             return
-        transport = conn.transport
-        assert transport is not None
+        out: Any = conn.writer or conn.transport
+        assert out is not None
+        if conn.writer is not None and conn.writer.busy:
+            return  # (flushed once the big write before is handed over)
         unacked = self._unacked
         parts: list[Any] = []
         vectored = False
@@ -374,11 +389,11 @@ class NetTx(Tx):
                 parts.extend(entry[_BUFS])
                 vectored = True
         if vectored:
-            transport.writelines(parts)
+            out.writelines(parts)
         elif len(parts) == 1:
-            transport.write(parts[0])
+            out.write(parts[0])
         else:
-            transport.write(b"".join(parts))
+            out.write(b"".join(parts))
 
     # -- acks, rejects, connection events ------------------------------------------------
 
