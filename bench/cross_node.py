@@ -19,7 +19,8 @@ interpreter::
   lines get ``ceiling_ratio``, the ratio to unix that a call would reach if the
   transport's extra cost were all it paid.
 * ``cross_node_fetch_64MiB_GBps``: a 64 MiB tensor made on a worker of the other node
-  and fetched by the client (goal ≥ 1 GB/s).
+  and fetched by the client (goal ≥ 1 GB/s); ``cross_node_fetch_64MiB_tls_GBps``: the
+  same over mutual TLS (no goal of its own).
 * ``cross_node_detect_sigkill_s``: a worker on the other node SIGKILLed under a pending
   fetch, until the client's `DeviceException` (goal ≤ 0.5 s).
 * ``cross_node_detect_link_cut_s``: the other node's link cut under a pending fetch,
@@ -135,9 +136,11 @@ def remote_calls(
     return reps, extra
 
 
-def fetch_rate(args: Any, bed: TestBed) -> tuple[list[float], dict[str, Any]]:
+def fetch_rate(
+    args: Any, bed: TestBed, tls: dict[str, dict[str, str]] | None = None
+) -> tuple[list[float], dict[str, Any]]:
     nbytes = 64 << 20
-    with roles_on_bed(bed, per_host=1) as roles:
+    with roles_on_bed(bed, per_host=1, tls=tls) as roles:
         with connect(roles.system_addr, "worker", timeout=90, _token=roles.token) as mesh:
             value = remote(make_tensor)(nbytes)
             where = {"host": 1, "proc": 0}
@@ -231,6 +234,10 @@ def main() -> None:
         with patch.dict(os.environ, pki[b.root_ip]):  # this machine's certificate
             return remote_calls(args, b, pki, unix_median(), bare_extra("tls"))
 
+    def fetch_tls(b: TestBed, pki: dict[str, dict[str, str]]) -> tuple[list[float], dict[str, Any]]:
+        with patch.dict(os.environ, pki[b.root_ip]):
+            return fetch_rate(args, b, pki)
+
     try:
         run_metric(args, "cross_node_1_1_calls_unix", IMPL, "calls/s", True, VERSION, measure_unix)
         run_metric(args, "cross_node_bare_echo_unix_us", IMPL, "µs", False, VERSION,
@@ -245,6 +252,8 @@ def main() -> None:
                    lambda: with_pki(measure_tls))  # fmt: skip
         run_metric(args, "cross_node_fetch_64MiB_GBps", IMPL, "GB/s", True, VERSION,
                    lambda: fetch_rate(args, need_bed()))  # fmt: skip
+        run_metric(args, "cross_node_fetch_64MiB_tls_GBps", IMPL, "GB/s", True, VERSION,
+                   lambda: with_pki(fetch_tls))  # fmt: skip
         run_metric(args, "cross_node_detect_sigkill_s", IMPL, "s", False, VERSION,
                    lambda: detect(need_bed(), "sigkill"))  # fmt: skip
         run_metric(args, "cross_node_detect_link_cut_s", IMPL, "s", False, VERSION,
