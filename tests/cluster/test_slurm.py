@@ -196,6 +196,67 @@ def test_palatine_launch_exits_with_the_programs_status_and_hands_it_the_job(
     assert slurm.squeue() == []
 
 
+def run_batch_script(
+    slurm: SlurmTestCluster, tmp_path: Path, nodes: int, command: str
+) -> tuple[str, str]:
+    """Submit a batch script of ``nodes`` nodes that runs ``command`` on the first; wait
+    until it has left the queue (bounded). Returns (job id, its output). Asserts that no
+    other job showed up in the queue meanwhile."""
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"#SBATCH --nodes={nodes}\n"
+        "#SBATCH --ntasks-per-node=1\n"
+        f"#SBATCH --partition={PARTITION}\n"
+        f"exec {command}\n"
+    )
+    out = tmp_path / "out.txt"
+    env = {k: v for k, v in os.environ.items() if k != "PALATINE_HOST_IP"}  # (this machine's)
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--output={out}", str(script)],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    job_id = submitted.stdout.strip().split(";")[0]
+    seen: set[str] = set()
+    deadline = time.monotonic() + 240
+    while (queue := slurm.squeue()) and time.monotonic() < deadline:
+        seen |= {line.split()[0] for line in queue if line.strip()}
+        time.sleep(0.5)
+    text = out.read_text() if out.exists() else "(no output)"
+    assert not queue, f"the batch job did not end in time:\n{text}"
+    assert seen <= {job_id}, text  # nothing but the batch job itself: no job was submitted
+    shown = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    return job_id, text + "\n" + shown.stdout
+
+
+def test_a_batch_script_trains_the_demo_with_palatine_launch_inside_its_own_allocation(
+    slurm: SlurmTestCluster, tmp_path: Path
+) -> None:
+    job_id, text = run_batch_script(
+        slurm, tmp_path, 2,
+        f"{sys.executable} -m palatine launch --hosts 2 --procs-per-host 2 "
+        f"--start-timeout-in-sec 120 -- {sys.executable} -m palatine demo --connect --steps 40",
+    )  # fmt: skip
+    assert "mesh: 2 host(s) × 2 procs = 4 workers" in text, text
+    assert "replicas identical on 4/4 ranks" in text, text
+    assert f"palatine launch: job {job_id}: 2 host(s) × 2 procs up in" in text, text
+    assert "JobState=COMPLETED" in text and "ExitCode=0:0" in text, text
+
+
+def test_an_allocation_smaller_than_the_job_fails_it_at_once_saying_so(
+    slurm: SlurmTestCluster, tmp_path: Path
+) -> None:
+    job_id, text = run_batch_script(
+        slurm, tmp_path, 1,
+        f"{sys.executable} -m palatine launch --hosts 2 --procs-per-host 1 -- /bin/true",
+    )  # fmt: skip
+    assert f"allocation {job_id} has 1 node(s); the job asks for 2 hosts" in text, text
+    assert "JobState=FAILED" in text and "ExitCode=1:0" in text, text
+
+
 def wait_forever() -> int:
     import time
 

@@ -8,7 +8,9 @@ for ``--scheduler local``), waits until every host has joined, then runs the pro
 with the job in its environment (``PALATINE_SYSTEM_ADDR``, ``PALATINE_WORKER_WORLD``,
 ``PALATINE_JOB_ID``, ``PALATINE_CLUSTER_TOKEN``), where ``palatine.connect()`` finds it.
 When the program ends the job is torn down (``scancel``, then the controller and the
-system), and the launcher exits with the program's status.
+system), and the launcher exits with the program's status. Inside an allocation (a
+batch script, ``salloc``) nothing is submitted: the hosts run as a step of that
+allocation, and that step is what ends.
 
 Ctrl-C or SIGTERM goes to the program; a second one kills it. A scheduler that refuses
 the job, or a job that ends before its hosts joined, is one line on stderr and exit 1.

@@ -22,6 +22,13 @@ Where things run, and why:
 invalid partition specified``); a job that fails, is cancelled or times out in the queue
 before its hosts joined is reported by name and state. `cancel` runs ``scancel``, stops
 the controller and the system, and waits until Slurm no longer lists the job.
+
+**Inside an allocation** (a batch script, ``salloc``: ``SLURM_JOB_ID`` is set), nothing
+is submitted: the hosts run as one step of that allocation (``srun``, one task per
+node, rank ``$SLURM_PROCID``), the system and the controller run here, on the batch
+node, and listen on its ``NodeAddr`` (what Slurm itself reaches it at) unless
+``PALATINE_HOST_IP`` says otherwise. `cancel` ends the step, not the allocation: the
+batch script goes on. ``use_allocation=False`` submits a job of its own anyway.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -54,7 +62,8 @@ __all__ = ["JobRecord", "SlurmJob", "find_job"]
 
 _COMMENT = "palatine:"  # sbatch --comment=palatine:<log dir>: where the job's record is
 
-_SCHEDULER_TIMEOUT_S = 60.0  # one sbatch / squeue / scancel call
+_SCHEDULER_TIMEOUT_S = 60.0  # one sbatch / squeue / scancel / scontrol call
+_STEP_STOP_S = 10.0  # the hosts' step, after SIGTERM, before SIGKILL
 _GONE_TIMEOUT_S = 30.0  # a cancelled job leaving squeue
 _ENDED = (
     "FAILED",
@@ -77,7 +86,7 @@ class _SlurmCluster(LocalCluster):
         self.job = job
 
     def stop(self, grace_s: float = 5.0, *, clean: bool = True) -> None:
-        self.job._scancel()
+        self.job._release()
         super().stop(grace_s, clean=clean)
 
 
@@ -99,6 +108,7 @@ class SlurmJob:
         transport: str = "tcp",
         start_timeout_s: float = 300.0,
         job_name: str = "palatine",
+        use_allocation: bool | None = None,
     ) -> None:
         check_shape(hosts, procs_per_host)
         if transport not in ("tcp", "tls"):
@@ -115,7 +125,11 @@ class SlurmJob:
         self.transport = transport
         self.start_timeout_s = start_timeout_s
         self.job_name = job_name
+        # None: inside an allocation (SLURM_JOB_ID set) use it, else submit (module doc)
+        self.use_allocation = use_allocation
         self.job_id: str | None = None
+        self._in_allocation = False  # `apply` used the allocation it runs in
+        self._step: subprocess.Popen[bytes] | None = None  # the hosts, in an allocation
         self._cluster: _SlurmCluster | None = None
         self._token = ""
         self._mesh: DeviceMesh | None = None
@@ -124,7 +138,8 @@ class SlurmJob:
 
     # ------------------------------------------------------------ submit
     def apply(self) -> str:
-        """Start the system and controller here and submit the hosts; the job id."""
+        """Start the system and controller here and submit the hosts (inside an
+        allocation: start them as a step of it); the job id."""
         if self.job_id is not None:
             return self.job_id
         check_open_files(
@@ -138,12 +153,22 @@ class SlurmJob:
         self._cluster = cluster
         self._deadline = time.monotonic() + self.start_timeout_s
         try:
-            host = config.get().host_ip or socket.gethostbyname(socket.gethostname())
+            allocation = self._allocation()
+            host = (
+                config.get().host_ip
+                or (allocation and _node_addr())
+                or socket.gethostbyname(socket.gethostname())
+            )
             system = cluster.start(
                 ["system", "--system-addr", f"{self.transport}:{host}:0"], 60.0, "system"
             )
             cluster.system_addr = system.addr
-            self.job_id = self._sbatch(system.addr, logs)
+            if allocation:
+                self._in_allocation = True  # (never scancel it: it is not ours)
+                self._step = self._srun(system.addr, logs, allocation)
+                self.job_id = allocation
+            else:
+                self.job_id = self._sbatch(system.addr, logs)
             self._record(system.addr, logs)
             ctl = [
                 "controller", "--worker-world", "worker", "--system-addr", system.addr,
@@ -160,14 +185,45 @@ class SlurmJob:
             raise
         return self.job_id
 
+    def _allocation(self) -> str | None:
+        """The allocation this process runs in, if the job is to use it (module doc);
+        `SchedulerError` when it has fewer nodes than the job asks for."""
+        job = os.environ.get("SLURM_JOB_ID")
+        if not job or self.use_allocation is False:
+            if self.use_allocation:
+                raise SchedulerError(
+                    "use_allocation=True, but this is not inside a Slurm allocation (no SLURM_JOB_ID)"
+                )
+            return None
+        nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or ""
+        if nodes.isdigit() and int(nodes) < self.hosts:
+            raise SchedulerError(
+                f"allocation {job} has {nodes} node(s); the job asks for {self.hosts} hosts"
+            )
+        return job
+
+    def _srun(self, system_addr: str, logs: LogSession, allocation: str) -> subprocess.Popen[bytes]:
+        """The hosts as one step of this allocation: one task per node."""
+        argv = [
+            "srun", "--kill-on-bad-exit=1", f"--nodes={self.hosts}", f"--ntasks={self.hosts}",
+            "--ntasks-per-node=1", f"--job-name={self.job_name}",
+            f"--output={logs.path}/slurm-{allocation}-hosts.out",
+            "bash", "-c", _host_command("SLURM_PROCID"), self.python, system_addr,
+        ]  # fmt: skip
+        try:
+            return subprocess.Popen(
+                argv, env=self._job_env(), stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        except FileNotFoundError:
+            raise SchedulerError("srun not found in this allocation") from None
+
     def _sbatch(self, system_addr: str, logs: LogSession) -> str:
         script = Path(logs.file("palatine-hosts.sbatch"))
         script.write_text(
             "#!/bin/bash\n"
             "# One palatine host per allocated node; each joins the client's system.\n"
             "exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c "
-            '\'exec "$0" -m palatine host --system-addr "$1" --host-world hostworker '
-            '--host-rank "$SLURM_NODEID"\' '
+            f"{shlex.quote(_host_command('SLURM_NODEID'))} "
             f"{shlex.quote(self.python)} {shlex.quote(system_addr)}\n"
         )
         argv = [
@@ -223,6 +279,10 @@ class SlurmJob:
             pid=os.getpid(),
         )
         Path(logs.file("job.json")).write_bytes(msgspec.json.encode(record))
+        if self._in_allocation:  # (sbatch set it for a job of our own)
+            _scheduler(
+                ["scontrol", "update", f"JobId={self.job_id}", f"Comment={_COMMENT}{logs.path}"]
+            )
 
     def client_env(self) -> dict[str, str]:
         """What a client program needs to attach with ``palatine.connect()`` (``palatine
@@ -273,10 +333,15 @@ class SlurmJob:
         while controller.ready is None:
             if controller.popen.poll() is not None or time.monotonic() > self._deadline:
                 break
-            st = self.job_state()
-            # gone from the queue: ended (squeue lists a job from the moment sbatch returns)
-            if st in _ENDED or st is None:
-                raise SchedulerError(self._ended_text(st))
+            step = self._step
+            if step is not None:
+                if step.poll() is not None:
+                    raise SchedulerError(self._step_ended_text(step.returncode))
+            else:
+                st = self.job_state()
+                # gone from the queue: ended (squeue lists a job from the moment sbatch returns)
+                if st in _ENDED or st is None:
+                    raise SchedulerError(self._ended_text(st))
             controller.ready_within(0.5)
         if controller.ready is None:
             left = max(0.1, self._deadline - time.monotonic())
@@ -293,6 +358,15 @@ class SlurmJob:
             if path.exists():
                 out = "\n" + "\n".join(path.read_text(errors="replace").splitlines()[-20:])
         return f"Slurm job {self.job_id} ended before its hosts joined: {state or 'gone from the queue'}{out}"
+
+    def _step_ended_text(self, code: int) -> str:
+        out = ""
+        if self._cluster is not None:
+            path = self._cluster.logs.path / f"slurm-{self.job_id}-hosts.out"
+            if path.exists():
+                out = "\n" + "\n".join(path.read_text(errors="replace").splitlines()[-20:])
+        how = f"signal {-code}" if code < 0 else f"exit status {code}"
+        return f"the hosts' step in Slurm allocation {self.job_id} ended before they joined ({how}){out}"
 
     def mesh(self) -> DeviceMesh:
         """The job's `DeviceMesh` (dims ``host`` and ``proc``), once every host joined."""
@@ -320,6 +394,31 @@ class SlurmJob:
         return self._hosts
 
     # ------------------------------------------------------------ teardown
+    def _release(self) -> None:
+        """What the job holds from Slurm goes: the hosts' step in an allocation, else the
+        job of our own."""
+        if self._in_allocation:
+            self._end_step()
+        else:
+            self._scancel()
+
+    def _end_step(self) -> None:
+        """End the hosts' step (SIGTERM to ``srun``, which passes it to the hosts; SIGKILL
+        after `_STEP_STOP_S`); the allocation stays."""
+        step, self._step = self._step, None
+        self.job_id = None
+        if step is None or step.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, _STEP_STOP_S), (signal.SIGKILL, _STEP_STOP_S)):
+            try:
+                step.send_signal(sig)
+                step.wait(wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+            except ProcessLookupError:
+                return
+
     def _scancel(self) -> None:
         """Cancel the allocation and wait (bounded) until Slurm no longer lists it."""
         job, self.job_id = self.job_id, None
@@ -349,7 +448,7 @@ class SlurmJob:
         elif self._cluster is not None:
             self._cluster.stop(5.0, clean=clean)
         self._cluster = None
-        self._scancel()
+        self._release()
 
     def __enter__(self) -> Self:
         self.apply()
@@ -410,3 +509,33 @@ def find_job(job_id: str) -> tuple[dict[str, str] | None, JobRecord | None]:
         except (OSError, msgspec.DecodeError):
             record = None
     return info, record
+
+
+def _host_command(rank_var: str) -> str:
+    """The ``bash -c`` line each node's task runs (``$0`` the interpreter, ``$1`` the
+    system's address), its rank from ``rank_var``."""
+    return (
+        'exec "$0" -m palatine host --system-addr "$1" --host-world hostworker '
+        f'--host-rank "${rank_var}"'
+    )
+
+
+def _scheduler(argv: list[str]) -> str | None:
+    """One Slurm command's standard output; None when it fails or does not answer."""
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=_SCHEDULER_TIMEOUT_S, check=False
+        )
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _node_addr() -> str | None:
+    """This node's ``NodeAddr`` in Slurm's configuration (None if unknown)."""
+    name = os.environ.get("SLURMD_NODENAME")
+    out = _scheduler(["scontrol", "-o", "show", "node", name]) if name else None
+    for word in (out or "").split():
+        if word.startswith("NodeAddr="):
+            return word.split("=", 1)[1] or None
+    return None
