@@ -67,6 +67,8 @@ def slurm_cluster(
     try:
         cluster.start()
         monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+        for var in ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+            monkeypatch.delenv(var, raising=False)  # (not inside an allocation of another cluster)
         monkeypatch.setenv("PALATINE_HOST_IP", bed.root_ip)  # for launchers in subprocesses
         from palatine import config
 
