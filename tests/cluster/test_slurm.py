@@ -246,6 +246,7 @@ def test_a_batch_script_trains_the_demo_with_palatine_launch_inside_its_own_allo
     assert "replicas identical on 4/4 ranks" in text, text
     assert f"palatine launch: job {job_id}: 2 host(s) × 2 procs up in" in text, text
     assert "JobState=COMPLETED" in text and "ExitCode=0:0" in text, text
+    assert "Comment=palatine:" in text, text  # where `palatine job status` finds its record
 
 
 def test_an_allocation_smaller_than_the_job_fails_it_at_once_saying_so(
