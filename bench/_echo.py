@@ -93,13 +93,18 @@ def _round_trips(sock: Any, count: int) -> list[float]:
     out = []
     for _ in range(count):
         t0 = now()
-        send(message)
+        if send(message) != MESSAGE_BYTES:  # (a socket buffer holds far more)
+            raise ConnectionError("the echo server stopped reading")
         got = 0
         while got < MESSAGE_BYTES:
             try:
-                got += len(recv(65536))
+                data = recv(65536)
             except not_yet:
                 pause()
+                continue
+            if not data:
+                raise ConnectionError("the echo server closed the connection")
+            got += len(data)
         out.append(now() - t0)
     return out
 

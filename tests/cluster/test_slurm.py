@@ -198,29 +198,26 @@ def test_palatine_launch_exits_with_the_programs_status_and_hands_it_the_job(
     assert slurm.squeue() == []
 
 
-def run_batch_script(
-    slurm: SlurmTestCluster, tmp_path: Path, nodes: int, command: str
-) -> tuple[str, str]:
-    """Submit a batch script of ``nodes`` nodes that runs ``command`` on the first; wait
-    until it has left the queue (bounded). Returns (job id, its output). Asserts that no
-    other job showed up in the queue meanwhile."""
+def submit_batch(tmp_path: Path, nodes: int, lines: list[str]) -> tuple[str, Path]:
+    """Submit a batch script of ``nodes`` nodes (one task each) that runs ``lines`` on
+    the first, from this environment less this machine's address; (job id, output file)."""
     script = tmp_path / "job.sbatch"
-    script.write_text(
-        "#!/bin/bash\n"
-        f"#SBATCH --nodes={nodes}\n"
-        "#SBATCH --ntasks-per-node=1\n"
-        f"#SBATCH --partition={PARTITION}\n"
-        f"exec {command}\n"
-    )
+    head = f"#!/bin/bash\n#SBATCH --nodes={nodes}\n#SBATCH --ntasks-per-node=1\n"
+    script.write_text(head + f"#SBATCH --partition={PARTITION}\n" + "\n".join(lines) + "\n")
     out = tmp_path / "out.txt"
-    env = {k: v for k, v in os.environ.items() if k != "PALATINE_HOST_IP"}  # (this machine's)
+    env = {k: v for k, v in os.environ.items() if k != "PALATINE_HOST_IP"}
     submitted = subprocess.run(
         ["sbatch", "--parsable", f"--output={out}", str(script)],
         env=env, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
-    job_id = submitted.stdout.strip().split(";")[0]
+    return submitted.stdout.strip().split(";")[0], out
+
+
+def wait_batch(slurm: SlurmTestCluster, job_id: str, out: Path) -> str:
+    """Wait (bounded) until the batch job has left the queue; its output, then Slurm's
+    one line on it. Asserts that no other job showed up in the queue meanwhile."""
     seen: set[str] = set()
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 180
     while (queue := slurm.squeue()) and time.monotonic() < deadline:
         seen |= {line.split()[0] for line in queue if line.strip()}
         time.sleep(0.5)
@@ -231,33 +228,82 @@ def run_batch_script(
         ["scontrol", "-o", "show", "job", job_id],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
-    return job_id, text + "\n" + shown.stdout
+    return text + "\n" + shown.stdout
 
 
 def test_a_batch_script_trains_the_demo_with_palatine_launch_inside_its_own_allocation(
     slurm: SlurmTestCluster, tmp_path: Path
 ) -> None:
-    job_id, text = run_batch_script(
-        slurm, tmp_path, 2,
-        f"{sys.executable} -m palatine launch --hosts 2 --procs-per-host 2 "
-        f"--start-timeout-in-sec 120 -- {sys.executable} -m palatine demo --connect --steps 40",
-    )  # fmt: skip
+    py = sys.executable
+    job_id, out = submit_batch(tmp_path, 2, [
+        f"exec {py} -m palatine launch --hosts 2 --procs-per-host 2 --start-timeout-in-sec 120 "
+        f"-- {py} -m palatine demo --connect --steps 40",
+    ])  # fmt: skip
+    text = wait_batch(slurm, job_id, out)
     assert "mesh: 2 host(s) × 2 procs = 4 workers" in text, text
     assert "replicas identical on 4/4 ranks" in text, text
     assert f"palatine launch: job {job_id}: 2 host(s) × 2 procs up in" in text, text
     assert "JobState=COMPLETED" in text and "ExitCode=0:0" in text, text
-    assert "Comment=palatine:" in text, text  # where `palatine job status` finds its record
+    assert "Comment=palatine:" not in text, text  # the job's comment is as it was
 
 
 def test_an_allocation_smaller_than_the_job_fails_it_at_once_saying_so(
     slurm: SlurmTestCluster, tmp_path: Path
 ) -> None:
-    job_id, text = run_batch_script(
-        slurm, tmp_path, 1,
-        f"{sys.executable} -m palatine launch --hosts 2 --procs-per-host 1 -- /bin/true",
-    )  # fmt: skip
+    job_id, out = submit_batch(tmp_path, 1, [
+        f"exec {sys.executable} -m palatine launch --hosts 2 --procs-per-host 1 -- /bin/true",
+    ])  # fmt: skip
+    text = wait_batch(slurm, job_id, out)
     assert f"allocation {job_id} has 1 node(s); the job asks for 2 hosts" in text, text
     assert "JobState=FAILED" in text and "ExitCode=1:0" in text, text
+
+
+def test_palatine_job_cancel_ends_palatines_step_in_a_batch_script_and_the_script_goes_on(
+    slurm: SlurmTestCluster, tmp_path: Path
+) -> None:
+    program = tmp_path / "wait.py"
+    program.write_text(
+        "import sys, palatine\n"
+        "from palatine import fetch, remote\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_slurm import wait_forever\n"
+        "with palatine.connect() as mesh:\n"
+        "    print('attached', flush=True)\n"
+        "    try:\n"
+        "        fetch(remote(wait_forever)(), shard={'host': 1, 'proc': 0}).result(timeout=120)\n"
+        "    except palatine.DeviceException as e:\n"
+        "        print('lost:', str(e).splitlines()[0], flush=True)\n"
+        "        sys.exit(4)\n"
+    )
+    py = sys.executable
+    job_id, out = submit_batch(tmp_path, 2, [
+        f"{py} -m palatine launch --hosts 2 --procs-per-host 1 --start-timeout-in-sec 120 "
+        f"-- {py} {program}",
+        'echo "launch exited $?"',
+    ])  # fmt: skip
+    deadline = time.monotonic() + 120
+    while "attached" not in (out.read_text() if out.exists() else ""):
+        assert time.monotonic() < deadline and slurm.squeue(), out.read_text()
+        time.sleep(0.2)
+
+    def palatine_job(action: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "palatine", "job", action, job_id],
+            capture_output=True, text=True, timeout=90, check=False,
+        )  # fmt: skip
+
+    status = palatine_job("status")  # the record is found through the job's comment
+    assert status.returncode == 0 and "world worker: Live, 2/2 procs alive" in status.stdout, (
+        status.stdout + status.stderr
+    )
+    cancel = palatine_job("cancel")
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    assert cancel.stdout.startswith(f"job {job_id}: palatine's step {job_id}."), cancel.stdout
+    assert "cancelled; the allocation goes on" in cancel.stdout, cancel.stdout
+    text = wait_batch(slurm, job_id, out)
+    assert "lost: worker rank " in text, text
+    assert "launch exited 4" in text, text  # the script went on after palatine's step
+    assert "JobState=COMPLETED" in text and "ExitCode=0:0" in text, text
 
 
 def wait_forever() -> int:

@@ -840,8 +840,9 @@ async def test_tls_hands_a_big_message_to_the_transport_a_slice_at_a_time_in_ord
     lane = ActorId.parse("src[0].lane[4]")
     raw = await Raw.client(addr, session_id=79, lane=lane)
     assert await raw.frame() == Ack(-1)
-    raw.send_msg(0, mk(0))
+    raw.send_msg(0, mk(0), ack_now=True)
     await wait_for(lambda: len(seen) == 1)
+    assert await raw.frame() == Ack(0)  # (so that no ack comes between the replies)
     assert isinstance(rx, NetRx)
     back = rx.lanes[lane]
     sender = ActorId.parse("dst[0].actor[0]")

@@ -5,7 +5,8 @@ readable here (the submitting user, on the submitting machine), the worlds and p
 its system reports: which rank runs on which host, and how healthy it is. ``cancel``
 runs ``scancel``, waits until Slurm no longer lists the job, and stops the job's system,
 controller and hosts; the program that ran against it gets a `DeviceException` naming
-the lost ranks. A job id Slurm does not list is exit 1; ``--json`` prints one document.
+the lost ranks. A job that palatine runs inside its owner's allocation (a batch script)
+loses only palatine's step there: the allocation goes on. A job id Slurm does not list is exit 1; ``--json`` prints one document.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def _rank(proc: str) -> int:
 def _cancel(job: str, record: Any) -> int:
     from palatine.job.slurm import find_job
 
+    if record is not None and record.step_name:
+        return _cancel_step(job, record)
     try:
         done = subprocess.run(["scancel", job], capture_output=True, text=True,
                               timeout=_ANSWER_S * 6, check=False)  # fmt: skip
@@ -114,14 +117,31 @@ def _cancel(job: str, record: Any) -> int:
         time.sleep(0.2)
     left = find_job(job)[0]
     text = f"job {job}: cancelled" if left is None else f"job {job}: still {left['state']}"
-    if record is not None:
-        ack, why = _ask(record, lambda client: client.stop(None, 5.0))
-        text += (
-            f"; its system at {record.system_addr} is stopping" if ack is not None
-            else f"; its system did not answer ({why})"
-        )  # fmt: skip
-    print(text)
+    print(text + (_stop_system(record) if record is not None else ""))
     return 0 if left is None else 1
+
+
+def _cancel_step(job: str, record: Any) -> int:
+    """A job that runs inside its owner's allocation (a batch script): end palatine's
+    step there and its system, not the allocation."""
+    from palatine.job.slurm import cancel_steps
+
+    steps = cancel_steps(job, record.step_name)
+    text = (
+        f"job {job}: palatine's step {', '.join(steps)} cancelled; the allocation goes on"
+        if steps
+        else f"job {job}: no step of palatine's ({record.step_name}) is running"
+    )
+    print(text + _stop_system(record))
+    return 0
+
+
+def _stop_system(record: Any) -> str:
+    """Ask the job's system to stop; what to add to the report."""
+    ack, why = _ask(record, lambda client: client.stop(None, 5.0))
+    if ack is not None:
+        return f"; its system at {record.system_addr} is stopping"
+    return f"; its system did not answer ({why})"
 
 
 def _ask(record: Any, request: Any) -> tuple[Any, str]:

@@ -10,7 +10,7 @@ with the job in its environment (``PALATINE_SYSTEM_ADDR``, ``PALATINE_WORKER_WOR
 When the program ends the job is torn down (``scancel``, then the controller and the
 system), and the launcher exits with the program's status. Inside an allocation (a
 batch script, ``salloc``) nothing is submitted: the hosts run as a step of that
-allocation, and that step is what ends.
+allocation, and that step is what ends (``--submit`` submits a job anyway).
 
 Ctrl-C or SIGTERM goes to the program; a second one kills it. A scheduler that refuses
 the job, or a job that ends before its hosts joined, is one line on stderr and exit 1.
@@ -50,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="one more sbatch argument (repeatable)",
     )
+    p.add_argument(
+        "--submit",
+        action="store_true",
+        help="inside a Slurm allocation, submit a job of its own instead of using it",
+    )
     p.add_argument("--log-dir", help="where the job's logs go (kept)")
     p.add_argument(
         "--start-timeout-in-sec",
@@ -81,6 +86,7 @@ def _job(args: argparse.Namespace) -> Any:
         log_dir=args.log_dir,
         transport=args.transport,
         start_timeout_s=args.start_timeout_in_sec,
+        use_allocation=False if args.submit else None,
     )
 
 

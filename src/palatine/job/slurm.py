@@ -58,7 +58,7 @@ from palatine.tensor.client.local import LocalCluster, check_shape, connect
 if TYPE_CHECKING:
     from palatine.tensor.client.mesh import DeviceMesh
 
-__all__ = ["JobRecord", "SlurmJob", "find_job"]
+__all__ = ["JobRecord", "SlurmJob", "cancel_steps", "find_job"]
 
 _COMMENT = "palatine:"  # sbatch --comment=palatine:<log dir>: where the job's record is
 
@@ -129,6 +129,7 @@ class SlurmJob:
         self.use_allocation = use_allocation
         self.job_id: str | None = None
         self._in_allocation = False  # `apply` used the allocation it runs in
+        self._commented = False  # ... and set its comment (to where the record is)
         self._step: subprocess.Popen[bytes] | None = None  # the hosts, in an allocation
         self._cluster: _SlurmCluster | None = None
         self._token = ""
@@ -142,6 +143,7 @@ class SlurmJob:
         allocation: start them as a step of it); the job id."""
         if self.job_id is not None:
             return self.job_id
+        self._in_allocation = False
         check_open_files(
             self.hosts * self.procs_per_host + self.hosts + 2,
             f"a job of {self.hosts * self.procs_per_host} procs",
@@ -198,7 +200,8 @@ class SlurmJob:
         nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or ""
         if nodes.isdigit() and int(nodes) < self.hosts:
             raise SchedulerError(
-                f"allocation {job} has {nodes} node(s); the job asks for {self.hosts} hosts"
+                f"allocation {job} has {nodes} node(s); the job asks for {self.hosts} hosts "
+                "(use_allocation=False, or palatine launch --submit, submits a job of its own)"
             )
         return job
 
@@ -277,11 +280,17 @@ class SlurmJob:
             transport=self.transport,
             log_dir=str(logs.path),
             pid=os.getpid(),
+            step_name=self.job_name if self._in_allocation else None,
         )
         Path(logs.file("job.json")).write_bytes(msgspec.json.encode(record))
-        if self._in_allocation:  # (sbatch set it for a job of our own)
-            _scheduler(
-                ["scontrol", "update", f"JobId={self.job_id}", f"Comment={_COMMENT}{logs.path}"]
+        # sbatch set the comment of a job of our own; an allocation's is set only where its
+        # owner left none, and cleared again when the step ends (`_end_step`)
+        if self._in_allocation and _comment_of(self.job_id) is None:
+            self._commented = (
+                _scheduler(
+                    ["scontrol", "update", f"JobId={self.job_id}", f"Comment={_COMMENT}{logs.path}"]
+                )
+                is not None
             )
 
     def client_env(self) -> dict[str, str]:
@@ -403,21 +412,29 @@ class SlurmJob:
             self._scancel()
 
     def _end_step(self) -> None:
-        """End the hosts' step (SIGTERM to ``srun``, which passes it to the hosts; SIGKILL
-        after `_STEP_STOP_S`); the allocation stays."""
+        """End the hosts' step: SIGTERM to ``srun``, which passes it to the hosts; if
+        that is not enough within `_STEP_STOP_S`, ``scancel`` of the step itself (never
+        of the allocation), then SIGKILL to ``srun``. The allocation goes on."""
         step, self._step = self._step, None
-        self.job_id = None
+        job, self.job_id = self.job_id, None
+        if job is not None and self._commented:
+            self._commented = False
+            _scheduler(["scontrol", "update", f"JobId={job}", "Comment="])
         if step is None or step.poll() is not None:
             return
-        for sig, wait_s in ((signal.SIGTERM, _STEP_STOP_S), (signal.SIGKILL, _STEP_STOP_S)):
-            try:
-                step.send_signal(sig)
-                step.wait(wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-            except ProcessLookupError:
-                return
+        step.send_signal(signal.SIGTERM)
+        try:
+            step.wait(_STEP_STOP_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        if job is not None:
+            cancel_steps(job, self.job_name)
+        step.kill()
+        try:
+            step.wait(_STEP_STOP_S)
+        except subprocess.TimeoutExpired:  # pragma: no cover - srun ignoring SIGKILL
+            pass
 
     def _scancel(self) -> None:
         """Cancel the allocation and wait (bounded) until Slurm no longer lists it."""
@@ -471,6 +488,9 @@ class JobRecord(msgspec.Struct, frozen=True, kw_only=True):
     transport: str
     log_dir: str
     pid: int  # the process that applied the job (its client or ``palatine launch``)
+    # Inside an allocation of its own owner's (a batch script): the name of palatine's
+    # step there, which is what ``palatine job cancel`` ends; None: the job is palatine's.
+    step_name: str | None = None
 
     def token(self) -> str | None:
         """The job's cluster token, if this user can read it."""
@@ -529,6 +549,29 @@ def _scheduler(argv: list[str]) -> str | None:
     except (FileNotFoundError, subprocess.TimeoutExpired):
         return None
     return done.stdout if done.returncode == 0 else None
+
+
+def cancel_steps(job_id: str, name: str) -> list[str]:
+    """``scancel`` the steps named ``name`` of job ``job_id`` (not the job); their ids."""
+    out = _scheduler(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"]) or ""
+    steps = [
+        words[0]
+        for words in (line.split() for line in out.splitlines())
+        if len(words) == 2 and words[1] == name and words[0].startswith(f"{job_id}.")
+    ]
+    for step in steps:
+        _scheduler(["scancel", step])
+    return steps
+
+
+def _comment_of(job_id: str) -> str | None:
+    """The comment of job ``job_id`` (None if it has none, or Slurm does not say)."""
+    out = _scheduler(["scontrol", "-o", "show", "job", job_id]) or ""
+    for word in out.split():
+        if word.startswith("Comment="):
+            value = word.split("=", 1)[1]
+            return None if value in ("", "(null)") else value
+    return None
 
 
 def _node_addr() -> str | None:

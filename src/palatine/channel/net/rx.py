@@ -429,6 +429,8 @@ class ServerConn(asyncio.BufferedProtocol):
             if abort:
                 self.transport.abort()
             else:
+                if self._writer is not None:
+                    self._writer.hand_over()  # (a lane reply under way, a last ack)
                 self.transport.close()
 
     # Reading is paused while either the proc's inbound queue is full (`pause`, by the

@@ -79,6 +79,13 @@ class SlicedWriter:
         """Drop what is still waiting (the connection is gone)."""
         self._rest.clear()
 
+    def hand_over(self) -> None:
+        """Hand everything still waiting to the transport at once, before it is closed
+        (a closing transport takes no more, but sends what it has)."""
+        rest, self._rest = list(self._rest), deque()
+        if rest and not self._transport.is_closing():
+            self._transport.writelines(rest)
+
     def _pump(self) -> None:
         rest = self._rest
         transport = self._transport
