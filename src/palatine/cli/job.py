@@ -6,7 +6,8 @@ its system reports: which rank runs on which host, and how healthy it is. ``canc
 runs ``scancel``, waits until Slurm no longer lists the job, and stops the job's system,
 controller and hosts; the program that ran against it gets a `DeviceException` naming
 the lost ranks. A job that palatine runs inside its owner's allocation (a batch script)
-loses only palatine's step there: the allocation goes on. A job id Slurm does not list is exit 1; ``--json`` prints one document.
+loses only palatine's step there (its launcher then stops the rest): the allocation goes
+on. A job id Slurm does not list is exit 1; ``--json`` prints one document.
 """
 
 from __future__ import annotations
@@ -123,17 +124,24 @@ def _cancel(job: str, record: Any) -> int:
 
 def _cancel_step(job: str, record: Any) -> int:
     """A job that runs inside its owner's allocation (a batch script): end palatine's
-    step there and its system, not the allocation."""
-    from palatine.job.slurm import cancel_steps
+    step there, not the allocation. The hosts' ranks are reported lost to the program
+    that runs against them, and its launcher stops the system and the controller when
+    the program ends (stopping them here could beat that report to the program)."""
+    from palatine.job.slurm import cancel_steps, steps_named
 
     steps = cancel_steps(job, record.step_name)
-    text = (
-        f"job {job}: palatine's step {', '.join(steps)} cancelled; the allocation goes on"
-        if steps
-        else f"job {job}: no step of palatine's ({record.step_name}) is running"
-    )
-    print(text + _stop_system(record))
-    return 0
+    deadline = time.monotonic() + _GONE_S  # (the hosts end first: the ranks are reported)
+    while steps and time.monotonic() < deadline and steps_named(job, record.step_name):
+        time.sleep(0.2)
+    left = steps_named(job, record.step_name) if steps else []
+    if not steps:
+        text = f"job {job}: no step of palatine's ({record.step_name}) is running"
+    elif left:
+        text = f"job {job}: palatine's step {', '.join(left)} is still running"
+    else:
+        text = f"job {job}: palatine's step {', '.join(steps)} cancelled; the allocation goes on"
+    print(text)
+    return 1 if left else 0
 
 
 def _stop_system(record: Any) -> str:

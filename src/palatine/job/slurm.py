@@ -58,7 +58,7 @@ from palatine.tensor.client.local import LocalCluster, check_shape, connect
 if TYPE_CHECKING:
     from palatine.tensor.client.mesh import DeviceMesh
 
-__all__ = ["JobRecord", "SlurmJob", "cancel_steps", "find_job"]
+__all__ = ["JobRecord", "SlurmJob", "cancel_steps", "find_job", "steps_named"]
 
 _COMMENT = "palatine:"  # sbatch --comment=palatine:<log dir>: where the job's record is
 
@@ -206,9 +206,12 @@ class SlurmJob:
         return job
 
     def _srun(self, system_addr: str, logs: LogSession, allocation: str) -> subprocess.Popen[bytes]:
-        """The hosts as one step of this allocation: one task per node."""
+        """The hosts as one step of this allocation: one task per node. ``--overlap``:
+        the step shares the allocation with any step already holding it (an interactive
+        ``srun --pty bash``), instead of waiting for it to end."""
         argv = [
-            "srun", "--kill-on-bad-exit=1", f"--nodes={self.hosts}", f"--ntasks={self.hosts}",
+            "srun", "--overlap", "--kill-on-bad-exit=1", f"--nodes={self.hosts}",
+            f"--ntasks={self.hosts}",
             "--ntasks-per-node=1", f"--job-name={self.job_name}",
             f"--output={logs.path}/slurm-{allocation}-hosts.out",
             "bash", "-c", _host_command("SLURM_PROCID"), self.python, system_addr,
@@ -551,14 +554,19 @@ def _scheduler(argv: list[str]) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def cancel_steps(job_id: str, name: str) -> list[str]:
-    """``scancel`` the steps named ``name`` of job ``job_id`` (not the job); their ids."""
+def steps_named(job_id: str, name: str) -> list[str]:
+    """The ids (``JOB.STEP``) of job ``job_id``'s running steps named ``name``."""
     out = _scheduler(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"]) or ""
-    steps = [
+    return [
         words[0]
         for words in (line.split() for line in out.splitlines())
         if len(words) == 2 and words[1] == name and words[0].startswith(f"{job_id}.")
     ]
+
+
+def cancel_steps(job_id: str, name: str) -> list[str]:
+    """``scancel`` the steps named ``name`` of job ``job_id`` (not the job); their ids."""
+    steps = steps_named(job_id, name)
     for step in steps:
         _scheduler(["scancel", step])
     return steps
