@@ -103,8 +103,7 @@ def bare_echo(
             return median_rtts_us("unix", f"{d}/echo.sock", args.reps, count), {}
     where = bed.node_ip(0)
     env = pki[where] if pki else None
-    with patch.dict(os.environ, pki[bed.root_ip] if pki else {}):
-        return median_rtts_us(transport, where, args.reps, count, bed.prefix(0), env), {}
+    return median_rtts_us(transport, where, args.reps, count, bed.prefix(0), env), {}
 
 
 def remote_calls(
@@ -221,22 +220,15 @@ def main() -> None:
         return None
 
     def with_pki(measure: Any) -> tuple[list[float], dict[str, Any]]:
+        """``measure(bed, pki)`` with one certificate per machine of the bed, this
+        machine's in the environment meanwhile."""
         from palatine.testing.certs import make_node_pki
 
         b = need_bed()
         with tempfile.TemporaryDirectory() as d:
             pki = make_node_pki(d, [b.root_ip, *(b.node_ip(i) for i in range(b.nodes))])
-            return measure(b, pki)  # type: ignore[no-any-return]
-
-    def measure_tls(
-        b: TestBed, pki: dict[str, dict[str, str]]
-    ) -> tuple[list[float], dict[str, Any]]:
-        with patch.dict(os.environ, pki[b.root_ip]):  # this machine's certificate
-            return remote_calls(args, b, pki, unix_median(), bare_extra("tls"))
-
-    def fetch_tls(b: TestBed, pki: dict[str, dict[str, str]]) -> tuple[list[float], dict[str, Any]]:
-        with patch.dict(os.environ, pki[b.root_ip]):
-            return fetch_rate(args, b, pki)
+            with patch.dict(os.environ, pki[b.root_ip]):
+                return measure(b, pki)  # type: ignore[no-any-return]
 
     try:
         run_metric(args, "cross_node_1_1_calls_unix", IMPL, "calls/s", True, VERSION, measure_unix)
@@ -249,11 +241,12 @@ def main() -> None:
         run_metric(args, "cross_node_1_1_calls_tcp", IMPL, "calls/s", True, VERSION,
                    lambda: remote_calls(args, need_bed(), None, unix_median(), bare_extra("tcp")))  # fmt: skip
         run_metric(args, "cross_node_1_1_calls_tls", IMPL, "calls/s", True, VERSION,
-                   lambda: with_pki(measure_tls))  # fmt: skip
+                   lambda: with_pki(lambda b, pki: remote_calls(
+                       args, b, pki, unix_median(), bare_extra("tls"))))  # fmt: skip
         run_metric(args, "cross_node_fetch_64MiB_GBps", IMPL, "GB/s", True, VERSION,
                    lambda: fetch_rate(args, need_bed()))  # fmt: skip
         run_metric(args, "cross_node_fetch_64MiB_tls_GBps", IMPL, "GB/s", True, VERSION,
-                   lambda: with_pki(fetch_tls))  # fmt: skip
+                   lambda: with_pki(lambda b, pki: fetch_rate(args, b, pki)))  # fmt: skip
         run_metric(args, "cross_node_detect_sigkill_s", IMPL, "s", False, VERSION,
                    lambda: detect(need_bed(), "sigkill"))  # fmt: skip
         run_metric(args, "cross_node_detect_link_cut_s", IMPL, "s", False, VERSION,

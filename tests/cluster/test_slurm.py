@@ -198,6 +198,38 @@ def test_palatine_launch_exits_with_the_programs_status_and_hands_it_the_job(
     assert slurm.squeue() == []
 
 
+def wait_forever() -> int:
+    import time
+
+    time.sleep(3600)
+    return 0
+
+
+# A client program that attaches, waits on a call to a rank of host 1, and exits 4 with
+# the error once that rank is lost.
+WAIT_PROGRAM = (
+    "import sys, palatine\n"
+    "from palatine import fetch, remote\n"
+    f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+    "from test_slurm import wait_forever\n"
+    "with palatine.connect() as mesh:\n"
+    "    print('attached', flush=True)\n"
+    "    try:\n"
+    "        fetch(remote(wait_forever)(), shard={'host': 1, 'proc': 0}).result(timeout=120)\n"
+    "    except palatine.DeviceException as e:\n"
+    "        print('lost:', str(e).splitlines()[0], flush=True)\n"
+    "        sys.exit(4)\n"
+)
+
+
+def palatine_job(action: str, job_id: str) -> subprocess.CompletedProcess[str]:
+    """``palatine job ACTION JOB``, run to its end (bounded)."""
+    return subprocess.run(
+        [sys.executable, "-m", "palatine", "job", action, job_id],
+        capture_output=True, text=True, timeout=90, check=False,
+    )  # fmt: skip
+
+
 def submit_batch(tmp_path: Path, nodes: int, lines: list[str]) -> tuple[str, Path]:
     """Submit a batch script of ``nodes`` nodes (one task each) that runs ``lines`` on
     the first, from this environment less this machine's address; (job id, output file)."""
@@ -262,19 +294,7 @@ def test_palatine_job_cancel_ends_palatines_step_in_a_batch_script_and_the_scrip
     slurm: SlurmTestCluster, tmp_path: Path
 ) -> None:
     program = tmp_path / "wait.py"
-    program.write_text(
-        "import sys, palatine\n"
-        "from palatine import fetch, remote\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_slurm import wait_forever\n"
-        "with palatine.connect() as mesh:\n"
-        "    print('attached', flush=True)\n"
-        "    try:\n"
-        "        fetch(remote(wait_forever)(), shard={'host': 1, 'proc': 0}).result(timeout=120)\n"
-        "    except palatine.DeviceException as e:\n"
-        "        print('lost:', str(e).splitlines()[0], flush=True)\n"
-        "        sys.exit(4)\n"
-    )
+    program.write_text(WAIT_PROGRAM)
     py = sys.executable
     job_id, out = submit_batch(tmp_path, 2, [
         f"{py} -m palatine launch --hosts 2 --procs-per-host 1 --start-timeout-in-sec 120 "
@@ -286,17 +306,11 @@ def test_palatine_job_cancel_ends_palatines_step_in_a_batch_script_and_the_scrip
         assert time.monotonic() < deadline and slurm.squeue(), out.read_text()
         time.sleep(0.2)
 
-    def palatine_job(action: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "palatine", "job", action, job_id],
-            capture_output=True, text=True, timeout=90, check=False,
-        )  # fmt: skip
-
-    status = palatine_job("status")  # the record is found through the job's comment
+    status = palatine_job("status", job_id)  # the record is found through the job's comment
     assert status.returncode == 0 and "world worker: Live, 2/2 procs alive" in status.stdout, (
         status.stdout + status.stderr
     )
-    cancel = palatine_job("cancel")
+    cancel = palatine_job("cancel", job_id)
     assert cancel.returncode == 0, cancel.stdout + cancel.stderr
     assert cancel.stdout.startswith(f"job {job_id}: palatine's step {job_id}."), cancel.stdout
     assert "cancelled; the allocation goes on" in cancel.stdout, cancel.stdout
@@ -306,29 +320,10 @@ def test_palatine_job_cancel_ends_palatines_step_in_a_batch_script_and_the_scrip
     assert "JobState=COMPLETED" in text and "ExitCode=0:0" in text, text
 
 
-def wait_forever() -> int:
-    import time
-
-    time.sleep(3600)
-    return 0
-
-
 def test_palatine_job_status_names_where_each_rank_runs_and_cancel_ends_the_launch(
     slurm: SlurmTestCluster,
 ) -> None:
-    program = (
-        "import sys, palatine\n"
-        "from palatine import fetch, remote\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_slurm import wait_forever\n"
-        "with palatine.connect() as mesh:\n"
-        "    print('attached', flush=True)\n"
-        "    try:\n"
-        "        fetch(remote(wait_forever)(), shard={'host': 1, 'proc': 0}).result(timeout=120)\n"
-        "    except palatine.DeviceException as e:\n"
-        "        print('lost:', str(e).splitlines()[0], flush=True)\n"
-        "        sys.exit(4)\n"
-    )
+    program = WAIT_PROGRAM
     argv = [sys.executable, "-m", "palatine", "launch", "--scheduler", "slurm", "--partition",
             PARTITION, "--hosts", "2", "--procs-per-host", "1", "--start-timeout-in-sec", "120",
             "--", sys.executable, "-c", program]  # fmt: skip
@@ -339,10 +334,7 @@ def test_palatine_job_status_names_where_each_rank_runs_and_cancel_ends_the_laun
         assert first == "attached\n", first + launcher.stderr.read()
         job_id = slurm.squeue()[0].split()[0]
 
-        status = subprocess.run(
-            [sys.executable, "-m", "palatine", "job", "status", job_id],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+        status = palatine_job("status", job_id)
         assert status.returncode == 0, status.stderr
         text = status.stdout
         assert text.startswith(f"job {job_id}: RUNNING for "), text
@@ -353,10 +345,7 @@ def test_palatine_job_status_names_where_each_rank_runs_and_cancel_ends_the_laun
         assert {ip for _, ip in ranks} == {slurm.bed.node_ip(0), slurm.bed.node_ip(1)}, text
 
         cancelled_at = time.monotonic()
-        cancel = subprocess.run(
-            [sys.executable, "-m", "palatine", "job", "cancel", job_id],
-            capture_output=True, text=True, timeout=90, check=False,
-        )  # fmt: skip
+        cancel = palatine_job("cancel", job_id)
         assert cancel.returncode == 0, cancel.stdout + cancel.stderr
         assert cancel.stdout.startswith(f"job {job_id}: cancelled"), cancel.stdout
         code = launcher.wait(timeout=60)
@@ -373,10 +362,7 @@ def test_palatine_job_status_names_where_each_rank_runs_and_cancel_ends_the_laun
             except subprocess.TimeoutExpired:
                 launcher.kill()
                 launcher.wait(30)
-    gone = subprocess.run(
-        [sys.executable, "-m", "palatine", "job", "status", job_id],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    gone = palatine_job("status", job_id)
     assert gone.returncode == 1
     assert f"job {job_id} is not in Slurm's queue" in gone.stderr
 

@@ -574,19 +574,20 @@ def cancel_steps(job_id: str, name: str) -> list[str]:
 
 def _comment_of(job_id: str) -> str | None:
     """The comment of job ``job_id`` (None if it has none, or Slurm does not say)."""
-    out = _scheduler(["scontrol", "-o", "show", "job", job_id]) or ""
-    for word in out.split():
-        if word.startswith("Comment="):
-            value = word.split("=", 1)[1]
-            return None if value in ("", "(null)") else value
-    return None
+    return _scontrol_field("job", job_id, "Comment")
 
 
 def _node_addr() -> str | None:
     """This node's ``NodeAddr`` in Slurm's configuration (None if unknown)."""
     name = os.environ.get("SLURMD_NODENAME")
-    out = _scheduler(["scontrol", "-o", "show", "node", name]) if name else None
-    for word in (out or "").split():
-        if word.startswith("NodeAddr="):
-            return word.split("=", 1)[1] or None
+    return _scontrol_field("node", name, "NodeAddr") if name else None
+
+
+def _scontrol_field(kind: str, name: str, key: str) -> str | None:
+    """``key``'s value in ``scontrol show kind name`` (None if empty, unset or unknown)."""
+    out = _scheduler(["scontrol", "-o", "show", kind, name]) or ""
+    for word in out.split():
+        if word.startswith(f"{key}="):
+            value = word.split("=", 1)[1]
+            return None if value in ("", "(null)") else value
     return None

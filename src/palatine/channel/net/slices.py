@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 __all__ = ["SLICE_BYTES", "SlicedWriter"]
@@ -53,14 +53,12 @@ class SlicedWriter:
     def write(self, data: bytes | memoryview) -> None:
         self.writelines((data,))
 
-    def writelines(self, parts: Iterable[bytes | memoryview]) -> None:
+    def writelines(self, parts: Sequence[bytes | memoryview]) -> None:
         """Write ``parts`` (bytes or flat byte views) after everything written before."""
         rest = self._rest
-        if not rest:
-            parts = parts if isinstance(parts, (list, tuple)) else list(parts)
-            if sum(map(len, parts)) <= SLICE_BYTES:  # the usual case: all at once
-                self._transport.writelines(parts)
-                return
+        if not rest and sum(map(len, parts)) <= SLICE_BYTES:  # the usual case: all at once
+            self._transport.writelines(parts)
+            return
         views = (memoryview(part) for part in parts)
         rest.extend(view for view in views if view.nbytes)
         self._pump()
