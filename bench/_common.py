@@ -135,7 +135,7 @@ def run_metric(
         return
     try:
         reps, extra = measure()
-    except Exception as exc:  # one failing metric must not end the others
+    except Exception as exc:  # noqa: BLE001 - one failing metric must not end the others
         emit_error(metric, impl, unit, higher_is_better, version, exc)
         return
     reps = [round(r, 6) for r in reps]

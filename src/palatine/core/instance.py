@@ -299,7 +299,7 @@ class ActorInstance:
         except _Failure as f:
             pending = None
             self._push((_FAILED, None, f, None))
-        except BaseException as e:  # (CancelledError and such) a panic, as on the task
+        except BaseException as e:  # noqa: BLE001 - (CancelledError and such) a panic, as on the task
             pending = None
             tb = traceback.format_exc()
             why = f"serving {self.id}: panic: {type(e).__name__}: {e}"
@@ -437,7 +437,7 @@ class ActorInstance:
         except _Failure as f:
             self.failure = f.message
             self.failure_tb = f.tb
-        except BaseException as e:  # runtime code bug: a panic
+        except BaseException as e:  # noqa: BLE001 - runtime code bug: a panic
             self.failure = f"serving {self.id}: panic: {type(e).__name__}: {e}"
             self.failure_tb = traceback.format_exc()
         self.cx.env = None
@@ -525,12 +525,12 @@ class ActorInstance:
                 return None
             self._handler_raised(e, env)
             return None
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a handler's error is its caller's reply
             self._handler_raised(e, env)
             return None
         except asyncio.CancelledError:
             raise
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - anything else is a panic of the actor
             self._panic(e, env)
         kind = type(result)
         if kind is suspend.Suspension:
@@ -581,12 +581,12 @@ class ActorInstance:
             if env.reply_to is not None:
                 self._reply_error(env, "ActorAborted", f.message)
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a handler's error is its caller's reply
             self._handler_raised(e, env)
             return
         except asyncio.CancelledError:
             raise
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - anything else is a panic of the actor
             self._panic(e, env)
         if env.reply_to is not None and not explicit:
             self._reply_value(env, result, method)
@@ -607,12 +607,12 @@ class ActorInstance:
             if env.reply_to is not None:
                 self._reply_error(env, "ActorAborted", f.message)
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a handler's error is its caller's reply
             self._handler_raised(e, env)
             return
         except asyncio.CancelledError:
             raise
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - anything else is a panic of the actor
             self._panic(e, env)
         if env.reply_to is not None and result is not None:
             self.reply(env.reply_to, result, env)
@@ -676,7 +676,7 @@ class ActorInstance:
         # Either failure is the caller's, not the actor's: the call fails, the actor serves on.
         try:
             data, bufs = dumps(value)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a result that cannot be sent is the caller's error
             why = f"{method} returned a {name}, which cannot be sent: {e}"
             self._reply_error(req, type(e).__qualname__, why, e)
             return
@@ -774,7 +774,7 @@ class ActorInstance:
             token = _current_cx.set(self.cx)
             try:
                 await self.actor.on_stop(reason)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - on_stop's error is the actor's failure
                 self.failure = f"serving {self.id}: on_stop error: {type(e).__name__}: {e}"
                 self.failure_tb = traceback.format_exc()
                 failed = True
@@ -787,7 +787,7 @@ class ActorInstance:
                 done = cleanup(ActorAborted(self.failure) if failed else None)
                 if inspect.isawaitable(done):
                     await done
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - __cleanup__'s error is the actor's failure
                 if not failed:
                     self.failure = f"serving {self.id}: __cleanup__ error: {type(e).__name__}: {e}"
                     self.failure_tb = traceback.format_exc()

@@ -54,7 +54,7 @@ def _import(modules: Sequence[str], *, warm: bool) -> None:
         for name in modules:
             try:
                 importlib.import_module(name)
-            except Exception as e:  # a broken module must not take the server down
+            except Exception as e:  # noqa: BLE001 - a broken module must not take the server down
                 what = "warm" if warm else "preload"
                 sys.stderr.write(f"palatine fork server: cannot {what} {name}: {e}\n")
     finally:

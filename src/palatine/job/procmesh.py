@@ -257,7 +257,8 @@ class ProcMesh:
         while asyncio.get_running_loop().time() < deadline:
             try:
                 state = await client.world_state(self.world.name)
-            except Exception:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - a system that cannot answer has no world to wait for
+                log.debug("waiting for %s to end: %s", self.world, e)
                 break
             if state.state is None:
                 break
@@ -320,6 +321,6 @@ async def abandon(
 ) -> None:
     try:
         await client.stop([world.name], 1.0)
-    except Exception:  # noqa: BLE001
-        pass
+    except Exception as e:  # noqa: BLE001 - abandoning is best effort: its hosts stop the procs too
+        log.debug("abandon %s: %s", world, e)
     await release()
