@@ -1,9 +1,20 @@
 """palatine: a single-controller distributed runtime for Python and PyTorch.
 
-Layers (folders), each importing only those below it:
+Layers (folders), bottom up; each imports only its own layer and those below it
+(``tests/unit/test_layering.py`` checks this list against the code and the docs):
 
-    errors, ids, config, output -> wire -> channel -> core -> fastpath -> mesh
-    -> protocol -> hosting -> system -> job -> tensor -> cli
+    0. errors, ids, config, output
+    1. wire
+    2. channel
+    3. core
+    4. fastpath
+    5. mesh
+    6. protocol
+    7. hosting
+    8. system
+    9. tensor
+    10. job
+    11. cli, __main__
 
 Public names are loaded lazily, so ``import palatine`` stays cheap for worker procs; the
 ``TYPE_CHECKING`` block below gives editors and type checkers the real types. Everything

@@ -18,6 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol, TypeVar, overload
 
 from palatine.core.mailbox import Mailbox, OncePort, ProcLink, StreamPort
+from palatine.core.shape import Point
 from palatine.errors import MeshFailure
 from palatine.ids import ActorId, GangId, PortId, ProcId
 from palatine.wire.codec import Message, register
@@ -344,10 +345,10 @@ def context() -> Context:
     return cx
 
 
-def current_rank() -> dict[str, int]:
+def current_rank() -> Point | dict[str, int]:
     """The running actor's coordinates in its mesh: a `palatine.core.shape.Point`
     (``{"hosts": 1, "gpus": 3}``, with ``.rank`` and ``.extent``) for actors a proc
-    mesh spawned."""
+    mesh spawned; a plain dict (``{}`` for an actor outside any mesh) otherwise."""
     return context().rank
 
 
