@@ -1,4 +1,4 @@
-"""The ControllerActor: a thin shell over sans-IO cores.
+"""The ControllerActor: a shell over sans-IO cores.
 
 It serves one client and owns three cores that never do I/O:
 
@@ -6,12 +6,19 @@ It serves one client and owns three cores that never do I/O:
 * `ProgressMonitor`: the stall deadline, probes, checks and stall reports;
 * `SupervisionMonitor`: once-only Failures from polls and pushed system events.
 
-Each handler feeds its message to a core and executes the returned instructions
-(`palatine.protocol.controller`). Handlers never wait for a remote reply: supervision
-queries, subscriptions and the stall report's progress queries and stack dumps
-(`palatine.tensor.controller.stalls`) run as tasks whose outcome is posted back to the actor as
-a message. Handlers catch their own errors; messages from
-strangers, out-of-range ranks and bad Sends are dropped with a rate-limited warning.
+Handlers feed their messages to the cores and execute the returned instructions
+(`palatine.protocol.controller.Instruction`, one ``match`` case each). All handlers but
+one return without waiting for a remote reply: supervision queries, subscriptions and
+the stall report's progress queries and stack dumps (`palatine.tensor.controller.stalls`)
+run as tasks of the actor whose outcome is posted back to it as a message.
+
+The one that awaits is `on_recover`: the reply to `Recover` is the outcome of the
+recovery (`palatine.tensor.controller.recovery`: kill what is left of the ranks, respawn
+their procs, wait until they joined, spawn their workers), every step bounded by the
+spawn timeout. While it waits the actor handles no other message, so the cores see a
+recovery as one step, and its failure is the error reply the client's recovery raises.
+The other handlers catch their own errors; messages from strangers, out-of-range ranks
+and bad Sends are dropped with a rate-limited warning.
 
 Client commands (`Send`) and the controller's own probes are cast, undecoded, to the gang
 ``W.<worker_name>`` through one fan-out tree rooted in this actor's mailbox, so every
@@ -32,17 +39,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable
-from typing import Any
-
-import msgspec
+from typing import Any, assert_never
 
 from palatine import config
 from palatine.core.actor import Actor, handler
 from palatine.core.comm import Cast, RankSet, cast_envelope, normalize
 from palatine.core.proc import Proc
 from palatine.errors import SystemRequestError, error_text
-from palatine.ids import SYSTEM_ACTOR, ActorId, GangId, PortId, ProcId
-from palatine.protocol.agent import KillProc, Spawn
+from palatine.ids import SYSTEM_ACTOR, ActorId, GangId, PortId
 from palatine.protocol.controller import (
     CONTROLLER_ACTOR_TYPE,
     Attach,
@@ -81,15 +85,9 @@ from palatine.protocol.controller import (
     Status,
     SupervisionResult,
     Warn,
-    WorkerProcRecord,
 )
 from palatine.protocol.system import (
-    ProcEntry,
     ProcFailed,
-    Rejected,
-    RespawnProcs,
-    Snapshot,
-    SnapshotFilter,
     Stop,
     Subscribe,
     SystemStopping,
@@ -97,9 +95,10 @@ from palatine.protocol.system import (
     WorldState,
     WorldStatusChanged,
 )
-from palatine.protocol.worker import RequestStatus, Slice, WorkerParams
+from palatine.protocol.worker import RequestStatus, Slice
 from palatine.tensor.controller.history import History
 from palatine.tensor.controller.progress import ProgressMonitor
+from palatine.tensor.controller.recovery import recover_ranks
 from palatine.tensor.controller.stalls import collect_stall_report
 from palatine.tensor.controller.supervision import PendingFailures, SupervisionMonitor
 from palatine.wire.codec import Message, encode_message
@@ -108,10 +107,6 @@ from palatine.wire.envelope import ENC_MSGPACK, Envelope
 __all__ = ["ControllerActor"]
 
 log = logging.getLogger(__name__)
-
-#: How long a recovery waits for a rank it was asked to bring back, and that the system
-#: still has alive, to be known as ended (a signal in flight, a lost host's procs).
-RECOVER_GRACE_S = 5.0
 
 _LEVELS = {
     "debug": logging.DEBUG,
@@ -270,26 +265,27 @@ class ControllerActor(Actor):
     # ------------------------------------------------------------------ instructions
 
     def _execute(self, out: Iterable[Instruction]) -> None:
-        """Carry out the cores' instructions, in order."""
+        """Carry out the cores' instructions, in order (one case per `Instruction`)."""
         for ins in out:
-            if isinstance(ins, Schedule):
-                self._schedule(ins.delay_s, ins.timer)
-            elif isinstance(ins, SendProbe):
-                self._probe(ins)
-            elif isinstance(ins, Fail):
-                self._fail(ins.failure)
-            elif isinstance(ins, Warn):
-                log.warning("%s", ins.message)
-                self._to_client(Log(level="warn", message=ins.message, details=ins.details))
-            elif isinstance(ins, LogLine):
-                log.log(_LEVELS.get(ins.level, logging.INFO), "%s", ins.message)
-            elif isinstance(ins, QueryWorldState):
-                self._spawn(self._query_world_state())
-            elif isinstance(ins, RequestStacks):
-                self.stall_reports += 1
-                self._spawn(self._stall_report(ins))
-            else:
-                log.error("unknown instruction %r", ins)
+            match ins:
+                case Schedule():
+                    self._schedule(ins.delay_s, ins.timer)
+                case SendProbe():
+                    self._probe(ins)
+                case Fail():
+                    self._fail(ins.failure)
+                case Warn():
+                    log.warning("%s", ins.message)
+                    self._to_client(Log(level="warn", message=ins.message, details=ins.details))
+                case LogLine():
+                    log.log(_LEVELS.get(ins.level, logging.INFO), "%s", ins.message)
+                case QueryWorldState():
+                    self._spawn(self._query_world_state())
+                case RequestStacks():
+                    self.stall_reports += 1
+                    self._spawn(self._stall_report(ins))
+                case _:
+                    assert_never(ins)
 
     def _probe(self, probe: SendProbe) -> None:
         """Cast ``RequestStatus{seq, controller: true}``, unless it would overtake a Send.
@@ -455,89 +451,29 @@ class ControllerActor(Actor):
 
     @handler
     async def on_recover(self, msg: Recover) -> Recovered:
-        """Bring lost ranks back (`Recover`): respawn their procs through the system,
-        spawn a worker actor on each, count them as having passed every seq so far.
-
-        Without ``msg.ranks``: the dead ranks, and the culprits of a ``stuck`` Failure
-        (`palatine.tensor.controller.progress.culprits`). What is left of each rank is
-        killed first by its host (`_end_procs`: a stuck rank is alive). A named rank the
-        system still has alive is waited for (`RECOVER_GRACE_S`: its death may be on its
-        way, as for a lost host's procs), then refused unless declared stuck. Every step
-        is bounded by the spawn timeout; a failure raises (the client's recovery fails
-        with the reason) and leaves the session failed."""
+        """Bring lost ranks back (`Recover`; `palatine.tensor.controller.recovery`), then
+        count them as having passed every seq so far and watch them again. Awaited: the
+        reply is the recovery's outcome, and no other message is handled meanwhile. A
+        failure raises (the client's recovery fails with the reason) and leaves the session
+        failed."""
         if not self._from_client("Recover"):
             raise RuntimeError("Recover from a stranger")
-        p = self.params
         supervision = self.supervision
         assert supervision is not None  # (made in init)
         progress = self.progress
-        stuck = set(progress.stuck) if progress is not None else set()
-        mb = self.cx.mailbox
-        proc = Proc.of(self.cx)
-        deadline = self._now() + p.spawn_timeout_s
-        # The system may know of deaths not reported here yet (a lost host's procs come
-        # one by one): count them as dead (their late reports name an old pid: ignored).
-        supervision.mark_ended(await self._await_ended((), deadline))
-        if msg.ranks is not None:
-            wanted = set(msg.ranks)
-        else:
-            wanted = supervision.dead_ranks | set(progress.culprits if progress else ())
-        ranks = sorted(wanted)
+        records = await recover_ranks(
+            self.cx.mailbox,
+            Proc.of(self.cx),
+            self.params,
+            self.cx.actor_id,
+            supervision,
+            ranks=msg.ranks,
+            stuck=set(progress.stuck) if progress is not None else set(),
+            culprits=progress.culprits if progress is not None else (),
+        )
+        ranks = list(records)
         if not ranks:
             return Recovered(ranks=[])
-        for r in ranks:
-            if not 0 <= r < p.world_size:
-                raise ValueError(f"rank {r} is not in the worker world of {p.world_size}")
-        named = [r for r in ranks if r not in supervision.dead_ranks and r not in stuck]
-        if named:
-            until = min(deadline, self._now() + RECOVER_GRACE_S)
-            supervision.mark_ended(await self._await_ended(named, until))
-            for r in named:
-                if r not in supervision.dead_ranks:
-                    rec = supervision.record(r)
-                    where = f" (pid {rec.pid}, host {rec.host})" if rec is not None else ""
-                    raise ValueError(
-                        f"rank {r} of {p.worker_world}{where} is alive and not declared "
-                        "stuck: only a lost or stuck rank is recovered"
-                    )
-        alive = [r for r in ranks if r not in supervision.dead_ranks]
-        await self._end_procs(ranks, alive, deadline)
-        reply = await mb.ask(
-            SYSTEM_ACTOR, RespawnProcs(world_id=p.worker_world, ranks=ranks), p.spawn_timeout_s
-        )
-        if isinstance(reply, Rejected):
-            raise reply.to_error()
-        procs = {r: p.worker_world.proc(r) for r in ranks}
-        records = await self._await_joined(procs, deadline)
-        for pid in procs.values():
-            proc.peer_back(pid)
-        params = {
-            r: WorkerParams(
-                world_size=p.world_size,
-                rank=r,
-                device_index=p.worker_device_index,
-                controller_actor=self.cx.actor_id,
-            )
-            for r in ranks
-        }
-        spawned = await asyncio.gather(
-            *(
-                mb.ask(
-                    procs[r].actor("proc"),
-                    Spawn(
-                        actor_type=p.worker_actor_type,
-                        actor_name=p.worker_name,
-                        params=msgspec.msgpack.encode(params[r]),
-                    ),
-                    max(0.1, deadline - self._now()),
-                )
-                for r in ranks
-            ),
-            return_exceptions=True,
-        )
-        for r, res in zip(ranks, spawned, strict=True):
-            if isinstance(res, BaseException):
-                raise RuntimeError(f"the worker actor of rank {r} did not start: {res}") from res
         # The new incarnations have passed everything issued so far: they never saw it.
         after = (self.history.max_seq or 0) + 1
         reports: list[tuple[int, Any]] = []
@@ -550,116 +486,8 @@ class ControllerActor(Actor):
         self.mesh_failed = supervision.failed or (progress is not None and progress.failed)
         if reports:
             self._results(reports)
-        log.info("recovered ranks %s of %s", ranks, p.worker_world)
+        log.info("recovered ranks %s of %s", ranks, self.params.worker_world)
         return Recovered(ranks=ranks)
-
-    async def _worker_entries(self, until: float) -> dict[int, ProcEntry | None] | None:
-        """The system's entry of each worker rank's proc (None: no record); None when
-        the worker world is gone. Asked within ``until``."""
-        world = self.params.worker_world
-        snap = await self.cx.mailbox.ask(
-            SYSTEM_ACTOR,
-            Snapshot(filter=SnapshotFilter(worlds=[world])),
-            max(0.1, until - self._now()),
-        )
-        w = snap.worlds.get(world.name)
-        if w is None:
-            return None
-        return {r: w.procs.get(str(world.proc(r))) for r in range(self.params.world_size)}
-
-    async def _await_ended(self, ranks: Iterable[int], until: float) -> set[int]:
-        """The worker ranks whose procs the system has as ended (or has no record of),
-        once every one of ``ranks`` is among them or at ``until``, whichever is first."""
-        while True:
-            entries = await self._worker_entries(until)
-            if entries is None:
-                return set()
-            ended = {r for r, e in entries.items() if e is None or e.health != "Alive"}
-            if ended.issuperset(ranks) or self._now() >= until:
-                return ended
-            await asyncio.sleep(0.01)
-
-    async def _end_procs(self, ranks: list[int], stuck: list[int], deadline: float) -> None:
-        """Make sure no process of ``ranks`` still runs before they are respawned: each
-        one's host is asked to SIGKILL it (`KillProc`, that pid). That ends a ``stuck``
-        rank, and a rank declared dead whose process is still there (expired: stopped, or
-        cut off); a host that cannot be reached is logged (its procs are gone with it, or
-        cut off with it). Then wait (until ``deadline``) until the system has the stuck
-        ones ended. Errors name the rank's proc, pid and host."""
-        supervision = self.supervision
-        assert supervision is not None
-        mb = self.cx.mailbox
-        procs = {r: self.params.worker_world.proc(r) for r in ranks}
-
-        def who(r: int) -> str:
-            rec = supervision.record(r)
-            where = f"pid {rec.pid}, host {rec.host or '?'}" if rec is not None else "unknown"
-            return f"{procs[r]} (rank {r}, {where})"
-
-        async def end(r: int) -> None:
-            record = supervision.record(r)
-            if record is None or record.host_proc is None:
-                if r in stuck:
-                    raise RuntimeError(f"{who(r)} is stuck and its host is not known")
-                return
-            why = "declared stuck" if r in stuck else "declared dead"
-            kill = KillProc(proc_id=procs[r], pid=record.pid, reason=f"{why}; for a recovery")
-            bound = max(0.1, min(deadline, self._now() + RECOVER_GRACE_S) - self._now())
-            try:
-                killed = await mb.ask(record.host_proc.actor("proc"), kill, bound)
-            except Exception as e:  # noqa: BLE001 - reported below, or fatal when stuck
-                if r in stuck:
-                    raise RuntimeError(f"cannot kill {who(r)}: {error_text(e)}") from e
-                log.warning("recovery: could not reach the host of %s: %s", who(r), error_text(e))
-                return
-            if killed.proc_ids:
-                log.warning("recovery: killed %s (%s)", who(r), why)
-
-        results = await asyncio.gather(*(end(r) for r in ranks), return_exceptions=True)
-        for res in results:
-            if isinstance(res, BaseException):
-                raise res
-        if not stuck:
-            return
-        ended = await self._await_ended(stuck, deadline)
-        if not ended.issuperset(stuck):
-            left = ", ".join(who(r) for r in stuck if r not in ended)
-            raise TimeoutError(f"{left}: still running at the recovery's deadline after SIGKILL")
-        supervision.mark_ended(stuck)
-
-    async def _await_joined(
-        self, procs: dict[int, ProcId], deadline: float
-    ) -> dict[int, WorkerProcRecord]:
-        """Wait (until ``deadline``) until every respawned proc has joined alive; their
-        records. A proc that fails while starting fails the wait, naming it."""
-        while True:
-            known = await self._worker_entries(deadline) or {}
-            entries = {r: known.get(r) for r in procs}
-            if all(e is not None and e.health == "Alive" for e in entries.values()):
-                return {
-                    r: WorkerProcRecord(
-                        rank=r,
-                        proc_id=procs[r],
-                        pid=e.pid,
-                        host=e.host,
-                        addr=e.addr,
-                        host_proc=ProcId.parse(e.host_proc) if e.host_proc else None,
-                    )
-                    for r, e in entries.items()
-                    if e is not None
-                }
-            for r, e in entries.items():
-                if e is not None and e.health != "Alive":
-                    raise RuntimeError(
-                        f"{procs[r]} failed while starting again: {e.reason or e.health}"
-                    )
-            if self._now() > deadline:
-                waiting = [str(procs[r]) for r, e in entries.items() if e is None]
-                raise TimeoutError(
-                    f"{', '.join(waiting)} did not start again within "
-                    f"{self.params.spawn_timeout_s:g} s"
-                )
-            await asyncio.sleep(0.01)
 
     # ------------------------------------------------------------------ workers
 
