@@ -319,6 +319,48 @@ def test_snapshot_cli_json_and_table(cluster: Cluster) -> None:
     assert list(json.loads(some.stdout)["worlds"]) == ["w"]
 
 
+def test_snapshot_stimuli_prints_what_the_system_heard_and_decided(cluster: Cluster) -> None:
+    from palatine.errors import SystemRequestError
+    from palatine.protocol.system import Stimuli, StimulusLog
+
+    cluster.upsert("w", 4, 2)
+    cluster.wait_for(live("w"), 20, "world w Live")
+    env = {**os.environ, **cluster.env}
+    cmd = [*palatine_cmd(), "snapshot", "--system-addr", cluster.system.addr, "--stimuli"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 0, out.stderr
+    header, *lines = out.stdout.splitlines()
+    assert header.startswith("execution ") and "newest last" in header
+    (upsert,) = [ln for ln in lines if " upsert-world-" in ln]
+    assert " w: WorldUpserted; " in upsert and "Ask SpawnProc of hostw[0].proc[0]" in upsert
+    joins = [ln for ln in lines if " join-" in ln and " w[3]: Joined; Bind w[3] to " in ln]
+    assert len(joins) == 1, lines
+    assert lines.index(upsert) < lines.index(joins[0])  # newest last
+    doc = json.loads(
+        subprocess.run(
+            [*cmd, "--json", "--last", "2"], capture_output=True, text=True, timeout=30, env=env
+        ).stdout
+    )
+    assert doc["size"] == 1000 and doc["handled"] >= len(lines)
+    assert len(doc["entries"]) == 2
+    assert list(doc["entries"][0]) == [
+        "stimulus_id",
+        "time",
+        "kind",
+        "subject",
+        "reply",
+        "instructions",
+    ]
+    # a malformed request is refused with its reason, and the system serves on
+    with pytest.raises(SystemRequestError, match="invalid limit -1"):
+        cluster.lt.run(lambda: cluster.client.ask(Stimuli(limit=-1)))
+    got = cluster.lt.run(lambda: cluster.client.ask(Stimuli(limit=5)))
+    assert isinstance(got, StimulusLog)
+    said = "Rejected invalid_argument: invalid limit -1"
+    assert any(e.kind == "stimuli" and e.reply.startswith(said) for e in got.entries)
+    assert live("w")(cluster.snapshot())
+
+
 def test_a_role_stops_when_its_launcher_is_gone() -> None:
     """The lifeline pipe (PALATINE_LIFELINE_FD) reaching EOF stops a role as SIGTERM does."""
     env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(16), "PALATINE_LOG_LEVEL": "WARNING"}
@@ -383,6 +425,15 @@ def test_a_role_stops_when_its_launcher_is_gone() -> None:
         (
             ["snapshot", "--system-addr", "unix:@nobody", "--world-label", "foo"],
             "no '=' found in 'foo'",
+        ),
+        (["snapshot", "--system-addr", "unix:@nobody", "--last", "3"], "--last needs --stimuli"),
+        (
+            ["snapshot", "--system-addr", "unix:@nobody", "--stimuli", "--last", "0"],
+            "--last must be >= 1, got 0",
+        ),
+        (
+            ["snapshot", "--system-addr", "unix:@nobody", "--stimuli", "--world", "w"],
+            "--stimuli lists the system's recent stimuli, not worlds",
         ),
     ],
 )

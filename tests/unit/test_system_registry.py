@@ -13,13 +13,15 @@ import logging
 import statistics
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, get_args
+from unittest.mock import ANY
 
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from palatine.channel.addr import ChannelAddr
 from palatine.errors import SystemRequestError
 from palatine.ids import PortId, ProcId, WorldId
 from palatine.protocol.agent import (
@@ -48,6 +50,9 @@ from palatine.protocol.system import (
     Snapshot,
     SnapshotFilter,
     StartedProc,
+    Stimuli,
+    StimulusEntry,
+    StimulusLog,
     Stop,
     StopAck,
     Subscribe,
@@ -67,6 +72,7 @@ from palatine.system.instructions import (
     Ask,
     Bind,
     ExitReportGrace,
+    Instruction,
     JoinProbeNeeded,
     Log,
     Probe,
@@ -429,7 +435,12 @@ def test_a5_snapshot_filters() -> None:
 def test_a6_host_before_world() -> None:
     h = Harness()
     instrs = h.joined("hostworker[1]", labels={"proc.palatine.dev/role": "host"})
-    assert Bind(pid("hostworker[1]"), "unix:/run/hostworker_1.sock") in instrs
+    assert (
+        Bind(
+            pid("hostworker[1]"), ChannelAddr.parse("unix:/run/hostworker_1.sock"), stimulus_id=ANY
+        )
+        in instrs
+    )
     assert not asks(instrs, SpawnProc)
     worker = h.snapshot().worlds["worker"]
     assert worker.status == "AwaitingCreation"
@@ -645,7 +656,7 @@ def test_duplicate_join_whose_old_process_is_gone_replaces_it() -> None:
     assert isinstance(reply, JoinProbeNeeded)
     reply, instrs = h.run(h.reg.complete_join(msg, reply.probe, "timeout"))
     assert isinstance(reply, Joined)
-    assert Bind(pid("w[0]"), "unix:/b") in instrs
+    assert Bind(pid("w[0]"), ChannelAddr.parse("unix:/b"), stimulus_id=ANY) in instrs
     assert h.reg.record(pid("w[0]")).incarnation == 2  # type: ignore[union-attr]
     # A retried join of the same incarnation is answered again without a probe.
     reply, _ = h.send(msg)
@@ -1131,7 +1142,7 @@ def test_leave_while_live_is_exited_and_connection_loss_after_is_ignored() -> No
     h.joined("user[77]", mode="Detached")
     h.ok(Resolve(proc_id=pid("user[77]")), requester=pid("w[1]"))
     _, instrs = h.send(Leave(proc_id=pid("user[77]")))
-    assert sends(instrs, PeerGone) and Unbind(pid("user[77]")) in instrs
+    assert sends(instrs, PeerGone) and Unbind(pid("user[77]"), stimulus_id=ANY) in instrs
     assert h.reg.record(pid("user[77]")) is None
 
 
@@ -1167,7 +1178,7 @@ def test_a28_eviction_of_a_failed_world() -> None:
     out = h.send(ProcExited(proc_id=pid("w[0]"), pid=810, exit_signal=15))[1]
     assert not events(out, port)
     out = h.answer_stops(stops)
-    assert Unbind(wid("w")) in out
+    assert Unbind(wid("w"), stimulus_id=ANY) in out
     assert [type(e) for e in events(out, port)] == [WorldGone]
     assert events(out, port)[0].reason.startswith("evicted: unhealthy for 1.0 s")
     assert [s.dest for s in sends(out, PeerGone)] == [agent_of(pid("user[5]"))]
@@ -1258,7 +1269,10 @@ def test_a32_stop_world_with_hosts_completes_through_results() -> None:
     out = h.answer_stops(stops)
     assert "worker" not in h.snapshot().worlds
     assert h.reg.record(pid("hostworker[0]")) is None
-    assert Unbind(wid("hostworker")) in out and Unbind(wid("worker")) in out
+    assert (
+        Unbind(wid("hostworker"), stimulus_id=ANY) in out
+        and Unbind(wid("worker"), stimulus_id=ANY) in out
+    )
     assert [type(e) for e in events(out, port)] == [WorldGone]
     assert h.clock.now < 1000.0 + 8  # no fallback timer was needed
 
@@ -1456,7 +1470,7 @@ def test_a48_a49_resolve_and_address_changed() -> None:
     assert changed.message == AddressChanged(
         proc_id=pid("w[1]"), addr="unix:/run/w_1b.sock", incarnation=999
     )
-    assert Bind(pid("w[1]"), "unix:/run/w_1b.sock") in instrs
+    assert Bind(pid("w[1]"), ChannelAddr.parse("unix:/run/w_1b.sock"), stimulus_id=ANY) in instrs
     # Resolvers carry over to the new incarnation.
     instrs = h.send(ProcExited(proc_id=pid("w[1]"), exit_signal=9))[1]
     assert [s.dest for s in sends(instrs, PeerGone)] == [agent_of(pid("w[0]"))]
@@ -1466,7 +1480,7 @@ def test_complete_join_with_stale_probe_asks_again() -> None:
     h = Harness()
     h.joined("w[0]", addr="unix:/a", incarnation=1)
     msg = Join(proc_id=pid("w[0]"), addr="unix:/b", incarnation=2)
-    stale = Probe(pid("w[0]"), "unix:/elsewhere", 1, 1.0)
+    stale = Probe(pid("w[0]"), "unix:/elsewhere", 1, 1.0, stimulus_id="test")
     reply, _ = h.run(h.reg.complete_join(msg, stale, "refused"))
     assert isinstance(reply, JoinProbeNeeded)
 
@@ -1898,3 +1912,166 @@ def test_a_rejoin_to_a_system_that_never_went_away_changes_nothing_and_a_dead_pr
     reply, _ = h.rejoin("W[1]", h.incarnations[pid("W[1]")])
     assert isinstance(reply, Rejected) and reply.code == "conflict"
     assert "already declared Exited" in reply.message
+
+
+# --------------------------------------------------------------------------- stimulus ids and log
+
+
+def test_every_instruction_a_stimulus_produces_carries_that_stimulus_id() -> None:
+    h = Harness()
+    ids: list[str] = []
+    feed = h.run
+
+    def checked(result: tuple[Any, list[Any]]) -> tuple[Any, list[Any]]:
+        reply, instrs = feed(result)
+        carried = {i.stimulus_id for i in instrs}
+        assert len(carried) <= 1, carried
+        if carried:
+            (sid,) = carried
+            ids.append(sid)
+            assert h.reg.stimuli().entries[-1].stimulus_id == sid  # its log entry
+        return reply, instrs
+
+    h.run = checked  # type: ignore[method-assign]
+    h.joined("hostw[0]", host="node3")
+    h.upsert("w", [2], nph=2, env=Exec(program="palatine worker"))
+    for r in range(2):
+        h.joined(f"w[{r}]", pid_=900 + r, host="node3", host_proc="hostw[0]")
+    h.send(Subscribe(world_id=wid("w"), port=sub_port()))
+    h.ok(Resolve(proc_id=pid("w[1]")), requester=pid("user[5]"))
+    # a lost connection: the exit-report grace, then a probe that is refused
+    (grace,) = [
+        i for i in h.run(h.reg.handle_connection_lost(pid("w[1]")))[1] if isinstance(i, Timer)
+    ]
+    (probe,) = [i for i in h.run(h.reg.handle_timer(grace.token))[1] if isinstance(i, Probe)]
+    h.run(h.reg.handle_probe_result(probe, "refused"))
+    assert h.health("w[1]") == "ConnectionFailure"
+    evicting = h.advance(1.25, beat=["w[0]", "hostw[0]"])  # health ticks: eviction
+    h.answer_stops(evicting)  # replies
+    h.send(Ok())  # not a request: rejected
+    stopping = h.send(Stop(proc_timeout_s=1.0))[1]
+    assert any(isinstance(i, StopSystem) for i in h.answer_stops(stopping))
+    kinds = [sid.rpartition("-")[0] for sid in ids]
+    numbers = [int(sid.rpartition("-")[2]) for sid in ids]
+    assert {
+        "join",
+        "upsert-world",
+        "connection-lost",
+        "timer",
+        "probe-result",
+        "health-tick",
+        "reply",
+        "unexpected",
+        "stop",
+    } <= set(kinds)
+    assert numbers == sorted(set(numbers))  # one id per stimulus, counting up
+
+
+def test_every_instruction_type_has_a_required_stimulus_id() -> None:
+    for cls in get_args(Instruction):
+        assert "stimulus_id" in cls.__struct_fields__, cls
+    with pytest.raises(TypeError, match="stimulus_id"):
+        Unbind(wid("w"))  # type: ignore[call-arg]
+
+
+def test_a_join_binds_its_address_parsed_once_and_a_bad_one_is_rejected_clearly() -> None:
+    h = Harness()
+    instrs = h.joined("w[0]", addr="tcp:127.0.0.1:5000")
+    (bind,) = [i for i in instrs if isinstance(i, Bind)]
+    assert bind.addr == ChannelAddr.parse("tcp:127.0.0.1:5000")
+    reply, _ = h.join("w[1]", addr="tcp:nowhere")
+    assert isinstance(reply, Rejected) and reply.code == "invalid_argument"
+    assert reply.message.startswith("join of w[1]: invalid address 'tcp:nowhere': ")
+    entry = h.reg.stimuli().entries[-1]
+    assert entry.kind == "join" and entry.reply.startswith("Rejected invalid_argument: join of")
+
+
+def test_the_stimulus_log_keeps_only_the_newest_entries_up_to_its_size() -> None:
+    h = Harness(stimulus_log_size=5)
+    for r in range(12):
+        h.joined(f"user[{r}]", mode="Detached")
+    log = h.reg.stimuli()
+    assert log.size == 5 and log.handled == 12
+    assert [e.stimulus_id for e in log.entries] == [f"join-{n}" for n in range(8, 13)]
+    assert [e.subject for e in log.entries] == [f"user[{r}]" for r in range(7, 12)]
+
+
+def test_heartbeats_ticks_and_queries_that_decide_nothing_stay_out_of_the_log() -> None:
+    h = Harness()
+    live_world(h, "w", 1)
+    before = h.reg.stimuli()
+    h.heartbeat("w[0]")
+    h.tick()
+    h.snapshot()
+    h.ok(Resolve(proc_id=pid("w[0]")), requester=pid("user[1]"))
+    h.ok(Stimuli())
+    after = h.reg.stimuli()
+    assert after.handled == before.handled + 5  # each got an id
+    assert after.entries == before.entries
+    # a heartbeat that decides something is logged: an unknown proc is told to stop
+    instrs = h.heartbeat("z[0]")
+    entry = h.reg.stimuli().entries[-1]
+    assert entry.stimulus_id == instrs[0].stimulus_id == f"heartbeat-{after.handled + 1}"
+    assert (entry.kind, entry.subject, entry.reply) == ("heartbeat", "z[0]", "")
+    assert entry.instructions == [
+        "Log WARNING: heartbeat from z[0], which is unknown to the system; telling it to stop",
+        "Send ProcStop to z[0].proc[0]",
+    ]
+
+
+def test_the_stimuli_request_returns_the_log_oldest_first() -> None:
+    h = Harness()
+    live_world(h, "w", 2)
+    log = h.ok(Stimuli())
+    assert isinstance(log, StimulusLog)
+    assert log.execution_id == "alice-20240101-000000-abcd" and log.size == 1000
+    assert [(e.stimulus_id, e.kind, e.subject) for e in log.entries] == [
+        ("upsert-world-1", "upsert-world", "w"),
+        ("join-2", "join", "w[0]"),
+        ("join-3", "join", "w[1]"),
+    ]
+    joined = log.entries[1]
+    assert joined.time == 1_700_000_000.0  # wall clock (the fake clock has not moved)
+    assert joined.reply == "Joined"
+    assert joined.instructions[0] == "Bind w[0] to unix:/run/w_0.sock"
+    last = h.ok(Stimuli(limit=2))
+    assert [e.stimulus_id for e in last.entries] == ["join-2", "join-3"]
+    # it travels and prints as the CLI shows it
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(last), type=StimulusLog)
+    assert back == last
+    (line,) = [ln for ln in back.lines() if " join-3 " in ln]
+    assert " join-3 w[1]: Joined; Bind w[1] to unix:/run/w_1.sock; " in line
+
+
+def test_a_malformed_stimuli_request_is_rejected_and_the_system_serves_on() -> None:
+    h = Harness()
+    for bad in (0, -3):
+        reply = h.rejected(Stimuli(limit=bad), "invalid_argument")
+        assert reply.message == (
+            f"invalid limit {bad}: expected a whole number >= 1, or none for all"
+        )
+    log = h.ok(Stimuli())
+    assert [e.kind for e in log.entries] == ["stimuli", "stimuli"]  # the rejections
+    assert log.entries[0].reply.startswith("Rejected invalid_argument: invalid limit 0")
+
+
+def test_a_stimulus_log_line_says_when_what_and_what_it_decided() -> None:
+    log = StimulusLog(
+        execution_id="x",
+        size=10,
+        handled=3,
+        entries=[
+            StimulusEntry(stimulus_id="health-tick-3", time=0.25, kind="health-tick"),
+            StimulusEntry(
+                stimulus_id="leave-2",
+                time=1.5,
+                kind="leave",
+                subject="w[0]",
+                reply="Ok",
+                instructions=["Unbind w[0]"],
+            ),
+        ],
+    )
+    first, second = log.lines()
+    assert first.endswith(".250 health-tick-3")
+    assert second.endswith(".500 leave-2 w[0]: Ok; Unbind w[0]")

@@ -1,4 +1,5 @@
-"""``palatine snapshot``: print worlds and procs of a running system (table or --json)."""
+"""``palatine snapshot``: print worlds and procs of a running system (table or --json),
+or with ``--stimuli`` the system's log of recent stimuli (what it heard, what it did)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import argparse
 import asyncio
 import math
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from palatine.protocol.system import StimulusLog
 
 __all__ = ["add_arguments", "run", "parse_kv"]
 
@@ -34,6 +39,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--world-label", action="extend", nargs="+", default=[], metavar="K=V")
     p.add_argument("--proc-label", action="extend", nargs="+", default=[], metavar="K=V")
+    p.add_argument(
+        "--stimuli",
+        action="store_true",
+        help="print the system's recent stimuli (requests, heartbeats, timers, probe "
+        "results...) and what each decided, newest last, instead of worlds and procs",
+    )
+    p.add_argument(
+        "--last",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --stimuli: only the newest N",
+    )
     p.add_argument("--json", action="store_true", help="print the JSON document")
     p.add_argument("--timeout-in-sec", type=float, default=10.0)
 
@@ -50,6 +68,19 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.last is not None and (not args.stimuli or args.last < 1):
+        why = "needs --stimuli" if not args.stimuli else f"must be >= 1, got {args.last}"
+        print(f"palatine snapshot: --last {why}", file=sys.stderr)
+        return 2
+    if args.stimuli and (args.world or wl or pl):
+        print(
+            "palatine snapshot: --stimuli lists the system's recent stimuli, not worlds: "
+            "it takes no --world, --world-label or --proc-label",
+            file=sys.stderr,
+        )
+        return 2
+    if args.stimuli:
+        return _print_stimuli(args)
     snap = ask_system("snapshot", args.system_addr, lambda: _snapshot(args, wl, pl), t)
     import msgspec
 
@@ -66,6 +97,41 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(*row)
     Console().print(table)
     return 0
+
+
+def _print_stimuli(args: argparse.Namespace) -> int:
+    from palatine.cli.role import ask_system
+
+    got = ask_system("snapshot", args.system_addr, lambda: _stimuli(args), args.timeout_in_sec)
+    import msgspec
+
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(got).decode() + "\n")
+        return 0
+    sys.stdout.write(
+        f"execution {got.execution_id}: {len(got.entries)} recent stimuli, newest last "
+        f"(kept: up to {got.size}; handled since the system started: {got.handled})\n"
+    )
+    for line in got.lines():
+        sys.stdout.write(line + "\n")
+    return 0
+
+
+async def _stimuli(args: argparse.Namespace) -> StimulusLog:
+    from palatine.core import runtime
+    from palatine.protocol.system import Stimuli, StimulusLog
+    from palatine.system.service import System
+
+    runtime.adopt_current_loop()
+    async with asyncio.timeout(args.timeout_in_sec + 1):
+        client = await System(args.system_addr).attach(timeout_s=args.timeout_in_sec)
+        try:
+            reply = await client.ask(Stimuli(limit=args.last), timeout_s=args.timeout_in_sec)
+        finally:
+            await client.close()
+    if not isinstance(reply, StimulusLog):
+        raise TypeError(f"unexpected reply {type(reply).__name__} to Stimuli")
+    return reply
 
 
 async def _snapshot(args: argparse.Namespace, wl: dict[str, str], pl: dict[str, str]):  # type: ignore[no-untyped-def]

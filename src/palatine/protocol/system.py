@@ -23,6 +23,7 @@ Wire invariants:
 
 from __future__ import annotations
 
+import time
 from typing import Literal, get_args
 
 import msgspec
@@ -64,6 +65,7 @@ __all__ = [
     "FailedProc",
     "ActorSnapshot",
     "ChildProc",
+    "StimulusEntry",
     # replies shared by many requests
     "Ok",
     "Rejected",
@@ -76,6 +78,8 @@ __all__ = [
     "WorldUpserted",
     "Snapshot",
     "SystemSnapshot",
+    "Stimuli",
+    "StimulusLog",
     "Stop",
     "StopAck",
     "SupervisionUpdate",
@@ -381,6 +385,59 @@ class SystemSnapshot(Message, kw_only=True):
                         entry.reason or "",
                     )
                 )
+        return out
+
+
+class StimulusEntry(msgspec.Struct, kw_only=True):
+    """One stimulus the system handled, in `StimulusLog` (every field is text or a number).
+
+    ``stimulus_id`` is ``<kind>-<n>`` (``n`` counts every stimulus since the system
+    started) and is carried by every instruction the stimulus produced; ``time`` is
+    wall-clock seconds; ``subject`` the world, proc or host it concerns (empty: none);
+    ``reply`` the reply's type (``Rejected`` with its code and message; empty for a
+    one-way stimulus); ``instructions`` what it decided, one line per instruction
+    (``Send ProcStop to w[0].proc[0]``, ``Log WARNING: ...``), at most 20 and then a
+    count of the rest.
+    """
+
+    stimulus_id: str
+    time: float
+    kind: str
+    subject: str = ""
+    reply: str = ""
+    instructions: list[str] = []
+
+
+class Stimuli(Message, kw_only=True):
+    """The system's recent stimuli (``palatine snapshot --stimuli``); replies
+    `StimulusLog`. ``limit``: only the newest ``limit`` (None: all it keeps; >= 1)."""
+
+    limit: int | None = None
+
+
+class StimulusLog(Message, kw_only=True):
+    """Reply to `Stimuli`: recent stimuli, oldest first (newest last).
+
+    The system keeps the newest ``size`` (``PALATINE_STIMULUS_LOG_SIZE``); ``handled``
+    counts every stimulus since it started. Heartbeats, health ticks and queries enter
+    the log only when they decide something (instructions, or a rejection)."""
+
+    execution_id: str
+    size: int
+    handled: int
+    entries: list[StimulusEntry] = []
+
+    def lines(self) -> list[str]:
+        """One line per entry for people: ``12:03:04.250 join-17 w[0]: Joined; Bind ...``."""
+        out: list[str] = []
+        for e in self.entries:
+            clock = time.strftime("%H:%M:%S", time.localtime(e.time))
+            ms = int((e.time % 1) * 1000)
+            head = f"{clock}.{ms:03d} {e.stimulus_id}"
+            if e.subject:
+                head += f" {e.subject}"
+            said = ([e.reply] if e.reply else []) + e.instructions
+            out.append(f"{head}: {'; '.join(said)}" if said else head)
         return out
 
 

@@ -14,7 +14,7 @@ import errno
 import logging
 import socket
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, assert_never
 
 from palatine import config
 from palatine.channel.addr import ChannelAddr
@@ -29,6 +29,7 @@ from palatine.protocol.system import (
     Resolve,
     RespawnProcs,
     Snapshot,
+    Stimuli,
     Stop,
     Subscribe,
     SupervisionUpdate,
@@ -43,6 +44,7 @@ from palatine.system.instructions import (
     JoinProbeNeeded,
     Log,
     Probe,
+    ProbeOutcome,
     Send,
     StopSystem,
     Timer,
@@ -58,7 +60,7 @@ log = logging.getLogger("palatine.system")
 _REFUSAL_FLUSH_S = 2.0  # how long a refused joiner's one-off Tx may take to deliver the refusal
 
 
-async def probe_addr(addr: str, timeout_s: float) -> str:
+async def probe_addr(addr: str, timeout_s: float) -> ProbeOutcome:
     """Try to connect to ``addr``: ``connected``, ``refused`` or ``timeout`` (nothing sent)."""
     try:
         a = ChannelAddr.parse(addr)
@@ -179,7 +181,7 @@ class SystemActor(Actor):
 
     async def _probe_then_join(self, env: Envelope, msg: Join, probe: Probe) -> None:
         outcome = await probe_addr(probe.addr, probe.timeout_s)
-        self._answer(env, msg, self.reg.complete_join(msg, probe, outcome))  # type: ignore[arg-type]
+        self._answer(env, msg, self.reg.complete_join(msg, probe, outcome))
 
     @handler
     def on_join(self, msg: Join) -> None:
@@ -199,6 +201,10 @@ class SystemActor(Actor):
 
     @handler
     def on_snapshot(self, msg: Snapshot) -> None:
+        self._request(msg)
+
+    @handler
+    def on_stimuli(self, msg: Stimuli) -> None:
         self._request(msg)
 
     @handler
@@ -261,27 +267,31 @@ class SystemActor(Actor):
     def _execute(self, out: Sequence[Instruction]) -> None:
         mb = self.cx.mailbox
         for ins in out:
-            t = type(ins)
-            if t is Send:
-                mb.tell(ins.dest, ins.message)  # type: ignore[union-attr]
-            elif t is Ask:
-                self._spawn(self._ask(ins))  # type: ignore[arg-type]
-            elif t is Probe:
-                self._spawn(self._probe(ins))  # type: ignore[arg-type]
-            elif t is Timer:
-                timer = cast(Timer, ins)
-                loop = asyncio.get_running_loop()
-                self._timers.append(loop.call_later(timer.delay_s, self._fire, timer.token))
-            elif t is Bind:
-                Proc.of(self.cx).router.bind(ins.proc_id, ChannelAddr.parse(ins.addr))  # type: ignore[union-attr]
-            elif t is Unbind:
-                Proc.of(self.cx).router.unbind(ins.target)  # type: ignore[union-attr]
-            elif t is Log:
-                log.log(ins.level, "%s", ins.text)  # type: ignore[union-attr]
-            elif t is StopSystem:
-                log.info("system stopping: %s", ins.reason)  # type: ignore[union-attr]
-                if self.done is not None and not self.done.done():
-                    self.done.set_result(ins.reason)  # type: ignore[union-attr]
+            match ins:  # the most frequent first; every member of Instruction has a case
+                case Send():
+                    mb.tell(ins.dest, ins.message)
+                case Log():
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.log(ins.level, "[%s] %s", ins.stimulus_id, ins.text)
+                    else:
+                        log.log(ins.level, "%s", ins.text)
+                case Timer():
+                    loop = asyncio.get_running_loop()
+                    self._timers.append(loop.call_later(ins.delay_s, self._fire, ins.token))
+                case Ask():
+                    self._spawn(self._ask(ins))
+                case Probe():
+                    self._spawn(self._probe(ins))
+                case Bind():
+                    Proc.of(self.cx).router.bind(ins.proc_id, ins.addr)
+                case Unbind():
+                    Proc.of(self.cx).router.unbind(ins.target)
+                case StopSystem():
+                    log.info("system stopping: %s", ins.reason)
+                    if self.done is not None and not self.done.done():
+                        self.done.set_result(ins.reason)
+                case _:
+                    assert_never(ins)
 
     async def _ask(self, ask: Ask) -> None:
         try:
@@ -293,7 +303,7 @@ class SystemActor(Actor):
 
     async def _probe(self, probe: Probe) -> None:
         outcome = await probe_addr(probe.addr, probe.timeout_s)
-        self._run(self.reg.handle_probe_result(probe, outcome))  # type: ignore[arg-type]
+        self._run(self.reg.handle_probe_result(probe, outcome))
 
     async def on_stop(self, reason: str) -> None:
         if self._tick is not None:
@@ -325,6 +335,7 @@ def registry_from_config(
         health_tick_interval_s=cfg.health_tick_interval_s,
         stop_fallback_margin_s=cfg.stop_fallback_margin_s,
         rpc_timeout_s=cfg.rpc_timeout_s,
+        stimulus_log_size=cfg.stimulus_log_size,
         # as long as a proc may wait for a lost system, and no shorter than the silence
         # after which this system would declare a proc Expired anyway
         rejoin_window_s=max(

@@ -23,6 +23,11 @@ instruction         what the shell does
 
 A `Join` may instead be answered with `JoinProbeNeeded`: the shell probes the address of
 the proc already joined under that id and calls ``SystemRegistry.complete_join``.
+
+Every instruction carries ``stimulus_id``: the id of the stimulus (request, heartbeat,
+timer, probe result, reply...) whose handling produced it, as ``<kind>-<n>``
+(``heartbeat-1234``, ``join-17``), the same id as the stimulus's entry in the registry's
+log of recent stimuli (``palatine snapshot --stimuli``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from palatine.channel.addr import ChannelAddr
 from palatine.ids import ActorId, PortId, ProcId, WorldId
 
 __all__ = [
@@ -47,6 +53,7 @@ __all__ = [
     "ProbeOutcome",
     "Send",
     "SpawnToken",
+    "Stimulated",
     "StopFallback",
     "StopSystem",
     "StopToken",
@@ -62,14 +69,23 @@ listens: the process is gone), or neither within the probe timeout."""
 PROBE_OUTCOMES: tuple[str, ...] = ("connected", "refused", "timeout")
 
 
-class Send(msgspec.Struct, frozen=True):
+class Stimulated(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of every instruction: ``stimulus_id`` names the stimulus that caused it.
+
+    The field is keyword-only and required, so no instruction is made without it.
+    """
+
+    stimulus_id: str
+
+
+class Send(Stimulated, frozen=True):
     """One-way message from the SystemActor to ``dest``."""
 
     dest: ActorId | PortId
     message: Any
 
 
-class Ask(msgspec.Struct, frozen=True):
+class Ask(Stimulated, frozen=True):
     """Request to a proc agent whose reply (or failure) must be fed back.
 
     ``token`` is the registry's own bookkeeping; the shell passes the whole `Ask` back.
@@ -81,7 +97,7 @@ class Ask(msgspec.Struct, frozen=True):
     token: Any = None
 
 
-class Probe(msgspec.Struct, frozen=True):
+class Probe(Stimulated, frozen=True):
     """Liveness probe: try to connect to ``addr`` of ``proc_id`` (that incarnation).
 
     ``recheck`` marks the one probe sent again after a connection loss whose first probe
@@ -95,34 +111,35 @@ class Probe(msgspec.Struct, frozen=True):
     recheck: bool = False
 
 
-class Timer(msgspec.Struct, frozen=True):
+class Timer(Stimulated, frozen=True):
     """Call ``SystemRegistry.handle_timer(token)`` after ``delay_s`` seconds."""
 
     delay_s: float
     token: Any
 
 
-class Bind(msgspec.Struct, frozen=True):
-    """Route ``proc_id`` to ``addr`` in the system proc's router."""
+class Bind(Stimulated, frozen=True):
+    """Route ``proc_id`` to ``addr`` in the system proc's router (parsed once, where the
+    address came in from the wire)."""
 
     proc_id: ProcId
-    addr: str
+    addr: ChannelAddr
 
 
-class Unbind(msgspec.Struct, frozen=True):
+class Unbind(Stimulated, frozen=True):
     """Remove ``target`` (a world: every proc under it) from the system proc's router."""
 
     target: WorldId | ProcId
 
 
-class Log(msgspec.Struct, frozen=True):
+class Log(Stimulated, frozen=True):
     """Log ``text`` at ``level`` (a ``logging`` level number)."""
 
     level: int
     text: str
 
 
-class StopSystem(msgspec.Struct, frozen=True):
+class StopSystem(Stimulated, frozen=True):
     """The SystemActor is done (shutdown complete, or a ``ManagingSystem`` proc failed and
     everything has stopped)."""
 

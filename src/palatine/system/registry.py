@@ -18,16 +18,23 @@ upserts and host assignment, snapshots, supervision queries, subscriptions and
 resolution.
 
 Bookkeeping errors are replies (`Rejected`), never exceptions.
+
+Each stimulus gets an id, ``<kind>-<n>`` (``join-17``, ``heartbeat-1234``; ``n`` counts
+every stimulus), which every instruction it produces carries (``stimulus_id``), and
+enters a bounded log of recent stimuli (`stimuli`, the `Stimuli` request, ``palatine
+snapshot --stimuli``) with what it decided; frequent stimuli that decide nothing
+(`QUIET_STIMULI`) get an id but stay out of the log.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Concatenate, NamedTuple, ParamSpec, assert_never
 
 from palatine.channel.addr import ChannelAddr
 from palatine.config import format_seconds
@@ -73,6 +80,9 @@ from palatine.protocol.system import (
     Resolved,
     RespawnProcs,
     Snapshot,
+    Stimuli,
+    StimulusEntry,
+    StimulusLog,
     Stop,
     StopAck,
     Subscribe,
@@ -125,11 +135,61 @@ from palatine.system.worlds import (
     served_name,
 )
 
-__all__ = ["PROBE_AGAIN_S", "Result", "SystemRegistry", "agent_of"]
+__all__ = ["PROBE_AGAIN_S", "QUIET_STIMULI", "Result", "SystemRegistry", "agent_of"]
 
 Result = tuple[Any, list[Instruction]]
 
 """``(reply or None, instructions)``: what every handler returns."""
+
+#: Stimuli that come often and mostly decide nothing (heartbeats, health ticks, queries):
+#: they get an id like every stimulus, but enter the log of recent stimuli only when
+#: they produce instructions or are rejected, so that they do not flush it.
+QUIET_STIMULI = frozenset(
+    ("heartbeat", "health-tick", "resolve", "world-state", "snapshot", "stimuli")
+)
+
+#: At most this many instructions are described in one entry of the stimulus log.
+_SUMMARY_INSTRUCTIONS = 20
+#: A `Log` instruction's text is cut to this many characters in the stimulus log.
+_SUMMARY_TEXT = 200
+
+_P = ParamSpec("_P")
+_Handler = Callable[Concatenate["SystemRegistry", _P], Result]
+
+
+class _Stimulus(NamedTuple):
+    """One entry of the registry's log of recent stimuli, kept as cheap as possible: its
+    id, subject, reply and instructions are made text only when an operator asks."""
+
+    seq: int  # the stimulus id is ``<kind>-<seq>``
+    at: float  # registry clock
+    kind: str
+    subject: Any  # the stimulus's first argument (a message, a proc id, a token...)
+    reply: Any  # None, a Rejected, or the reply's type
+    instructions: list[Instruction]
+
+
+def _stimulus(kind: str) -> Callable[[_Handler[_P]], _Handler[_P]]:
+    """Make a ``handle_*`` method a stimulus: it gets the id ``<kind>-<n>`` (``n`` counts
+    every stimulus of the registry), every instruction it returns carries that id, and it
+    enters the bounded log of recent stimuli (quiet kinds only when they decide
+    something). The hot handlers (heartbeats, `Resolve`) do the same inline."""
+    quiet = kind in QUIET_STIMULI
+
+    def wrap(fn: _Handler[_P]) -> _Handler[_P]:
+        @functools.wraps(fn)
+        def handler(self: SystemRegistry, /, *args: _P.args, **kwargs: _P.kwargs) -> Result:
+            self._seq += 1
+            self._kind = kind
+            self._sid_text = None
+            result = fn(self, *args, **kwargs)
+            if not quiet or result[1] or type(result[0]) is Rejected:
+                self._note(args[0] if args else next(iter(kwargs.values()), None), result)
+            return result
+
+        return handler
+
+    return wrap
 
 
 def agent_of(proc_id: ProcId) -> ActorId:
@@ -150,6 +210,64 @@ def _proc_of(dest: Any) -> ProcId | None:
     if isinstance(dest, ProcId):
         return dest
     return None
+
+
+def _subject_of(x: Any) -> str:
+    """What a stimulus concerns, from its first argument: a proc, world or host (or '')."""
+    if x is None or isinstance(x, Snapshot | Stimuli):
+        return ""
+    if isinstance(x, ProcId | WorldId | ActorId | PortId):
+        return str(x)
+    if isinstance(x, SupervisionUpdate):
+        return str(x.state.proc_id)
+    if isinstance(x, Ask):
+        return str(x.dest.proc)
+    if isinstance(x, Stop):
+        return "system" if x.worlds is None else ", ".join(str(w) for w in x.worlds)
+    if isinstance(x, StopFallback):
+        return x.world
+    if isinstance(x, ManagingStopFallback):
+        return "managing procs"
+    for field in ("proc_id", "world_id"):
+        value = getattr(x, field, None)
+        if value is not None:
+            return str(value)
+    return type(x).__name__
+
+
+def _reply_of(kept: Any) -> str:
+    if kept is None:
+        return ""
+    if isinstance(kept, Rejected):
+        return f"Rejected {kept.code}: {kept.message}"
+    return str(kept.__name__) if isinstance(kept, type) else type(kept).__name__
+
+
+def _describe(ins: Instruction) -> str:
+    """One instruction in a line of the stimulus log: its type and destination."""
+    match ins:
+        case Send():
+            return f"Send {type(ins.message).__name__} to {ins.dest}"
+        case Ask():
+            return f"Ask {type(ins.message).__name__} of {ins.dest}"
+        case Probe():
+            again = " again" if ins.recheck else ""
+            return f"Probe{again} {ins.proc_id} at {ins.addr}"
+        case Timer():
+            return f"Timer {type(ins.token).__name__} in {format_seconds(ins.delay_s)} s"
+        case Bind():
+            return f"Bind {ins.proc_id} to {ins.addr}"
+        case Unbind():
+            return f"Unbind {ins.target}"
+        case Log():
+            text = ins.text
+            if len(text) > _SUMMARY_TEXT:
+                text = text[: _SUMMARY_TEXT - 3] + "..."
+            return f"Log {logging.getLevelName(ins.level)}: {text}"
+        case StopSystem():
+            return f"StopSystem: {ins.reason}"
+        case _:
+            assert_never(ins)
 
 
 class SystemRegistry:
@@ -179,6 +297,7 @@ class SystemRegistry:
             system) and ``supervision_update_timeout_s``.
         wall_clock: wall-clock seconds, only for texts humans read (``declared Expired
             at 12:03:04``) and ``Joined.system_time``.
+        stimulus_log_size: how many recent stimuli `stimuli` keeps (the newest).
 
     Shell contract (what to call when):
 
@@ -210,6 +329,7 @@ class SystemRegistry:
         unknown_proc_stop_interval_s: float = 10.0,
         rejoin_window_s: float = 10.0,
         wall_clock: Callable[[], float] | None = None,
+        stimulus_log_size: int = 1000,
     ) -> None:
         self._clock = clock
         self._wall = wall_clock if wall_clock is not None else time.time
@@ -249,6 +369,13 @@ class SystemRegistry:
         self._stopped = False
         self._managing_pending: set[ProcId] = set()
         self._managing_generation = 0
+        # stimulus ids: ``<kind>-<n>``; the id of the stimulus being handled; the log
+        self._seq = 0
+        self._kind = ""
+        self._sid_text: str | None = None
+        self._stimuli: collections.deque[_Stimulus] = collections.deque(
+            maxlen=max(1, stimulus_log_size)
+        )
 
     @property
     def shutting_down(self) -> bool:
@@ -272,6 +399,21 @@ class SystemRegistry:
         """The ports subscribed to ``world``, in subscription order."""
         return list(self._subs.get(world, ()))
 
+    @property
+    def _sid(self) -> str:
+        """The id of the stimulus being handled, made on first use (most decide nothing)."""
+        sid = self._sid_text
+        if sid is None:
+            sid = self._sid_text = f"{self._kind}-{self._seq}"
+        return sid
+
+    def _note(self, subject: Any, result: Result) -> None:
+        """Log the stimulus being handled: its ``subject`` (the handler's first argument)
+        and what it decided (a reply's type only, not the reply: snapshots are big)."""
+        reply, out = result
+        kept = reply if reply is None or type(reply) is Rejected else type(reply)
+        self._stimuli.append(_Stimulus(self._seq, self._clock(), self._kind, subject, kept, out))
+
     def _reject(
         self,
         msg: Any,
@@ -281,7 +423,13 @@ class SystemRegistry:
         out: list[Instruction],
     ) -> Result:
         who = f" from {requester}" if requester is not None else ""
-        out.append(Log(logging.WARNING, f"rejected {type(msg).__name__}{who}: {code}: {text}"))
+        out.append(
+            Log(
+                logging.WARNING,
+                f"rejected {type(msg).__name__}{who}: {code}: {text}",
+                stimulus_id=self._sid,
+            )
+        )
         return Rejected(code=code, message=text), out
 
     def _awaiting_rejoins(self, now: float) -> bool:
@@ -341,7 +489,7 @@ class SystemRegistry:
         subs = self._subs.get(world)
         if subs:
             for port in subs:
-                out.append(Send(port, event))
+                out.append(Send(port, event, stimulus_id=self._sid))
 
     def _drop_subscriptions_of(self, proc_id: ProcId) -> None:
         """The subscriber's proc is gone: end its subscriptions."""
@@ -366,7 +514,7 @@ class SystemRegistry:
             host=rec.host,
         )
         for resolver in sorted(rec.resolvers):
-            out.append(Send(agent_of(resolver), notice))
+            out.append(Send(agent_of(resolver), notice, stimulus_id=self._sid))
         world = self._world_of(rec) if rec.kind == "proc" else None
         if world is not None:
             world.told_gone.setdefault(rec.proc_id.rank, set()).update(rec.resolvers)
@@ -431,7 +579,11 @@ class SystemRegistry:
         world.status = status
         world.reason = reason
         if status != was_status or failing != was_failing:
-            out.append(Log(logging.INFO, f"world {world.name} is {status}: {reason}"))
+            out.append(
+                Log(
+                    logging.INFO, f"world {world.name} is {status}: {reason}", stimulus_id=self._sid
+                )
+            )
             event = WorldStatusChanged(world=world.world_id, status=status, reason=reason)
             self._push(world.name, event, out)
 
@@ -444,8 +596,21 @@ class SystemRegistry:
 
         ``arrived_at`` is when the mailbox server received it (system clock); a backlog
         in the SystemActor therefore never causes a false expiry.
+
+        A stimulus of kind ``heartbeat``, accounted inline (`_stimulus`) on this hot path.
         """
+        self._seq += 1
+        self._kind = "heartbeat"
+        self._sid_text = None
         out: list[Instruction] = []
+        self._supervision_update(msg, arrived_at, out)
+        if out:
+            self._note(msg, (None, out))
+        return None, out
+
+    def _supervision_update(
+        self, msg: SupervisionUpdate, arrived_at: float | None, out: list[Instruction]
+    ) -> None:
         state = msg.state
         pid = state.proc_id
         now = self._clock() if arrived_at is None else arrived_at
@@ -453,14 +618,14 @@ class SystemRegistry:
         if rec is None:
             if not self._awaiting_rejoins(now):  # (else its rejoin is on the way)
                 self._tell_unknown(pid, "unknown to the system", now, out)
-            return None, out
+            return
         if rec.kind == "detached":
-            return None, out
+            return
         if state.incarnation and rec.incarnation and state.incarnation != rec.incarnation:
             self._tell_unknown(
                 pid, f"unknown to the system: {pid} has joined again since", now, out
             )
-            return None, out
+            return
         if not rec.alive:
             # Sticky health: a zombie's heartbeat is ignored and the zombie told to stop.
             if state.failed_actors:
@@ -471,9 +636,13 @@ class SystemRegistry:
                 at = clock_text(rec.declared_wall) if rec.declared_wall is not None else "?"
                 reason = f"declared {rec.health} at {at}: {rec.reason}"
                 out.append(
-                    Send(agent_of(pid), ProcStop(timeout_s=self.proc_stop_timeout_s, reason=reason))
+                    Send(
+                        agent_of(pid),
+                        ProcStop(timeout_s=self.proc_stop_timeout_s, reason=reason),
+                        stimulus_id=self._sid,
+                    )
                 )
-            return None, out
+            return
         lh = rec.last_heartbeat
         if lh is None or now > lh:
             rec.last_heartbeat = now
@@ -483,7 +652,6 @@ class SystemRegistry:
             rec.counters = state.counters
         if state.failed_actors and rec.add_failed_actors(state.failed_actors):
             self._actor_failed(rec, out)
-        return None, out
 
     def _tell_unknown(self, pid: ProcId, reason: str, now: float, out: list[Instruction]) -> None:
         told = self._unknown_told.get(pid)
@@ -491,9 +659,19 @@ class SystemRegistry:
             return
         self._unknown_told[pid] = now
         out.append(
-            Log(logging.WARNING, f"heartbeat from {pid}, which is {reason}; telling it to stop")
+            Log(
+                logging.WARNING,
+                f"heartbeat from {pid}, which is {reason}; telling it to stop",
+                stimulus_id=self._sid,
+            )
         )
-        out.append(Send(agent_of(pid), ProcStop(timeout_s=self.proc_stop_timeout_s, reason=reason)))
+        out.append(
+            Send(
+                agent_of(pid),
+                ProcStop(timeout_s=self.proc_stop_timeout_s, reason=reason),
+                stimulus_id=self._sid,
+            )
+        )
 
     def _actor_failed(self, rec: ProcRecord, out: list[Instruction]) -> None:
         now = self._clock()
@@ -502,7 +680,7 @@ class SystemRegistry:
             rec.failed_at = now
             rec.declared_wall = self._wall()
             self.detections["actor"] += 1
-        out.append(Log(logging.WARNING, rec.describe()))
+        out.append(Log(logging.WARNING, rec.describe(), stimulus_id=self._sid))
         if self._expected(rec) or not first:
             return
         world = self._world_of(rec)
@@ -540,7 +718,7 @@ class SystemRegistry:
         else:
             self.detections["signal" if exit_signal else "exit"] += 1
         rec.declared_wall = self._wall()
-        out.append(Log(logging.WARNING, rec.describe()))
+        out.append(Log(logging.WARNING, rec.describe(), stimulus_id=self._sid))
         self._peer_gone(rec, out)
         self._drop_subscriptions_of(rec.proc_id)
         world = self._world_of(rec)
@@ -577,6 +755,7 @@ class SystemRegistry:
             assert rec.last_heartbeat is not None
             self._declare(rec, EXPIRED, expiry_reason(now - rec.last_heartbeat, limit), out)
 
+    @_stimulus("health-tick")
     def handle_health_tick(self) -> Result:
         """The periodic health tick (every `health_tick_interval_s`)."""
         out: list[Instruction] = []
@@ -625,6 +804,7 @@ class SystemRegistry:
                 self._failed_unjoined(world, rec, rec.describe(), now, out)
             self._evaluate(world, now, out)
 
+    @_stimulus("proc-exited")
     def handle_proc_exited(self, msg: ProcExited, requester: ProcId | None = None) -> Result:
         """A host's exit report: `Ok`, or ``unavailable`` while the world of a proc this
         restarted system does not know yet may still be rebuilt (the host reports again)."""
@@ -642,6 +822,7 @@ class SystemRegistry:
                 Log(
                     logging.DEBUG,
                     f"ignoring exit report of {pid} pid {msg.pid}: it is pid {rec.pid}",
+                    stimulus_id=self._sid,
                 )
             )
             return Ok(), out
@@ -687,7 +868,11 @@ class SystemRegistry:
             or (msg.pid is not None and (pid.rank, msg.pid) in world.replaced)
         ):
             out.append(
-                Log(logging.DEBUG, f"ignoring exit report of {pid}: no such rank is expected")
+                Log(
+                    logging.DEBUG,
+                    f"ignoring exit report of {pid}: no such rank is expected",
+                    stimulus_id=self._sid,
+                )
             )
             return
         host = self._records.get(msg.host_proc) if msg.host_proc is not None else None
@@ -714,9 +899,10 @@ class SystemRegistry:
         self._records[rec.proc_id] = rec
         world.procs[rec.proc_id.rank] = rec
         world.failed.add(rec.proc_id.rank)
-        out.append(Log(logging.WARNING, text))
+        out.append(Log(logging.WARNING, text, stimulus_id=self._sid))
         self._report(rec, out)
 
+    @_stimulus("connection-lost")
     def handle_connection_lost(self, proc_id: ProcId) -> Result:
         """An inbound connection from ``proc_id`` closed without a prior `Leave`.
 
@@ -738,11 +924,20 @@ class SystemRegistry:
         host = self._records.get(rec.host_proc) if rec.host_proc is not None else None
         if host is not None and host.alive and self.exit_report_grace_s > 0:
             token = ExitReportGrace(proc_id, rec.incarnation)
-            out.append(Timer(self.exit_report_grace_s, token))
+            out.append(Timer(self.exit_report_grace_s, token, stimulus_id=self._sid))
         else:
-            out.append(Probe(proc_id, rec.addr, rec.incarnation, self.liveness_probe_timeout_s))
+            out.append(
+                Probe(
+                    proc_id,
+                    rec.addr,
+                    rec.incarnation,
+                    self.liveness_probe_timeout_s,
+                    stimulus_id=self._sid,
+                )
+            )
         return None, out
 
+    @_stimulus("probe-result")
     def handle_probe_result(self, probe: Probe, outcome: ProbeOutcome) -> Result:
         """Outcome of a liveness `Probe`: refused means ``ConnectionFailure``."""
         out: list[Instruction] = []
@@ -754,11 +949,15 @@ class SystemRegistry:
             return None, out
         if outcome == "connected":
             out.append(
-                Log(logging.DEBUG, f"{probe.proc_id}: connection dropped but its address answers")
+                Log(
+                    logging.DEBUG,
+                    f"{probe.proc_id}: connection dropped but its address answers",
+                    stimulus_id=self._sid,
+                )
             )
             if not probe.recheck:  # perhaps a dying process whose listener goes last
                 token = ProbeAgain(probe.proc_id, probe.incarnation, probe.addr)
-                out.append(Timer(PROBE_AGAIN_S, token))
+                out.append(Timer(PROBE_AGAIN_S, token, stimulus_id=self._sid))
             return None, out
         host = self._records.get(rec.host_proc) if rec.host_proc is not None else None
         host_lost = host is not None and not host.alive
@@ -791,7 +990,11 @@ class SystemRegistry:
             return
         rec.checking = True
         timeout = self.liveness_probe_timeout_s
-        out.append(Probe(rec.proc_id, rec.addr, rec.incarnation, timeout, recheck=True))
+        out.append(
+            Probe(
+                rec.proc_id, rec.addr, rec.incarnation, timeout, recheck=True, stimulus_id=self._sid
+            )
+        )
 
     def _probe_children_of(self, host: ProcRecord, out: list[Instruction]) -> None:
         """A lost host took its children with it (parent-death signal): probe each one now.
@@ -804,10 +1007,15 @@ class SystemRegistry:
                 child.checking = True
                 out.append(
                     Probe(
-                        child.proc_id, child.addr, child.incarnation, self.liveness_probe_timeout_s
+                        child.proc_id,
+                        child.addr,
+                        child.incarnation,
+                        self.liveness_probe_timeout_s,
+                        stimulus_id=self._sid,
                     )
                 )
 
+    @_stimulus("returned")
     def handle_returned(
         self, dest: ActorId | PortId | ProcId, errors: Iterable[str], message: Any = None
     ) -> Result:
@@ -824,7 +1032,11 @@ class SystemRegistry:
                 if dest in subs:
                     del subs[dest]
                     out.append(
-                        Log(logging.INFO, f"subscription of {dest} to {name} ended: push returned")
+                        Log(
+                            logging.INFO,
+                            f"subscription of {dest} to {name} ended: push returned",
+                            stimulus_id=self._sid,
+                        )
                     )
                     if not subs:
                         del self._subs[name]
@@ -844,6 +1056,7 @@ class SystemRegistry:
 
     # ------------------------------------------------------------ stop and eviction
 
+    @_stimulus("stop")
     def handle_stop(self, msg: Stop, requester: ProcId | None = None) -> Result:
         """`Stop`: `StopAck` at once; completion is tracked after."""
         out: list[Instruction] = []
@@ -884,7 +1097,7 @@ class SystemRegistry:
             )
         if unknown:
             names = ", ".join(str(w) for w in unknown)
-            out.append(Log(logging.INFO, f"stop: unknown worlds {names}"))
+            out.append(Log(logging.INFO, f"stop: unknown worlds {names}", stimulus_id=self._sid))
         return StopAck(stopping=stopping, already_stopping=already, unknown=unknown), out
 
     def _fallback_delay(self, proc_timeout_s: float) -> float:
@@ -900,7 +1113,15 @@ class SystemRegistry:
     ) -> None:
         rec.stop_sent = True
         stop = ProcStop(timeout_s=proc_timeout_s, reason=reason)
-        out.append(Ask(agent_of(rec.proc_id), stop, proc_timeout_s + self.rpc_timeout_s, token))
+        out.append(
+            Ask(
+                agent_of(rec.proc_id),
+                stop,
+                proc_timeout_s + self.rpc_timeout_s,
+                token,
+                stimulus_id=self._sid,
+            )
+        )
 
     def _begin_shutdown(
         self, proc_timeout_s: float, reason: str, out: list[Instruction]
@@ -912,7 +1133,7 @@ class SystemRegistry:
         self._starting_shutdown = True
         # A requested stop is routine (INFO); any other reason (signal, fault) is news.
         level = logging.INFO if reason == "stop requested" else logging.WARNING
-        out.append(Log(level, f"system shutting down: {reason}"))
+        out.append(Log(level, f"system shutting down: {reason}", stimulus_id=self._sid))
         event = SystemStopping(reason=reason)
         for name in list(self._subs):
             self._push(name, event, out)
@@ -940,10 +1161,10 @@ class SystemRegistry:
                 # Maybe frozen rather than dead: told to stop, but nobody waits for it.
                 rec.stop_sent = True
                 stop = ProcStop(timeout_s=proc_timeout_s, reason="system is shutting down")
-                out.append(Send(agent_of(pid), stop))
+                out.append(Send(agent_of(pid), stop, stimulus_id=self._sid))
         if self._managing_pending:
             fallback = ManagingStopFallback(self._managing_generation)
-            out.append(Timer(self._fallback_delay(proc_timeout_s), fallback))
+            out.append(Timer(self._fallback_delay(proc_timeout_s), fallback, stimulus_id=self._sid))
         self._starting_shutdown = False
         self._maybe_stop_system(out)
         return StopAck(stopping=stopping, already_stopping=already)
@@ -957,7 +1178,9 @@ class SystemRegistry:
         self._generation += 1
         world.generation = self._generation
         token = StopToken(world.name, world.generation)
-        out.append(Log(logging.INFO, f"stopping world {world.name}: {reason}"))
+        out.append(
+            Log(logging.INFO, f"stopping world {world.name}: {reason}", stimulus_id=self._sid)
+        )
         for table in (world.procs, world.hosts):
             for rank in sorted(table):
                 rec = table[rank]
@@ -968,7 +1191,11 @@ class SystemRegistry:
                     self._send_stop(rec, proc_timeout_s, reason, token, out)
         if world.pending:
             delay = self._fallback_delay(proc_timeout_s)
-            out.append(Timer(delay, StopFallback(world.name, world.generation, delay)))
+            out.append(
+                Timer(
+                    delay, StopFallback(world.name, world.generation, delay), stimulus_id=self._sid
+                )
+            )
         else:
             self._remove_world(world, out)
 
@@ -976,7 +1203,13 @@ class SystemRegistry:
         """Evict a world that has had a failed proc for ``world_eviction_timeout_s``."""
         assert world.failing_since is not None
         unhealthy_for = f"unhealthy for {now - world.failing_since:.1f} s ({world.reason})"
-        out.append(Log(logging.WARNING, f"evicting world {world.name}: {unhealthy_for}"))
+        out.append(
+            Log(
+                logging.WARNING,
+                f"evicting world {world.name}: {unhealthy_for}",
+                stimulus_id=self._sid,
+            )
+        )
         world.phase = EVICTING
         world.gone_reason = f"evicted: {unhealthy_for}"
         self._generation += 1
@@ -992,10 +1225,16 @@ class SystemRegistry:
             host = world.hosts[rank]
             if host.alive:
                 kill = KillProcs(world_id=world.world_id, reason=reason)
-                out.append(Ask(agent_of(host.proc_id), kill, self.rpc_timeout_s))
+                out.append(
+                    Ask(agent_of(host.proc_id), kill, self.rpc_timeout_s, stimulus_id=self._sid)
+                )
         if world.pending:
             delay = self._fallback_delay(self.proc_stop_timeout_s)
-            out.append(Timer(delay, StopFallback(world.name, world.generation, delay)))
+            out.append(
+                Timer(
+                    delay, StopFallback(world.name, world.generation, delay), stimulus_id=self._sid
+                )
+            )
         else:
             self._remove_world(world, out)
 
@@ -1006,7 +1245,7 @@ class SystemRegistry:
             if pid in self._managing_pending:
                 self._managing_pending.discard(pid)
                 self._forget(rec, "stopped", out)
-                out.append(Unbind(pid))
+                out.append(Unbind(pid, stimulus_id=self._sid))
                 self._maybe_stop_system(out)
             return
         world = self._world_of(rec)
@@ -1026,17 +1265,17 @@ class SystemRegistry:
         for rank in sorted(world.procs):
             rec = world.procs[rank]
             self._forget(rec, f"world {name} {what}", out)
-        out.append(Unbind(world.world_id))
+        out.append(Unbind(world.world_id, stimulus_id=self._sid))
         self._push(name, WorldGone(world=world.world_id, reason=gone), out)
         self._subs.pop(name, None)
         if stopped and world.hosts:
             host_world = world.hosts[next(iter(world.hosts))].proc_id.world
             for rank in sorted(world.hosts):
                 self._forget(world.hosts[rank], f"world {name} {what}", out)
-            out.append(Unbind(host_world))
+            out.append(Unbind(host_world, stimulus_id=self._sid))
             self._push(host_world.name, WorldGone(world=host_world, reason=gone), out)
             self._subs.pop(host_world.name, None)
-        out.append(Log(logging.INFO, f"world {name} removed: {gone}"))
+        out.append(Log(logging.INFO, f"world {name} removed: {gone}", stimulus_id=self._sid))
         if world.hosts and not stopped:
             world.reset_to_hosts_only()
             if self._shutting_down:
@@ -1057,10 +1296,15 @@ class SystemRegistry:
         ):
             self._stopped = True
             out.append(
-                Log(logging.INFO, "system stopped: every world and managed proc has stopped")
+                Log(
+                    logging.INFO,
+                    "system stopped: every world and managed proc has stopped",
+                    stimulus_id=self._sid,
+                )
             )
-            out.append(StopSystem("shutdown complete"))
+            out.append(StopSystem("shutdown complete", stimulus_id=self._sid))
 
+    @_stimulus("reply")
     def handle_reply(self, ask: Ask, reply: Any, error: str | None = None) -> Result:
         """The outcome of an `Ask`: ``reply``, or ``None`` and ``error`` (returned,
         deadline passed, peer gone)."""
@@ -1070,10 +1314,14 @@ class SystemRegistry:
         if isinstance(msg, ProcStop):
             if isinstance(reply, ProcStopResult):
                 aborted = f" ({len(reply.aborted)} aborted)" if reply.aborted else ""
-                out.append(Log(logging.INFO, f"{pid}: proc stopped{aborted}"))
+                out.append(
+                    Log(logging.INFO, f"{pid}: proc stopped{aborted}", stimulus_id=self._sid)
+                )
             else:
                 why = error if error is not None else f"unexpected reply {reply!r}"
-                out.append(Log(logging.WARNING, f"{pid}: stop not confirmed: {why}"))
+                out.append(
+                    Log(logging.WARNING, f"{pid}: stop not confirmed: {why}", stimulus_id=self._sid)
+                )
             token = ask.token
             rec = self._records.get(pid)
             if isinstance(token, StopToken) and rec is not None:
@@ -1089,7 +1337,7 @@ class SystemRegistry:
         elif isinstance(msg, KillProcs) and (error is not None or isinstance(reply, Rejected)):
             why = error if error is not None else reply.message
             text = f"{pid}: KillProcs for {msg.world_id} failed: {why}"
-            out.append(Log(logging.WARNING, text))
+            out.append(Log(logging.WARNING, text, stimulus_id=self._sid))
         return None, out
 
     def _spawn_reply(self, ask: Ask, reply: Any, error: str | None, out: list[Instruction]) -> None:
@@ -1107,7 +1355,11 @@ class SystemRegistry:
             failures = [(world.world_id.proc(r), why) for r in token.ranks]
         else:
             out.append(
-                Log(logging.WARNING, f"SpawnProc to {token.host} for {world.name} failed: {error}")
+                Log(
+                    logging.WARNING,
+                    f"SpawnProc to {token.host} for {world.name} failed: {error}",
+                    stimulus_id=self._sid,
+                )
             )
             return
         for pid, reason in failures:
@@ -1116,6 +1368,7 @@ class SystemRegistry:
             exit_msg = ProcExited(proc_id=pid, host_proc=token.host, reason=reason)
             self._exit_before_join(exit_msg, out)
 
+    @_stimulus("timer")
     def handle_timer(self, token: Any) -> Result:
         """A `Timer` the shell scheduled has fired."""
         out: list[Instruction] = []
@@ -1127,7 +1380,13 @@ class SystemRegistry:
                     self._stop_done(rec, out)
                 else:
                     out.append(
-                        Probe(rec.proc_id, rec.addr, rec.incarnation, self.liveness_probe_timeout_s)
+                        Probe(
+                            rec.proc_id,
+                            rec.addr,
+                            rec.incarnation,
+                            self.liveness_probe_timeout_s,
+                            stimulus_id=self._sid,
+                        )
                     )
         elif isinstance(token, ProbeAgain):
             self._probe_again(token, out)
@@ -1142,6 +1401,7 @@ class SystemRegistry:
                         logging.WARNING,
                         f"{what} of world {world.name}: no answer from {silent} "
                         f"within the fallback timeout ({wait} s); removing it",
+                        stimulus_id=self._sid,
                     )
                 )
                 self._remove_world(world, out)
@@ -1151,7 +1411,13 @@ class SystemRegistry:
             and self._managing_pending
         ):
             silent = ", ".join(str(p) for p in sorted(self._managing_pending))
-            out.append(Log(logging.WARNING, f"shutdown: no answer from {silent}; forgetting them"))
+            out.append(
+                Log(
+                    logging.WARNING,
+                    f"shutdown: no answer from {silent}; forgetting them",
+                    stimulus_id=self._sid,
+                )
+            )
             for pid in sorted(self._managing_pending):
                 rec = self._records.get(pid)
                 if rec is not None:
@@ -1169,6 +1435,7 @@ class SystemRegistry:
         UpsertWorld: "handle_upsert_world",
         RespawnProcs: "handle_respawn_procs",
         Snapshot: "handle_snapshot",
+        Stimuli: "handle_stimuli",
         Stop: "handle_stop",
         WorldState: "handle_world_state",
         Resolve: "handle_resolve",
@@ -1192,15 +1459,61 @@ class SystemRegistry:
             return self.handle_supervision_update(msg, arrived_at=arrived_at)
         name = self._HANDLERS.get(type(msg))
         if name is None:
-            text = f"unexpected message {type(msg).__name__}"
-            return self._reject(msg, requester, "invalid_argument", text, [])
+            return self.handle_unexpected(msg, requester=requester)
         result: Result = getattr(self, name)(msg, requester=requester)
         return result
 
+    @_stimulus("stimuli")
+    def handle_stimuli(self, msg: Stimuli, requester: ProcId | None = None) -> Result:
+        """`Stimuli`: `StimulusLog` of the newest ``limit`` kept stimuli, oldest first."""
+        limit = msg.limit
+        if limit is not None and (type(limit) is not int or limit < 1):
+            text = f"invalid limit {limit!r}: expected a whole number >= 1, or none for all"
+            return self._reject(msg, requester, "invalid_argument", text, [])
+        return self.stimuli(limit), []
+
+    def stimuli(self, limit: int | None = None) -> StimulusLog:
+        """The log of recent stimuli (the newest ``limit``), oldest first."""
+        kept = list(self._stimuli)
+        if limit is not None:
+            kept = kept[-limit:] if limit > 0 else []
+        # entries carry the registry's clock; people read wall-clock times
+        offset = self._wall() - self._clock()
+        entries = []
+        for e in kept:
+            lines = [_describe(i) for i in e.instructions[:_SUMMARY_INSTRUCTIONS]]
+            more = len(e.instructions) - _SUMMARY_INSTRUCTIONS
+            if more > 0:
+                lines.append(f"... and {more} more")
+            entries.append(
+                StimulusEntry(
+                    stimulus_id=f"{e.kind}-{e.seq}",
+                    time=round(e.at + offset, 3),
+                    kind=e.kind,
+                    subject=_subject_of(e.subject),
+                    reply=_reply_of(e.reply),
+                    instructions=lines,
+                )
+            )
+        return StimulusLog(
+            execution_id=self.execution_id,
+            size=self._stimuli.maxlen or 0,
+            handled=self._seq,
+            entries=entries,
+        )
+
+    @_stimulus("unexpected")
+    def handle_unexpected(self, msg: Any, requester: ProcId | None = None) -> Result:
+        """A message the system does not serve: `Rejected` ``invalid_argument``."""
+        text = f"unexpected message {type(msg).__name__}"
+        return self._reject(msg, requester, "invalid_argument", text, [])
+
+    @_stimulus("join")
     def handle_join(self, msg: Join, requester: ProcId | None = None) -> Result:
         """`Join`: `Joined`, `Rejected`, or `JoinProbeNeeded`."""
         return self._join(msg, requester, None, None)
 
+    @_stimulus("join-probed")
     def complete_join(
         self,
         msg: Join,
@@ -1211,60 +1524,63 @@ class SystemRegistry:
         """Finish a `Join` after the duplicate probe of `JoinProbeNeeded`."""
         return self._join(msg, requester, probe, outcome)
 
-    def _validate_join(self, msg: Join) -> tuple[RejectCode, str] | None:
+    def _validate_join(self, msg: Join) -> tuple[tuple[RejectCode, str] | None, ChannelAddr | None]:
+        """``(problem, addr)``: why the join is refused (None: it is not), and its address,
+        parsed here once, where it comes in from the wire (None: a detached client gave
+        none, or the join is refused)."""
         pid = msg.proc_id
         name = pid.world.name
         mode = msg.mode
+        problem: tuple[RejectCode, str] | None = None
+        addr: ChannelAddr | None = None
+        is_host = isinstance(name, str) and name.startswith(HOST_WORLD_PREFIX)
         if mode not in PROC_MODES:
             modes = ", ".join(PROC_MODES)
-            return "invalid_argument", f"unknown mode {mode!r} for {pid}: expected one of {modes}"
-        if not isinstance(name, str) or not name.isidentifier():
-            return "invalid_argument", f"invalid world name {name!r} in a join"
-        if name in ("system", "unknown"):
-            return "invalid_argument", f"cannot join as {pid}: world name '{name}' is reserved"
-        if name == "user" and mode != DETACHED:
-            return (
+            problem = (
                 "invalid_argument",
-                f"cannot join as {pid}: world 'user' is reserved for detached clients",
+                f"unknown mode {mode!r} for {pid}: expected one of {modes}",
             )
-        if name == HOST_WORLD_PREFIX:
-            return (
-                "invalid_argument",
-                f"cannot join as {pid}: a bare 'host' is not a world; host worlds are host<W>",
-            )
-        is_host = name.startswith(HOST_WORLD_PREFIX)
-        if is_host and mode == MANAGED_BY_SYSTEM and check_world_name(served_name(name)):
+        elif not isinstance(name, str) or not name.isidentifier():
+            problem = "invalid_argument", f"invalid world name {name!r} in a join"
+        elif name in ("system", "unknown"):
+            problem = "invalid_argument", f"cannot join as {pid}: world name '{name}' is reserved"
+        elif name == "user" and mode != DETACHED:
+            why = "world 'user' is reserved for detached clients"
+            problem = "invalid_argument", f"cannot join as {pid}: {why}"
+        elif name == HOST_WORLD_PREFIX:
+            why = "a bare 'host' is not a world; host worlds are host<W>"
+            problem = "invalid_argument", f"cannot join as {pid}: {why}"
+        elif is_host and mode == MANAGED_BY_SYSTEM and check_world_name(served_name(name)):
             served = served_name(name)
             why = f"host world {name} would serve the invalid or reserved world '{served}'"
-            return "invalid_argument", f"cannot join as {pid}: {why}"
-        if self._shutting_down:
-            return "shutting_down", "system is shutting down"
-        if mode != DETACHED and not msg.addr:
-            return "invalid_argument", f"join of {pid} has no address"
+            problem = "invalid_argument", f"cannot join as {pid}: {why}"
+        elif self._shutting_down:
+            problem = "shutting_down", "system is shutting down"
+        elif mode != DETACHED and not msg.addr:
+            problem = "invalid_argument", f"join of {pid} has no address"
+        if problem is not None:
+            return problem, None
         if msg.addr:
             try:
                 addr = ChannelAddr.parse(msg.addr)
             except ValueError as e:
-                return "invalid_argument", f"join of {pid}: invalid address {msg.addr!r}: {e}"
+                text = f"join of {pid}: invalid address {msg.addr!r}: {e}"
+                return ("invalid_argument", text), None
             if addr.is_any:
                 why = "an 'any' address is for serving; a join gives the address it serves"
-                return (
-                    "invalid_argument",
-                    f"join of {pid}: address {msg.addr!r} cannot be dialed ({why})",
-                )
+                text = f"join of {pid}: address {msg.addr!r} cannot be dialed ({why})"
+                return ("invalid_argument", text), None
         if mode == MANAGED_BY_SYSTEM:
             wname = served_name(name) if is_host else name
             world = self._worlds.get(wname)
             if world is not None and world.phase != ACTIVE:
                 doing = "stopped" if world.phase == STOPPING else "evicted"
-                return "conflict", f"cannot join {pid}: world {wname} is being {doing}"
+                return ("conflict", f"cannot join {pid}: world {wname} is being {doing}"), None
             size = world.size if world is not None and not is_host else None
             if size is not None and pid.rank >= size:
-                return (
-                    "invalid_argument",
-                    f"rank {pid.rank} out of range for world {wname} of size {size}",
-                )
-        return None
+                text = f"rank {pid.rank} out of range for world {wname} of size {size}"
+                return ("invalid_argument", text), None
+        return None, addr
 
     def _join(
         self,
@@ -1274,7 +1590,7 @@ class SystemRegistry:
         outcome: ProbeOutcome | None,
     ) -> Result:
         out: list[Instruction] = []
-        problem = self._validate_join(msg)
+        problem, addr = self._validate_join(msg)
         if problem is not None:
             return self._reject(msg, requester, problem[0], problem[1], out)
         pid = msg.proc_id
@@ -1285,6 +1601,7 @@ class SystemRegistry:
                         logging.INFO,
                         f"execution {msg.execution_id} goes on: its procs rejoin this system "
                         f"(was {self.execution_id})",
+                        stimulus_id=self._sid,
                     )
                 )
                 self.execution_id = msg.execution_id
@@ -1303,13 +1620,19 @@ class SystemRegistry:
                     # A retried join of the same process: answer again, change nothing.
                     if old.addr != msg.addr:
                         old.addr = msg.addr
-                        if msg.addr:
-                            out.append(Bind(pid, msg.addr))
+                        if addr is not None:
+                            out.append(Bind(pid, addr, stimulus_id=self._sid))
                     return self._joined(), out
                 if probe is None or probe.incarnation != old.incarnation or probe.addr != old.addr:
                     return (
                         JoinProbeNeeded(
-                            Probe(pid, old.addr, old.incarnation, self.liveness_probe_timeout_s)
+                            Probe(
+                                pid,
+                                old.addr,
+                                old.incarnation,
+                                self.liveness_probe_timeout_s,
+                                stimulus_id=self._sid,
+                            )
                         ),
                         out,
                     )
@@ -1324,7 +1647,11 @@ class SystemRegistry:
                     )
                 # The old process does not answer: treat it as dead and replace it.
                 out.append(
-                    Log(logging.INFO, f"{old.who()} does not answer; replaced by a new join")
+                    Log(
+                        logging.INFO,
+                        f"{old.who()} does not answer; replaced by a new join",
+                        stimulus_id=self._sid,
+                    )
                 )
                 carried = old.resolvers
             elif old.incarnation == msg.incarnation:
@@ -1342,7 +1669,7 @@ class SystemRegistry:
             self.rejoins += 1
             if msg.world is not None:
                 self._adopt_spec(msg, out)
-        self._add_record(msg, out)
+        self._add_record(msg, addr, out)
         rec = self._records[pid]
         world = self._world_of(rec) if rec.kind == "proc" else None
         told = world.told_gone.pop(pid.rank, set()) if world is not None else set()
@@ -1358,7 +1685,7 @@ class SystemRegistry:
             notify = (set(carried) if changed else set()) | told
             notice = AddressChanged(proc_id=pid, addr=msg.addr, incarnation=msg.incarnation)
             for resolver in sorted(notify):
-                out.append(Send(agent_of(resolver), notice))
+                out.append(Send(agent_of(resolver), notice, stimulus_id=self._sid))
         return self._joined(), out
 
     def _adopt_spec(self, msg: Join, out: list[Instruction]) -> None:
@@ -1370,7 +1697,11 @@ class SystemRegistry:
         problem = check_world_name(name) or check_upsert_spec(spec)
         if problem is not None:
             out.append(
-                Log(logging.WARNING, f"rejoin of {msg.proc_id}: ignoring its world spec: {problem}")
+                Log(
+                    logging.WARNING,
+                    f"rejoin of {msg.proc_id}: ignoring its world spec: {problem}",
+                    stimulus_id=self._sid,
+                )
             )
             return
         world = self._world_for(name)
@@ -1384,6 +1715,7 @@ class SystemRegistry:
                 logging.INFO,
                 f"world {name} rebuilt from the rejoin of {msg.proc_id}: shape {world.shape}, "
                 f"{world.size} procs",
+                stimulus_id=self._sid,
             )
         )
         if not world.procs:
@@ -1400,7 +1732,7 @@ class SystemRegistry:
             system_time=self._wall(),
         )
 
-    def _add_record(self, msg: Join, out: list[Instruction]) -> None:
+    def _add_record(self, msg: Join, addr: ChannelAddr | None, out: list[Instruction]) -> None:
         now = self._clock()
         pid = msg.proc_id
         name = pid.world.name
@@ -1428,8 +1760,8 @@ class SystemRegistry:
         )
         self._records[pid] = rec
         self._unknown_told.pop(pid, None)
-        if msg.addr:  # (a detached client may give none: replies go back on its connection)
-            out.append(Bind(pid, msg.addr))
+        if addr is not None:  # (a detached client may give none: replies go back on its connection)
+            out.append(Bind(pid, addr, stimulus_id=self._sid))
         if kind == "managing":
             self._managing[pid] = rec
         elif kind == "host":
@@ -1447,6 +1779,7 @@ class SystemRegistry:
                 self._push(name, WorldStatusChanged(world=world.world_id, status=world.status), out)
             self._evaluate(world, now, out)
 
+    @_stimulus("leave")
     def handle_leave(self, msg: Leave, requester: ProcId | None = None) -> Result:
         """`Leave`: a graceful exit; `Ok`. While the world is live the proc is ``Exited``."""
         out: list[Instruction] = []
@@ -1455,7 +1788,7 @@ class SystemRegistry:
             return Ok(), out
         if rec.kind == "detached":
             self._forget(rec, f"left: {msg.reason}" if msg.reason else "left the system", out)
-            out.append(Unbind(rec.proc_id))
+            out.append(Unbind(rec.proc_id, stimulus_id=self._sid))
             return Ok(), out
         if self._expected(rec):
             rec.left = True
@@ -1467,6 +1800,7 @@ class SystemRegistry:
             self._declare(rec, EXITED, reason, out)
         return Ok(), out
 
+    @_stimulus("upsert-world")
     def handle_upsert_world(self, msg: UpsertWorld, requester: ProcId | None = None) -> Result:
         """`UpsertWorld`: `WorldUpserted` or `Rejected`."""
         out: list[Instruction] = []
@@ -1515,14 +1849,15 @@ class SystemRegistry:
                     logging.WARNING,
                     f"dropping {rec.proc_id}: rank {rank} out of range "
                     f"for world {name} of size {size}",
+                    stimulus_id=self._sid,
                 )
             )
             if rec.joined and rec.alive:
                 rec.stop_sent = True
                 stop = ProcStop(timeout_s=self.proc_stop_timeout_s, reason="rank out of range")
-                out.append(Send(agent_of(rec.proc_id), stop))
+                out.append(Send(agent_of(rec.proc_id), stop, stimulus_id=self._sid))
             self._forget(rec, "rank out of range", out)
-            out.append(Unbind(rec.proc_id))
+            out.append(Unbind(rec.proc_id, stimulus_id=self._sid))
         self._evaluate(world, now, out)
         for rank in sorted(world.hosts):
             self._assign(world, world.hosts[rank], out)
@@ -1530,10 +1865,12 @@ class SystemRegistry:
             Log(
                 logging.INFO,
                 f"world {name} upserted: shape {world.shape}, {size} procs, {world.status}",
+                stimulus_id=self._sid,
             )
         )
         return WorldUpserted(status=world.world_status()), out
 
+    @_stimulus("respawn-procs")
     def handle_respawn_procs(self, msg: RespawnProcs, requester: ProcId | None = None) -> Result:
         """`RespawnProcs`: `Ok` once each rank's host is asked to start it again, or
         `Rejected`. The failed records are dropped first, so the world waits for the new
@@ -1593,8 +1930,12 @@ class SystemRegistry:
             token = SpawnToken(
                 world.name, world.incarnation, host.proc_id, host.incarnation, tuple(ranks)
             )
-            out.append(Ask(agent_of(host.proc_id), spawn, self.rpc_timeout_s, token))
-        out.append(Log(logging.INFO, f"respawning {name} ranks {sorted(msg.ranks)}"))
+            out.append(
+                Ask(agent_of(host.proc_id), spawn, self.rpc_timeout_s, token, stimulus_id=self._sid)
+            )
+        out.append(
+            Log(logging.INFO, f"respawning {name} ranks {sorted(msg.ranks)}", stimulus_id=self._sid)
+        )
         self._evaluate(world, self._clock(), out)
         return Ok(), out
 
@@ -1640,6 +1981,7 @@ class SystemRegistry:
                     f"host {host.proc_id} gets no procs of world {world.name}: its "
                     f"{world.size} procs at {nph} per host need only "
                     f"{hosts_needed(nph, world.size)} hosts",
+                    stimulus_id=self._sid,
                 )
             )
             return
@@ -1669,8 +2011,11 @@ class SystemRegistry:
         )
         asked = tuple(a.rank for a in procs)
         token = SpawnToken(world.name, world.incarnation, host.proc_id, host.incarnation, asked)
-        out.append(Ask(agent_of(host.proc_id), spawn, self.rpc_timeout_s, token))
+        out.append(
+            Ask(agent_of(host.proc_id), spawn, self.rpc_timeout_s, token, stimulus_id=self._sid)
+        )
 
+    @_stimulus("snapshot")
     def handle_snapshot(self, msg: Snapshot, requester: ProcId | None = None) -> Result:
         """`Snapshot`: `SystemSnapshot`; cost linear in listed procs."""
         out: list[Instruction] = []
@@ -1731,6 +2076,7 @@ class SystemRegistry:
             counters=dict(rec.counters),
         )
 
+    @_stimulus("world-state")
     def handle_world_state(self, msg: WorldState, requester: ProcId | None = None) -> Result:
         """`WorldState`: `WorldStateReply` whose state lists only unhealthy procs."""
         out: list[Instruction] = []
@@ -1764,6 +2110,7 @@ class SystemRegistry:
             world_id=world.world_id, status=world.world_status(), procs=procs
         )
 
+    @_stimulus("subscribe")
     def handle_subscribe(self, msg: Subscribe, requester: ProcId | None = None) -> Result:
         """`Subscribe`: `Subscribed` with the current state; events follow on ``port``."""
         out: list[Instruction] = []
@@ -1780,6 +2127,7 @@ class SystemRegistry:
         self._subs.setdefault(name, {})[msg.port] = None
         return Subscribed(state=state), out
 
+    @_stimulus("unsubscribe")
     def handle_unsubscribe(self, msg: Unsubscribe, requester: ProcId | None = None) -> Result:
         """`Unsubscribe`: `Ok` (also when there was no such subscription)."""
         subs = self._subs.get(msg.world_id.name)
@@ -1790,7 +2138,19 @@ class SystemRegistry:
         return Ok(), []
 
     def handle_resolve(self, msg: Resolve, requester: ProcId | None = None) -> Result:
-        """`Resolve`: `Resolved`; the requester becomes a resolver."""
+        """`Resolve`: `Resolved`; the requester becomes a resolver.
+
+        A stimulus of kind ``resolve``, accounted inline (`_stimulus`) on this hot path.
+        """
+        self._seq += 1
+        self._kind = "resolve"
+        self._sid_text = None
+        result = self._resolve(msg, requester)
+        if result[1]:  # (a rejection: nothing else decides anything)
+            self._note(msg, result)
+        return result
+
+    def _resolve(self, msg: Resolve, requester: ProcId | None) -> Result:
         out: list[Instruction] = []
         pid = msg.proc_id
         rec = self._records.get(pid)
