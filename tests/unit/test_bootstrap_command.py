@@ -31,9 +31,9 @@ def test_defaults_are_the_seeds() -> None:
     assert c.num_procs_per_host == 8
     assert c.worker_name == "worker"
     assert c.program is None
-    assert (c.supervision_query_interval_in_sec, c.supervision_update_interval_in_sec) == (2, 2)
-    assert c.worker_progress_check_interval_in_sec == 10
-    assert c.operation_timeout_in_sec == 120
+    assert (c.supervision_query_interval_s, c.supervision_update_interval_s) == (2, 2)
+    assert c.worker_progress_check_interval_s == 10
+    assert c.operation_timeout_s == 120
     assert c.operations_per_worker_progress_request == 100
     assert not c.fail_on_worker_timeout and not c.is_cpu_worker
     assert c.extra_proc_labels is None
@@ -73,8 +73,8 @@ def test_key_val_without_equals_has_the_seed_message() -> None:
         ({"worker_name": "comm"}, "--worker-name"),
         ({"worker_name": "1x"}, "--worker-name"),
         ({"operations_per_worker_progress_request": 0}, "operations-per-worker-progress-request"),
-        ({"operation_timeout_in_sec": 0.0}, "--operation-timeout-in-sec"),
-        ({"supervision_query_interval_in_sec": -1.0}, "--supervision-query-interval-in-sec"),
+        ({"operation_timeout_s": 0.0}, "--operation-timeout-in-sec"),
+        ({"supervision_query_interval_s": -1.0}, "--supervision-query-interval-in-sec"),
         ({"program": "   "}, "--program"),
         ({"program": "python 'unclosed"}, "--program"),
         ({"extra_proc_labels": [("proc.palatine.dev/role", "x")]}, "reserved"),

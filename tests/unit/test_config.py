@@ -107,3 +107,11 @@ def test_palatine_config_prints_every_key_and_refuses_a_bad_value() -> None:
         bad.stderr.strip()
         == "palatine config: PALATINE_COLLECTIVE_TIMEOUT: expected seconds > 0, got 'soon'"
     )
+
+
+def test_system_restarts_zero_means_never_restart_and_a_negative_count_is_refused() -> None:
+    assert config.from_env({"PALATINE_SYSTEM_RESTARTS": "0"}).system_restarts == 0
+    assert config.from_env({"PALATINE_SYSTEM_RESTARTS": "2"}).system_restarts == 2
+    for bad in ("-1", "often"):
+        with pytest.raises(ConfigError, match="PALATINE_SYSTEM_RESTARTS: expected an integer >= 0"):
+            config.from_env({"PALATINE_SYSTEM_RESTARTS": bad})

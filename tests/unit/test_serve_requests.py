@@ -37,8 +37,8 @@ def test_run_system_with_defaults() -> None:
     # Omitted: the configuration decides (PALATINE_* variables, else 20 and 10 s), as
     # for `palatine system` without the flags.
     assert (
-        req.command.supervision_update_timeout_in_sec,
-        req.command.world_eviction_timeout_in_sec,
+        req.command.supervision_update_timeout_s,
+        req.command.world_eviction_timeout_s,
     ) == (None, None)
 
 
@@ -62,7 +62,7 @@ def test_run_host_accepts_floats_and_ints() -> None:
         system_addr="tcp:127.0.0.1:5000",
         host_world="hostw",
         host_rank=1,
-        supervision_update_interval_in_sec=0.5,
+        supervision_update_interval_s=0.5,
     )
 
 

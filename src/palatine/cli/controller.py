@@ -13,6 +13,8 @@ import sys
 from typing import Any
 
 from palatine.cli.role import ready_line, run_role
+from palatine.config import roles
+from palatine.config.roles import ControllerOptions
 
 __all__ = ["add_arguments", "parse_label", "run"]
 
@@ -43,41 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="command hosts run per worker proc (default: workers join by themselves)",
     )
-    p.add_argument(
-        "--supervision-query-interval-in-sec",
-        type=float,
-        default=2.0,
-        help="how often the system is polled for failed workers (default 2)",
-    )
-    p.add_argument(
-        "--supervision-update-interval-in-sec",
-        type=float,
-        default=2.0,
-        help="heartbeat interval of the controller proc (default 2)",
-    )
-    p.add_argument(
-        "--worker-progress-check-interval-in-sec",
-        type=float,
-        default=10.0,
-        help="how often worker progress is checked (default 10)",
-    )
-    p.add_argument(
-        "--operation-timeout-in-sec",
-        type=float,
-        default=120.0,
-        help="stall allowed before workers are reported stuck (default 120)",
-    )
-    p.add_argument(
-        "--operations-per-worker-progress-request",
-        type=int,
-        default=100,
-        help="ops issued between progress probes (default 100)",
-    )
-    p.add_argument(
-        "--fail-on-worker-timeout",
-        action="store_true",
-        help="also fail the mesh when workers are stuck",
-    )
+    roles.add_arguments(p, ControllerOptions)  # the options, declared there
     p.add_argument("--is-cpu-worker", action="store_true", help="workers use the CPU")
     p.add_argument(
         "--extra-proc-labels",
@@ -94,23 +62,7 @@ def command_from_args(args: argparse.Namespace) -> Any:
     """The `ControllerCommand` of parsed flags (not yet validated)."""
     from palatine.tensor.controller.startup import ControllerCommand
 
-    return ControllerCommand(
-        worker_world=args.worker_world,
-        system_addr=args.system_addr,
-        controller_actor_id=args.controller_actor_id,
-        world_size=args.world_size,
-        num_procs_per_host=args.num_procs_per_host,
-        worker_name=args.worker_name,
-        program=args.program,
-        supervision_query_interval_in_sec=args.supervision_query_interval_in_sec,
-        supervision_update_interval_in_sec=args.supervision_update_interval_in_sec,
-        worker_progress_check_interval_in_sec=args.worker_progress_check_interval_in_sec,
-        operation_timeout_in_sec=args.operation_timeout_in_sec,
-        operations_per_worker_progress_request=args.operations_per_worker_progress_request,
-        fail_on_worker_timeout=args.fail_on_worker_timeout,
-        is_cpu_worker=args.is_cpu_worker,
-        extra_proc_labels=args.extra_proc_labels,
-    )
+    return roles.from_args(ControllerCommand, args)
 
 
 def run(args: argparse.Namespace) -> int:

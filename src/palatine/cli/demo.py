@@ -244,7 +244,7 @@ def main(args: argparse.Namespace) -> int:
             args.hosts,
             args.procs_per_host,
             device=args.device,
-            operation_timeout_in_sec=args.operation_timeout_in_sec,
+            operation_timeout_s=args.operation_timeout_in_sec,
             fail_on_worker_timeout=args.fail_on_worker_timeout,
         )
     with mesh:

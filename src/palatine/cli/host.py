@@ -7,6 +7,8 @@ import asyncio
 import sys
 
 from palatine.cli.role import ready_line, run_role
+from palatine.config import roles
+from palatine.config.roles import HostOptions
 
 __all__ = ["add_arguments", "run"]
 
@@ -15,12 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-addr", required=True)
     p.add_argument("--host-world", required=True, help="host world, e.g. hostworker")
     p.add_argument("--host-rank", type=int, required=True)
-    p.add_argument(
-        "--supervision-update-interval-in-sec",
-        type=float,
-        default=None,
-        help="heartbeat interval (default 2)",
-    )
+    roles.add_arguments(p, HostOptions)  # the options, declared there
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,22 +25,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve_host(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    from palatine.cli.serving import check_cli_args
+    from palatine.cli.serving import HostCommand, check_cli_args
     from palatine.errors import JoinError
     from palatine.hosting.host import HostAgent, join_host
 
-    check_cli_args("Host", args)
+    cmd = roles.from_args(HostCommand, args)
+    addr = check_cli_args("Host", cmd)
     try:
         handle = await join_host(
-            args.host_world,
-            args.host_rank,
-            args.system_addr,
-            args.supervision_update_interval_in_sec,
+            cmd.host_world,
+            cmd.host_rank,
+            addr,
+            cmd.supervision_update_interval_s,
             stop,
             main_proc=True,
         )
     except JoinError as e:
-        print(f"cannot join system at {args.system_addr}: {e}", file=sys.stderr)
+        print(f"cannot join system at {cmd.system_addr}: {e}", file=sys.stderr)
         return 1
     if handle is None:
         return 0  # stopped while joining

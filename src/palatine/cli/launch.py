@@ -69,7 +69,7 @@ def _job(args: argparse.Namespace) -> Any:
     if args.scheduler == "local":
         from palatine.job.local import LocalJob
 
-        options: dict[str, Any] = {"startup_timeout_in_sec": args.start_timeout_in_sec}
+        options: dict[str, Any] = {"startup_timeout_s": args.start_timeout_in_sec}
         if args.log_dir:
             options["log_dir"] = args.log_dir
         return LocalJob(args.hosts, args.procs_per_host, **options)

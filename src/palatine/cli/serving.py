@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import io
 import logging
-import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
@@ -31,6 +30,8 @@ from typing import Any, Literal
 import msgspec
 
 from palatine.channel.addr import ChannelAddr
+from palatine.config import roles
+from palatine.config.roles import HostOptions, SystemOptions
 from palatine.core.supervision_hook import set_unhandled_fault_hook
 from palatine.errors import ConfigError, JoinError
 from palatine.ids import WorldId, is_host_world
@@ -53,6 +54,7 @@ __all__ = [
     "run_role",
     "run_system",
     "serve",
+    "start_metrics",
     "TOO_LONG",
     "Lines",
     "OnReady",
@@ -73,8 +75,9 @@ TOO_LONG = b"<a line over MAX_LINE_BYTES>"  # queued for such a line (told apart
 _READ_AHEAD_LINES = 256  # request lines read ahead of the server at most
 _RESPONSES_HIGH = 1 << 20  # response bytes waiting to be read before requests wait too
 
-OnReady = Callable[[str, str], None]
-"""``on_ready(role, addr)``: the role can serve (print the ready line)."""
+OnReady = Callable[..., None]
+"""``on_ready(role, addr, **extra)``: the role can serve (print the ready line; ``extra``:
+the system's ``metrics_addr``)."""
 
 
 class Lines:
@@ -266,10 +269,10 @@ class Responses:
         if not self.shares_stdout:
             return on_ready
 
-        def ready(role: str, addr: str) -> None:
+        def ready(role: str, addr: str, **extra: str) -> None:
             text = io.StringIO()
             with contextlib.redirect_stdout(text):
-                on_ready(role, addr)
+                on_ready(role, addr, **extra)
             self.write(text.getvalue().encode())
 
         return ready
@@ -279,22 +282,21 @@ _ROLE_STOP_BOUND_S = 20.0
 _RESPONSES_CLOSE_S = 1.0  # at the end: how long responses may take to be read
 
 
-class SystemCommand(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``Run.System``: serve the system actor."""
+class SystemCommand(SystemOptions, kw_only=True, forbid_unknown_fields=True):
+    """``Run.System`` (and ``palatine system``'s flags): serve the system actor at
+    ``system_addr``; the options are `SystemOptions`' (None: the configuration decides,
+    ``PALATINE_*``, else 20 and 10 s)."""
 
     system_addr: str
-    # None: the configuration decides (``PALATINE_*``, else 20 and 10), as for the CLI.
-    supervision_update_timeout_in_sec: float | None = None
-    world_eviction_timeout_in_sec: float | None = None
 
 
-class HostCommand(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``Run.Host``: a host proc ``host_world[host_rank]``."""
+class HostCommand(HostOptions, kw_only=True, forbid_unknown_fields=True):
+    """``Run.Host`` (and ``palatine host``'s flags): a host proc ``host_world[host_rank]``;
+    the options are `HostOptions`'."""
 
     system_addr: str
     host_world: str
     host_rank: int
-    supervision_update_interval_in_sec: float | None = None  # None: the configuration's (2)
 
 
 class RunRequest(msgspec.Struct, frozen=True):
@@ -302,6 +304,7 @@ class RunRequest(msgspec.Struct, frozen=True):
 
     role: Literal["System", "Host", "Controller"]
     command: SystemCommand | HostCommand | ControllerCommand
+    system_addr: ChannelAddr  # the command's, parsed once here (where it arrives as text)
 
 
 class ExitRequest(msgspec.Struct, frozen=True):
@@ -319,52 +322,50 @@ _ROLES: dict[str, type[Any]] = {
 }
 
 
-def _positive(name: str, value: float | None) -> None:
-    if value is not None and not (value > 0 and math.isfinite(value)):
-        raise InvalidRequest(f"{name} must be a finite number > 0, got {value:g}")
-
-
-def check_role(role: str, cmd: Any, name: Callable[[str], str]) -> None:
-    """Semantic checks of a System or Host command (or the CLI flags of those roles):
-    addresses, names, ranges; a field left None is not checked (its default applies).
-    ``name(field)`` is how the caller spells a field in the error: ``Run.Host.host_rank``
-    for serve, ``--host-rank`` for the CLI."""
+def check_role(
+    role: str, cmd: SystemCommand | HostCommand, name: Callable[[str], str]
+) -> ChannelAddr:
+    """Semantic checks of a System or Host command (from serve or the CLI): addresses,
+    names, the options' bounds (`palatine.config.roles.check`; a field left None is not
+    checked: its default applies); the system's address, parsed. ``name(field)`` is how
+    the caller spells a field in the error: ``Run.Host.host_rank`` for serve,
+    ``--host-rank`` for the CLI."""
     try:
-        ChannelAddr.parse(cmd.system_addr)
+        addr = ChannelAddr.parse(cmd.system_addr)
     except ValueError as e:
         raise InvalidRequest(f"{name('system_addr')} {cmd.system_addr!r}: {e}") from None
-    if role == "System":
-        _positive(name("supervision_update_timeout_in_sec"), cmd.supervision_update_timeout_in_sec)
-        _positive(name("world_eviction_timeout_in_sec"), cmd.world_eviction_timeout_in_sec)
-        return
+    if isinstance(cmd, HostCommand):
+        try:
+            WorldId.parse(cmd.host_world)
+        except ValueError as e:
+            raise InvalidRequest(f"{name('host_world')} {cmd.host_world!r}: {e}") from None
+        if not is_host_world(cmd.host_world):
+            raise InvalidRequest(f"{name('host_world')} {cmd.host_world!r} must start with 'host'")
+        if not 0 <= cmd.host_rank < 2**64:
+            raise InvalidRequest(f"{name('host_rank')} must be in [0, 2**64), got {cmd.host_rank}")
     try:
-        WorldId.parse(cmd.host_world)
+        roles.check(cmd, name)
     except ValueError as e:
-        raise InvalidRequest(f"{name('host_world')} {cmd.host_world!r}: {e}") from None
-    if not is_host_world(cmd.host_world):
-        raise InvalidRequest(f"{name('host_world')} {cmd.host_world!r} must start with 'host'")
-    if not 0 <= cmd.host_rank < 2**64:
-        raise InvalidRequest(f"{name('host_rank')} must be in [0, 2**64), got {cmd.host_rank}")
-    _positive(name("supervision_update_interval_in_sec"), cmd.supervision_update_interval_in_sec)
+        raise InvalidRequest(str(e)) from None
+    return addr
 
 
-def check_cli_args(role: str, args: Any) -> None:
-    """`check_role` for a role's parsed command line; raises `ConfigError` (exit 2)."""
+def check_cli_args(role: str, cmd: SystemCommand | HostCommand) -> ChannelAddr:
+    """`check_role` for a role's command line; raises `ConfigError` (exit 2)."""
     try:
-        check_role(role, args, lambda field: "--" + field.replace("_", "-"))
+        return check_role(role, cmd, roles.flag)
     except InvalidRequest as e:
         raise ConfigError(str(e)) from None
 
 
-def _check(role: str, cmd: Any) -> None:
+def _check(role: str, cmd: Any) -> ChannelAddr:
     """Semantic checks: addresses, names, ranges (the same rules as the CLI)."""
     if role == "Controller":
         try:
-            validate_command(cmd)
+            return validate_command(cmd)
         except ConfigError as e:
             raise InvalidRequest(f"Run.Controller: {e}") from None
-        return
-    check_role(role, cmd, lambda field: f"Run.{role}.{field}")
+    return check_role(role, cmd, lambda field: f"Run.{role}.{field}")
 
 
 def parse_request(line: bytes | str) -> RunRequest | ExitRequest:
@@ -400,8 +401,7 @@ def parse_request(line: bytes | str) -> RunRequest | ExitRequest:
         cmd = msgspec.convert(fields, typ)
     except msgspec.ValidationError as e:
         raise InvalidRequest(f"Run.{role}: {e}") from None
-    _check(role, cmd)
-    return RunRequest(role, cmd)
+    return RunRequest(role, cmd, _check(role, cmd))
 
 
 def finished_line(error: str | None) -> bytes:
@@ -424,36 +424,65 @@ async def _until(done: Awaitable[Any], stop: asyncio.Event) -> bool:
     return False
 
 
-async def run_system(cmd: SystemCommand, stop: asyncio.Event, on_ready: OnReady) -> str | None:
-    """Serve the system until it is stopped (``palatine stop``) or ``stop`` is set."""
+def start_metrics(text: str, handle: Any) -> Any:
+    """A `palatine.system.metrics.MetricsServer` at ``text`` (``HOST:PORT``, port 0: any
+    free one) over the system of ``handle``; `OSError` or `ValueError` when it cannot."""
+    from palatine.system.metrics import MetricsServer
+
+    host, _, port = text.rpartition(":")
+    return MetricsServer(host.strip("[]") or "127.0.0.1", int(port), handle.proc, handle.actor.reg)
+
+
+async def run_system(
+    cmd: SystemCommand, addr: ChannelAddr, stop: asyncio.Event, on_ready: OnReady
+) -> str | None:
+    """Serve the system at ``addr`` (``cmd.system_addr``, parsed) until it is stopped
+    (``palatine stop``) or ``stop`` is set."""
     from palatine.system.service import System
 
     try:
         handle = await System.serve(
-            cmd.system_addr,
-            supervision_update_timeout_s=cmd.supervision_update_timeout_in_sec,
-            world_eviction_timeout_s=cmd.world_eviction_timeout_in_sec,
+            addr,
+            supervision_update_timeout_s=cmd.supervision_update_timeout_s,
+            world_eviction_timeout_s=cmd.world_eviction_timeout_s,
         )
     except Exception as e:  # noqa: BLE001 - the Finished message
         return f"cannot serve the system at {cmd.system_addr}: {e}"
-    on_ready("system", str(handle.addr))
-    if await _until(handle.wait(), stop):
-        await handle.close()
-    else:
-        await handle.stop()
+    metrics = None
+    if cmd.metrics_addr is not None:
+        try:
+            metrics = start_metrics(cmd.metrics_addr, handle)
+        except (OSError, ValueError) as e:
+            await handle.close()
+            return f"cannot serve metrics at {cmd.metrics_addr!r}: {e}"
+    try:
+        if metrics is None:
+            on_ready("system", str(handle.addr))
+        else:
+            on_ready("system", str(handle.addr), metrics_addr=metrics.addr)
+        if await _until(handle.wait(), stop):
+            await handle.close()
+        else:
+            await handle.stop()
+    finally:
+        if metrics is not None:
+            await asyncio.to_thread(metrics.close)
     return None
 
 
-async def run_host(cmd: HostCommand, stop: asyncio.Event, on_ready: OnReady) -> str | None:
-    """Run host ``host_world[host_rank]`` until the system stops it or ``stop`` is set."""
+async def run_host(
+    cmd: HostCommand, addr: ChannelAddr, stop: asyncio.Event, on_ready: OnReady
+) -> str | None:
+    """Run host ``host_world[host_rank]`` of the system at ``addr`` (``cmd.system_addr``,
+    parsed) until the system stops it or ``stop`` is set."""
     from palatine.hosting.host import HostAgent, join_host
 
     try:
         handle = await join_host(
             cmd.host_world,
             cmd.host_rank,
-            cmd.system_addr,
-            cmd.supervision_update_interval_in_sec,
+            addr,
+            cmd.supervision_update_interval_s,
             stop,
         )
     except (JoinError, OSError) as e:
@@ -489,9 +518,9 @@ async def run_role(req: RunRequest, stop: asyncio.Event, on_ready: OnReady) -> s
     """Run one role to its end; the error message for ``Finished``, or None."""
     try:
         if req.role == "System":
-            return await run_system(req.command, stop, on_ready)  # type: ignore[arg-type]
+            return await run_system(req.command, req.system_addr, stop, on_ready)  # type: ignore[arg-type]
         if req.role == "Host":
-            return await run_host(req.command, stop, on_ready)  # type: ignore[arg-type]
+            return await run_host(req.command, req.system_addr, stop, on_ready)  # type: ignore[arg-type]
         return await _run_controller(req.command, stop, on_ready)  # type: ignore[arg-type]
     except asyncio.CancelledError:
         raise

@@ -18,6 +18,7 @@ from typing import Any
 
 from palatine import config
 from palatine.channel import token as token_mod
+from palatine.channel.addr import ChannelAddr
 from palatine.core.actor import handler
 from palatine.errors import SpawnError
 from palatine.hosting.agent import MANAGED, ProcAgent, ProcHandle, bootstrap_proc
@@ -337,7 +338,7 @@ class HostAgent(ProcAgent):
 async def join_host(
     host_world: str,
     host_rank: int,
-    system_addr: str,
+    system_addr: ChannelAddr,
     interval_s: float | None,
     stop: asyncio.Event,
     main_proc: bool = False,

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any, Self
 from palatine.channel.token import token_env
 from palatine.hosting.child_env import Handoff
 from palatine.job.jobhosts import JobHosts
-from palatine.tensor.client.local import LocalCluster, check_shape, connect, start_local
+from palatine.tensor.client.local import (
+    LocalCluster,
+    check_shape,
+    connect,
+    mesh_options,
+    start_local,
+)
 
 if TYPE_CHECKING:
     from palatine.tensor.client.mesh import DeviceMesh
@@ -25,10 +31,11 @@ __all__ = ["LocalJob"]
 
 class LocalJob:
     """``hosts`` × ``procs_per_host`` worker procs on this machine (``local_mesh`` options
-    pass through)."""
+    pass through, checked here: `palatine.tensor.client.local.mesh_options`)."""
 
     def __init__(self, hosts: int = 1, procs_per_host: int = 4, **options: Any) -> None:
         check_shape(hosts, procs_per_host)
+        self._startup_s = mesh_options("LocalJob", options).local.startup_timeout_s
         self.hosts = hosts
         self.procs_per_host = procs_per_host
         self.options = options
@@ -67,7 +74,7 @@ class LocalJob:
             self._mesh = connect(
                 cluster.system_addr,
                 "worker",
-                timeout=float(self.options.get("startup_timeout_in_sec", 60.0)),
+                timeout=self._startup_s,
                 _local=cluster,
                 _token=cluster.env["PALATINE_CLUSTER_TOKEN"],
             )

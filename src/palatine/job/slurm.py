@@ -48,6 +48,8 @@ import msgspec
 
 from palatine import config
 from palatine.channel.token import token_env
+from palatine.config import roles
+from palatine.config.roles import ControllerOptions, HostOptions, SystemOptions
 from palatine.errors import SchedulerError
 from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import check_open_files
@@ -76,6 +78,14 @@ _ENDED = (
     "OUT_OF_MEMORY",
     "COMPLETED",
 )
+
+
+_ROLE_KINDS = (SystemOptions, HostOptions, ControllerOptions)
+# SlurmJob's own parameters (a mistyped one is suggested from these too)
+_OWN_PARAMS = (
+    "partition", "time_limit", "account", "gpus_per_node", "python", "sbatch_args", "log_dir",
+    "transport", "start_timeout_s", "job_name", "use_allocation",
+)  # fmt: skip
 
 
 class _SlurmCluster(LocalCluster):
@@ -109,8 +119,16 @@ class SlurmJob:
         start_timeout_s: float = 300.0,
         job_name: str = "palatine",
         use_allocation: bool | None = None,
+        **options: Any,
     ) -> None:
+        """``options``: the roles' (`SystemOptions`, `HostOptions`, `ControllerOptions`
+        of `palatine.config.roles`), as `local_mesh` takes them; an unknown key is a
+        `TypeError` naming it and the allowed ones."""
         check_shape(hosts, procs_per_host)
+        values = roles.sort_kwargs("SlurmJob", options, _ROLE_KINDS, also=_OWN_PARAMS)
+        self.system_options = roles.build("SlurmJob", SystemOptions, values)
+        self.host_options = roles.build("SlurmJob", HostOptions, values)
+        self.controller_options = roles.build("SlurmJob", ControllerOptions, values)
         if transport not in ("tcp", "tls"):
             raise ValueError(f"transport must be 'tcp' or 'tls', not {transport!r}")
         self.hosts = hosts
@@ -162,7 +180,14 @@ class SlurmJob:
                 or socket.gethostbyname(socket.gethostname())
             )
             system = cluster.start(
-                ["system", "--system-addr", f"{self.transport}:{host}:0"], 60.0, "system"
+                [
+                    "system",
+                    "--system-addr",
+                    f"{self.transport}:{host}:0",
+                    *roles.to_argv(self.system_options),
+                ],
+                60.0,
+                "system",
             )
             cluster.system_addr = system.addr
             if allocation:
@@ -177,6 +202,7 @@ class SlurmJob:
                 "--world-size", str(self.hosts * self.procs_per_host),
                 "--num-procs-per-host", str(self.procs_per_host),
                 "--program", f"{shlex.quote(self.python)} -m palatine worker",
+                *roles.to_argv(self.controller_options),
             ]  # fmt: skip
             if not self.gpus_per_node:
                 ctl.append("--is-cpu-worker")
@@ -214,7 +240,8 @@ class SlurmJob:
             f"--ntasks={self.hosts}",
             "--ntasks-per-node=1", f"--job-name={self.job_name}",
             f"--output={logs.path}/slurm-{allocation}-hosts.out",
-            "bash", "-c", _host_command("SLURM_PROCID"), self.python, system_addr,
+            "bash", "-c", _host_command("SLURM_PROCID", self.host_options), self.python,
+            system_addr,
         ]  # fmt: skip
         try:
             return subprocess.Popen(
@@ -229,7 +256,7 @@ class SlurmJob:
             "#!/bin/bash\n"
             "# One palatine host per allocated node; each joins the client's system.\n"
             "exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c "
-            f"{shlex.quote(_host_command('SLURM_NODEID'))} "
+            f"{shlex.quote(_host_command('SLURM_NODEID', self.host_options))} "
             f"{shlex.quote(self.python)} {shlex.quote(system_addr)}\n"
         )
         argv = [
@@ -534,12 +561,13 @@ def find_job(job_id: str) -> tuple[dict[str, str] | None, JobRecord | None]:
     return info, record
 
 
-def _host_command(rank_var: str) -> str:
+def _host_command(rank_var: str, options: HostOptions) -> str:
     """The ``bash -c`` line each node's task runs (``$0`` the interpreter, ``$1`` the
-    system's address), its rank from ``rank_var``."""
+    system's address), its rank from ``rank_var``, with the hosts' ``options``."""
+    flags = "".join(" " + shlex.quote(a) for a in roles.to_argv(options))
     return (
         'exec "$0" -m palatine host --system-addr "$1" --host-world hostworker '
-        f'--host-rank "${rank_var}"'
+        f'--host-rank "${rank_var}"{flags}'
     )
 
 

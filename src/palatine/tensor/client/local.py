@@ -17,10 +17,13 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 from palatine import config
+from palatine.channel.addr import ChannelAddr
+from palatine.config import roles
+from palatine.config.roles import ControllerOptions, HostOptions, LocalOptions, SystemOptions
 from palatine.core import runtime
 from palatine.errors import DeviceException
 from palatine.fastpath.direct_tx import open_direct
@@ -37,48 +40,53 @@ from palatine.tensor.client.mesh import DeviceMesh
 from palatine.tensor.client.procs import RoleProcess
 from palatine.tensor.client.session import ClientActor, Session
 
-__all__ = ["LocalCluster", "check_shape", "connect", "local_mesh", "start_local"]
+__all__ = [
+    "LocalCluster",
+    "MeshOptions",
+    "check_shape",
+    "connect",
+    "local_mesh",
+    "mesh_options",
+    "start_local",
+]
 
 log = logging.getLogger("palatine")
 
 WORKER_LABEL = "world.palatine.dev/worker"
 CONTROLLER_LABEL = "world.palatine.dev/controllerActorId"
 
-_SYSTEM_OPTS = (
-    "supervision_update_timeout_in_sec",
-    "world_eviction_timeout_in_sec",
-    "metrics_addr",
-)
-_HOST_OPTS = ("supervision_update_interval_in_sec",)
-_CONTROLLER_OPTS = (
-    "supervision_query_interval_in_sec",
-    "supervision_update_interval_in_sec",
-    "worker_progress_check_interval_in_sec",
-    "operation_timeout_in_sec",
-    "operations_per_worker_progress_request",
-    "fail_on_worker_timeout",
-)
-_OURS = ("device", "transport", "log_dir", "startup_timeout_in_sec", "system_restarts")
+
+class MeshOptions(NamedTuple):
+    """The keyword arguments of `local_mesh` and `LocalJob`, by whom they are for (each
+    declared once in `palatine.config.roles`, where their flags come from too)."""
+
+    local: LocalOptions
+    system: SystemOptions
+    host: HostOptions
+    controller: ControllerOptions
+
+
+_MESH_KINDS = (LocalOptions, SystemOptions, HostOptions, ControllerOptions)
+
+
+def mesh_options(caller: str, options: Mapping[str, Any]) -> MeshOptions:
+    """``options`` checked and sorted: a key goes to every role that declares it, by its
+    Python name (seconds end in ``_s``) or its alias (``_in_sec``, the flag's spelling).
+    An unknown key, or both spellings of one, is a `TypeError` naming it and the allowed
+    ones; a value of the wrong type a `TypeError`, one out of bounds a `ValueError`."""
+    values = roles.sort_kwargs(caller, options, _MESH_KINDS)
+    return MeshOptions(
+        roles.build(caller, LocalOptions, values),
+        roles.build(caller, SystemOptions, values),
+        roles.build(caller, HostOptions, values),
+        roles.build(caller, ControllerOptions, values),
+    )
+
 
 #: What the fork servers of a local mesh's hosts import once the spawns have settled
 #: (``fork_server_warm``): torch, and torch._dynamo, which building the first optimizer
 #: imports (≈ 1.4 s and 1 s of CPU here), so that a respawned rank pays for neither.
 TENSOR_WARM = "torch,torch._dynamo"
-
-
-def _flags(options: dict[str, Any], names: tuple[str, ...]) -> list[str]:
-    out: list[str] = []
-    for name in names:
-        if name not in options or options[name] is None:
-            continue
-        value = options[name]
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            if value:
-                out.append(flag)
-        else:
-            out += [flag, str(value)]
-    return out
 
 
 class LocalCluster:
@@ -275,13 +283,18 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
     ``log_dir`` when given (kept), else a fresh directory under ``PALATINE_LOG_DIR`` (by
     default ``palatine-logs`` in the temp dir) that is removed when the mesh ends cleanly
     and kept, with a warning naming it, when it fails (`palatine.output.logs`).
+
+    ``options`` are those of `MeshOptions` (`palatine.config.roles` declares each once):
+    seconds end in ``_s`` (``operation_timeout_s=60``), and the command line's spelling
+    (``operation_timeout_in_sec``) is accepted for the same option.
     """
+    startup = mesh_options("local_mesh", options).local.startup_timeout_s
     cluster = start_local(hosts, procs_per_host, **options)
     try:
         return connect(
             cluster.system_addr,
             "worker",
-            timeout=float(options.get("startup_timeout_in_sec", 60.0)),
+            timeout=startup,
             _local=cluster,
             _token=cluster.env["PALATINE_CLUSTER_TOKEN"],
         )
@@ -320,18 +333,14 @@ def start_local(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Loca
     --scheduler local`` start here and let a client attach later.
     """
     check_shape(hosts, procs_per_host)
-    allowed = set(_SYSTEM_OPTS + _HOST_OPTS + _CONTROLLER_OPTS + _OURS)
-    for k in options:
-        if k not in allowed:
-            raise TypeError(f"local_mesh() got an unexpected keyword argument {k!r}")
-    device = options.get("device", "auto")
-    cuda = _want_cuda(device)
-    transport = options.get("transport", "unix")
-    startup = float(options.get("startup_timeout_in_sec", 60.0))
+    opts = mesh_options("local_mesh", options)
+    cuda = _want_cuda(opts.local.device)
+    transport = opts.local.transport
+    startup = opts.local.startup_timeout_s
     check_open_files(
         hosts * procs_per_host + hosts + 2, f"a mesh of {hosts * procs_per_host} procs"
     )
-    logs = LogSession.create("mesh", options.get("log_dir"))
+    logs = LogSession.create("mesh", opts.local.log_dir)
     # Every role and worker writes its logs there (roles: <role>.log; workers: see palatine.output.logs).
     env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(32), "PALATINE_LOG_DIR": str(logs.path)}
     # One execution id for every role, so that a system started again keeps it.
@@ -359,14 +368,14 @@ def start_local(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Loca
         addr = "tcp:127.0.0.1:0"
     else:
         raise ValueError(f"transport must be 'unix' or 'tcp', not {transport!r}")
-    cluster = LocalCluster(env, logs, options.get("system_restarts"))
+    cluster = LocalCluster(env, logs, opts.local.system_restarts)
     try:
         system = cluster.start_system(
-            ["system", "--system-addr", addr, *_flags(options, _SYSTEM_OPTS)], startup
+            ["system", "--system-addr", addr, *roles.to_argv(opts.system)], startup
         )
         # Hosts and the controller start together: the world the controller creates waits
         # for its hosts, and their start-up (interpreter, imports, fork server) overlaps.
-        roles = [
+        starting = [
             cluster.start(
                 [
                     "host",
@@ -376,7 +385,7 @@ def start_local(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Loca
                     "hostworker",
                     "--host-rank",
                     str(h),
-                    *_flags(options, _HOST_OPTS),
+                    *roles.to_argv(opts.host),
                 ],
                 startup,
                 f"host-{h}",
@@ -397,12 +406,12 @@ def start_local(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Loca
             str(procs_per_host),
             "--program",
             program,
-            *_flags(options, _CONTROLLER_OPTS),
+            *roles.to_argv(opts.controller),
         ]
         if not cuda:
             ctl.append("--is-cpu-worker")
-        roles.append(cluster.start(ctl, startup, "controller", wait=False))
-        cluster.wait_ready(roles, startup)
+        starting.append(cluster.start(ctl, startup, "controller", wait=False))
+        cluster.wait_ready(starting, startup)
         return cluster
     except BaseException:
         cluster.stop(1.0, clean=False)
@@ -464,7 +473,8 @@ def connect(
         from palatine.channel import token as token_mod
 
         token_mod.set_token(_token)
-    session = runtime.submit(lambda: _connect(system_addr, worker_world, timeout)).get()
+    addr = ChannelAddr.parse(system_addr)  # (text from the caller or the handoff)
+    session = runtime.submit(lambda: _connect(addr, worker_world, timeout)).get()
     if _local is not None:
         session.controller_log = _local.logs.file("controller.log")
         _local.on_system_lost = _system_lost_to(session, _local)
@@ -499,7 +509,7 @@ def _system_lost_to(
     return lost
 
 
-async def _connect(system_addr: str, worker_world: str | None, timeout: float) -> Session:
+async def _connect(system_addr: ChannelAddr, worker_world: str | None, timeout: float) -> Session:
     from palatine.system.service import System
 
     loop = asyncio.get_running_loop()
@@ -546,7 +556,7 @@ async def _connect(system_addr: str, worker_world: str | None, timeout: float) -
 
 
 async def _find_worlds(
-    client: Any, addr: str, wanted: str | None, deadline: float, timeout: float
+    client: Any, addr: ChannelAddr, wanted: str | None, deadline: float, timeout: float
 ) -> tuple[str, ActorId, list[ProcId]]:
     """The worker world, its controller and the hosts its procs run on, once both worlds
     are Live."""

@@ -36,7 +36,6 @@ from typing import Any
 import msgspec
 
 from palatine import config
-from palatine.channel.addr import ChannelAddr
 from palatine.config import format_seconds
 from palatine.core.runtime import unless_stopped
 from palatine.errors import CallTimeout, JoinError, PalatineError, error_text
@@ -220,16 +219,14 @@ def _controller_params(
         worker_name=cmd.worker_name,
         system_addr=system_addr,
         comm=actor.proc.actor("comm"),
-        supervision_query_interval_s=cmd.supervision_query_interval_in_sec,
-        worker_progress_check_interval_s=cmd.worker_progress_check_interval_in_sec,
-        operation_timeout_s=cmd.operation_timeout_in_sec,
+        supervision_query_interval_s=cmd.supervision_query_interval_s,
+        worker_progress_check_interval_s=cmd.worker_progress_check_interval_s,
+        operation_timeout_s=cmd.operation_timeout_s,
         operations_per_worker_progress_request=cmd.operations_per_worker_progress_request,
         fail_on_worker_timeout=cmd.fail_on_worker_timeout,
         stall_report_timeout_s=timeouts.stall_report_s,
         client_liveness_timeout_s=timeouts.client_liveness_s,
-        system_loss_timeout_s=config.system_loss_timeout_s(
-            None, cmd.supervision_update_interval_in_sec
-        ),
+        system_loss_timeout_s=config.system_loss_timeout_s(None, cmd.supervision_update_interval_s),
         worker_procs=records,
         worker_actor_type=actor_type,
         worker_device_index=None if cmd.is_cpu_worker else 0,
@@ -264,12 +261,11 @@ async def run_controller(
     from palatine.system.service import System
     from palatine.tensor.controller.actor import ControllerActor
 
-    validate_command(cmd)
+    addr = validate_command(cmd)  # (the address, parsed once: the command is text)
     timeouts = timeouts or ControllerTimeouts.from_env()
     cfg = config.get()
     actor_id = ActorId.parse(cmd.controller_actor_id)
     x_world = str(actor_id.world)
-    addr = ChannelAddr.parse(cmd.system_addr)
     actor_type = cfg.controller_worker_actor_type or WORKER_ACTOR_TYPE
 
     # 1. attach
@@ -305,7 +301,7 @@ async def run_controller(
                 bootstrap_proc(
                     actor_id.proc,
                     addr,
-                    supervision_update_interval_s=cmd.supervision_update_interval_in_sec,
+                    supervision_update_interval_s=cmd.supervision_update_interval_s,
                     labels=proc_labels(cmd),
                     mode=MANAGED,
                     join_timeout_s=cfg.join_timeout_s,

@@ -22,7 +22,8 @@ import msgspec
 
 from palatine import config
 from palatine.channel.addr import ChannelAddr
-from palatine.config import format_seconds
+from palatine.config import format_seconds, roles
+from palatine.config.roles import ControllerOptions
 from palatine.errors import ConfigError
 from palatine.ids import (
     RESERVED_ACTOR_NAMES,
@@ -71,9 +72,10 @@ WORKER_ACTOR_TYPE = "palatine.tensor.worker.WorkerActor"
 _FAILED_HEALTH = ("Exited", "Expired", "ConnectionFailure")
 
 
-class ControllerCommand(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class ControllerCommand(ControllerOptions, kw_only=True, forbid_unknown_fields=True):
     """The flags of ``palatine controller`` and the fields of a serve ``Run.Controller``
-    request, with their defaults."""
+    request, with their defaults: the options of `ControllerOptions` (declared there,
+    with their flags and bounds) and where the controller runs and what it creates."""
 
     worker_world: str
     system_addr: str
@@ -82,12 +84,6 @@ class ControllerCommand(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     num_procs_per_host: int = 8
     worker_name: str = "worker"
     program: str | None = None
-    supervision_query_interval_in_sec: float = 2.0
-    supervision_update_interval_in_sec: float = 2.0
-    worker_progress_check_interval_in_sec: float = 10.0
-    operation_timeout_in_sec: float = 120.0
-    operations_per_worker_progress_request: int = 100
-    fail_on_worker_timeout: bool = False
     is_cpu_worker: bool = False
     extra_proc_labels: list[tuple[str, str]] | None = None
 
@@ -127,20 +123,17 @@ def parse_key_val(text: str) -> tuple[str, str]:
     return key, value
 
 
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value:g}")
-
-
-def validate_command(cmd: ControllerCommand) -> None:
-    """Check every input before anything starts; raise `ConfigError`.
+def validate_command(cmd: ControllerCommand) -> ChannelAddr:
+    """Check every input before anything starts; the system's address, parsed (the
+    command is where it enters as text); raise `ConfigError`.
 
     Beyond the flags' own syntax: the controller actor id must be ``X[0].name`` with ``X`` neither the
     worker world nor a host or reserved world and ``name`` not a reserved agent name;
-    extra labels may not use the reserved ``proc.palatine.dev/`` keys.
+    extra labels may not use the reserved ``proc.palatine.dev/`` keys; the options keep
+    the bounds `ControllerOptions` declares.
     """
     try:
-        ChannelAddr.parse(cmd.system_addr)
+        addr = ChannelAddr.parse(cmd.system_addr)
     except ValueError as e:
         raise ConfigError(f"invalid --system-addr {cmd.system_addr!r}: {e}") from None
     try:
@@ -179,18 +172,10 @@ def validate_command(cmd: ControllerCommand) -> None:
         raise ConfigError(
             f"invalid --worker-name {cmd.worker_name!r}: an identifier, not proc or comm"
         )
-    if not 1 <= cmd.operations_per_worker_progress_request < 2**63:
-        raise ConfigError(
-            "--operations-per-worker-progress-request must be in [1, 2**63), got "
-            f"{cmd.operations_per_worker_progress_request}"
-        )
-    for name in (
-        "supervision_query_interval_in_sec",
-        "supervision_update_interval_in_sec",
-        "worker_progress_check_interval_in_sec",
-        "operation_timeout_in_sec",
-    ):
-        _positive(name, getattr(cmd, name))
+    try:
+        roles.check(cmd)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cmd.program is not None:
         try:
             argv = shlex.split(cmd.program)
@@ -206,6 +191,7 @@ def validate_command(cmd: ControllerCommand) -> None:
                 f"invalid --extra-proc-labels key {key!r}: keys under "
                 f"{_RESERVED_LABEL_PREFIX} are reserved"
             )
+    return addr
 
 
 def proc_labels(cmd: ControllerCommand) -> dict[str, str]:

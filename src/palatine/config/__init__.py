@@ -189,24 +189,25 @@ def parse_size(text: str, *, name: str = "value") -> int:
     return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
 
 
-def _parse_int(text: str, *, name: str) -> int:
+def _parse_int(text: str, *, name: str, unit: str = "an integer", zero_ok: bool = False) -> int:
+    """An integer > 0 (``zero_ok``: >= 0); ``unit`` names what it counts in the message."""
+    bound = ">= 0" if zero_ok else "> 0"
     try:
         value = int(text)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected an integer > 0, got {text!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{name}: expected an integer > 0, got {text!r}")
+        raise ConfigError(f"{name}: expected {unit} {bound}, got {text!r}") from None
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{name}: expected {unit} {bound}, got {text!r}")
     return value
+
+
+def _parse_count(text: str, *, name: str) -> int:
+    """A number of times something may happen: 0 is never."""
+    return _parse_int(text, name=name, zero_ok=True)
 
 
 def _parse_micros(text: str, *, name: str) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected microseconds >= 0, got {text!r}") from None
-    if value < 0:
-        raise ConfigError(f"{name}: expected microseconds >= 0, got {text!r}")
-    return value
+    return _parse_int(text, name=name, unit="microseconds", zero_ok=True)
 
 
 def _parse_loop(text: str, *, name: str) -> str:
@@ -237,6 +238,10 @@ def env_var(key: str) -> str:
     return "PALATINE_" + key.upper()
 
 
+# Integer keys where 0 is a meaning of its own ("never"), not a mistake.
+_COUNTS = frozenset({"system_restarts"})
+
+
 def _parser_for(key: str, default: Any) -> Callable[..., Any]:
     if key.endswith("_bytes"):
         return parse_size
@@ -248,6 +253,8 @@ def _parser_for(key: str, default: Any) -> Callable[..., Any]:
         return _parse_micros
     if key == "event_loop":
         return _parse_loop
+    if key in _COUNTS:
+        return _parse_count
     if isinstance(default, bool):
         return _parse_bool
     if isinstance(default, int) and not isinstance(default, bool):
