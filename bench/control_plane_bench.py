@@ -58,6 +58,7 @@ import psutil
 from _common import parse_args, run_metric
 
 from palatine import DeviceException, fetch, local_mesh, remote
+from palatine.channel.addr import parse
 from palatine.core import runtime
 from palatine.protocol.system import Snapshot
 from palatine.system.service import System
@@ -159,7 +160,7 @@ def measure_system_restart(reps: int) -> tuple[list[float], dict[str, Any]]:
             with mesh.activate():
                 pids = [fetch(remote(os.getpid)(), shard=r).result(timeout=60) for r in range(2)]
                 client = runtime.submit(
-                    lambda: System(mesh._local.system_addr).attach(timeout_s=10)
+                    lambda: System(parse(mesh._local.system_addr)).attach(timeout_s=10)
                 ).get(20)
                 stop = threading.Event()
                 done: list[float] = []

@@ -55,6 +55,7 @@ os.environ.setdefault("PALATINE_LOG_LEVEL", "WARNING")
 
 import psutil  # noqa: E402
 
+from palatine.channel.addr import parse  # noqa: E402
 from palatine.core import runtime  # noqa: E402
 from palatine.ids import SYSTEM_ACTOR, WorldId  # noqa: E402
 from palatine.protocol.supervision import ProcSupervisionState  # noqa: E402
@@ -313,7 +314,7 @@ async def _measure_1k(
     client: SystemClient | None = None
     hb: Heartbeats | None = None
     try:
-        client = await System(system.addr).attach(timeout_s=20)
+        client = await System(parse(system.addr)).attach(timeout_s=20)
         t0 = time.perf_counter()
         beats = await _join_sim_procs(client)
         join_s = time.perf_counter() - t0
@@ -482,7 +483,7 @@ def bench_detect(args: Any) -> None:
 async def _measure_detect(
     system: Role, host: Role, args: Any
 ) -> tuple[list[float], dict[str, Any]]:
-    client = await System(system.addr).attach(timeout_s=20)
+    client = await System(parse(system.addr)).attach(timeout_s=20)
     program = f"{sys.executable} -m palatine worker"
     reps: list[float] = []
     polls: list[int] = []

@@ -190,12 +190,13 @@ class TestClient:
     __test__ = False
 
     def __init__(self, system_addr: str, controller: str = "controller[0].root") -> None:
+        from palatine.channel.addr import parse
         from palatine.protocol.controller import Failure, Log, Result, Results
         from palatine.system.service import System
 
         self.lt = LoopThread()
         self.controller = ActorId.parse(controller)
-        self.sys = self.lt.run(lambda: System(system_addr).attach(timeout_s=10))
+        self.sys = self.lt.run(lambda: System(parse(system_addr)).attach(timeout_s=10))
         self.id: ActorId = self.sys.client.id
         self.results: list[Any] = []
         self.logs: list[Any] = []

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from palatine import config
-from palatine.channel import any_addr, dial, serve
+from palatine.channel import any_addr, dial, parse, serve
 from palatine.channel import token as token_mod
 from palatine.channel.addr import ChannelAddr
 from palatine.channel.base import Rx
@@ -700,7 +700,7 @@ async def test_forged_auth_ok_closes_the_client() -> None:
 
 
 async def test_local_after_stop_post_and_dial_raise() -> None:
-    addr, rx = await serve("local:0")
+    addr, rx = await serve(parse("local:0"))
     tx = dial(addr)
     closed: list[str] = []
     tx.on_closed(closed.append)
@@ -717,22 +717,22 @@ async def test_local_after_stop_post_and_dial_raise() -> None:
 
 
 async def test_local_ports_count_up_and_are_never_reused() -> None:
-    a, rx_a = await serve("local:0")
-    b, rx_b = await serve("local:0")
+    a, rx_a = await serve(parse("local:0"))
+    b, rx_b = await serve(parse("local:0"))
     assert b.port == a.port + 1
     await rx_a.stop()
-    c, rx_c = await serve("local:0")
+    c, rx_c = await serve(parse("local:0"))
     assert c.port == b.port + 1
     with pytest.raises(AddrParseError, match="invalid local addr: serve local:0 to get a port"):
-        await serve("local:5")
+        await serve(parse("local:5"))
     with pytest.raises(ChannelClosed):
-        dial("local:999999")
+        dial(parse("local:999999"))
     await rx_b.stop()
     await rx_c.stop()
 
 
 async def test_local_handler_sees_objects_in_order_without_recursion() -> None:
-    addr, rx = await serve("local:0")
+    addr, rx = await serve(parse("local:0"))
     seen: list[Envelope] = []
     tx = dial(addr)
     tx.post(mk(0))  # queued before the handler exists
@@ -758,7 +758,7 @@ async def serve_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[An
     pki = make_test_pki(tmp_path / "pki")
     for key, value in tls_env(pki, "server").items():
         monkeypatch.setenv(key, value)
-    addr, rx = await serve("tls:127.0.0.1:0")
+    addr, rx = await serve(parse("tls:127.0.0.1:0"))
     assert addr.transport == "tls"
     for key, value in tls_env(pki, "client").items():
         monkeypatch.setenv(key, value)
@@ -1165,7 +1165,7 @@ async def test_stopped_unix_rx_removes_its_socket_file() -> None:
 
 
 async def test_abstract_unix_any_gets_a_name() -> None:
-    addr, rx = await serve("unix:")
+    addr, rx = await serve(parse("unix:"))
     assert addr.is_abstract and addr.name
     tx = dial(addr)
     await tx.send(mk(0))
@@ -1242,7 +1242,7 @@ async def _echo_main(back: str) -> None:
     addr, rx = await serve(any_addr("unix"))
     sys.stdout.write(f"{addr}\n")
     sys.stdout.flush()
-    tx = dial(back)
+    tx = dial(parse(back))
     done = asyncio.get_running_loop().create_future()
 
     def handle(env: Envelope) -> None:
@@ -1264,7 +1264,7 @@ async def _bench_main() -> None:
     )
     try:
         assert child.stdout is not None
-        tx = dial((await child.stdout.readline()).decode().strip())
+        tx = dial(parse((await child.stdout.readline()).decode().strip()))
         loop = asyncio.get_running_loop()
         waiters: dict[int, asyncio.Future[None]] = {}
         rx.set_handler(lambda env: waiters.pop(int(env.data)).set_result(None))

@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 from palatine import config
+from palatine.channel.addr import parse
 from palatine.hosting.heartbeat import THREAD_NAME, HeartbeatSettings, HeartbeatThread
 from palatine.ids import SYSTEM_ACTOR, ActorId, ProcId
 from palatine.protocol.supervision import ActorFailure, ProcSupervisionState
@@ -199,7 +200,7 @@ class Cluster:
                 for key, value in tls_env(self.pki, "client").items():
                     m.setenv(key, value)
                 kwargs["ssl_context"] = client_context()
-        hb = HeartbeatThread(addr, sender=AGENT, **kwargs)
+        hb = HeartbeatThread(parse(addr), sender=AGENT, **kwargs)
         self.threads.append(hb)
         return hb
 
@@ -267,13 +268,15 @@ def test_settings_follow_the_spec_defaults(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_constructor_checks_what_the_transport_needs(token: bytes) -> None:
     with pytest.raises(ValueError, match="post_via_loop"):
-        HeartbeatThread("local:7", sender=AGENT, make_update=make_update)
+        HeartbeatThread(parse("local:7"), sender=AGENT, make_update=make_update)
     with pytest.raises(ValueError, match="make_update"):
-        HeartbeatThread("tcp:127.0.0.1:1", sender=AGENT, token=token)
+        HeartbeatThread(parse("tcp:127.0.0.1:1"), sender=AGENT, token=token)
     with pytest.raises(ValueError, match="not a dialable address"):
-        HeartbeatThread("tcp:127.0.0.1:0", sender=AGENT, make_update=make_update, token=token)
+        HeartbeatThread(
+            parse("tcp:127.0.0.1:0"), sender=AGENT, make_update=make_update, token=token
+        )
     # Never started: stop is a no-op.
-    assert HeartbeatThread("local:7", sender=AGENT, post_via_loop=lambda: None).stop()
+    assert HeartbeatThread(parse("local:7"), sender=AGENT, post_via_loop=lambda: None).stop()
 
 
 # --------------------------------------------------------------------------------------
@@ -548,7 +551,7 @@ async def test_local_transport_posts_through_the_loop() -> None:
     from palatine.wire import codec
     from palatine.wire.envelope import ENC_MSGPACK, Envelope
 
-    bound, rx = await serve("local:0")
+    bound, rx = await serve(parse("local:0"))
     tx = dial_local(bound)
     loop = asyncio.get_running_loop()
     tid = SupervisionUpdate.__palatine_type_id__
@@ -593,7 +596,7 @@ async def _serve(addr: str) -> None:
     from palatine.channel import serve
     from palatine.wire import codec
 
-    bound, rx = await serve(addr)
+    bound, rx = await serve(parse(addr))
     _write(f"ready {bound}")
     while True:
         env = await rx.recv()
@@ -621,7 +624,7 @@ def _client(addr: str) -> None:
         _write("on_system_lost")
 
     hb = HeartbeatThread(
-        addr,
+        parse(addr),
         sender=AGENT,
         make_update=make_update,
         on_system_lost=on_lost,

@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
+from palatine.channel.addr import parse
 from palatine.system.service import System, SystemClient
 from palatine.tensor.client.procs import RoleProcess, palatine_cmd
 
@@ -50,7 +51,8 @@ class Cluster:
         self.system = system
         self.hosts = hosts
         self.lt = LoopThread()
-        self.client: SystemClient = self.lt.run(lambda: System(system.addr).attach(timeout_s=10))
+        addr = parse(system.addr)
+        self.client: SystemClient = self.lt.run(lambda: System(addr).attach(timeout_s=10))
 
     def snapshot(self) -> dict[str, Any]:
         import msgspec

@@ -20,11 +20,12 @@ PRELUDE = (
     + """
     from palatine.cli import demo
     from palatine.core import runtime
+    from palatine.channel.addr import parse
     from palatine.system.service import System
 
     def snapshot(addr):
         async def ask():
-            client = await System(addr).attach(timeout_s=10)
+            client = await System(parse(addr)).attach(timeout_s=10)
             try:
                 return await client.snapshot()
             finally:

@@ -181,9 +181,10 @@ def test_unix_forms() -> None:
     assert path.path == "/run/x.sock" and not path.is_abstract and not path.is_any
 
 
-def test_parse_accepts_an_address_and_rejects_other_types() -> None:
+def test_parse_takes_text_only() -> None:
     a = parse("tcp:127.0.0.1:5")
-    assert parse(a) is a
+    with pytest.raises(TypeError):
+        parse(a)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         parse(5)  # type: ignore[arg-type]
 
@@ -286,7 +287,7 @@ def test_random_abstract_names_are_unique() -> None:
 
 
 def test_tcp_bound_port_is_reported_and_dialable() -> None:
-    a = any_addr("tcp", peer="tcp:127.0.0.1:9")
+    a = any_addr("tcp", peer=parse("tcp:127.0.0.1:9"))
     with socket.socket(a.family, socket.SOCK_STREAM) as server:
         server.bind(a.sockaddr())
         server.listen()
@@ -334,13 +335,13 @@ def test_abstract_socket_bind_and_connect() -> None:
 def test_any_addr_loopback_peer_gives_loopback() -> None:
     a = any_addr("tcp", peer=parse("tcp:127.0.0.1:9"))
     assert a == parse("tcp:127.0.0.1:0")
-    assert any_addr("tls", peer="tls:[::1]:9") == parse("tls:[::1]:0")
-    assert any_addr("tcp", peer="tcp:localhost:9") == parse("tcp:127.0.0.1:0")
+    assert any_addr("tls", peer=parse("tls:[::1]:9")) == parse("tls:[::1]:0")
+    assert any_addr("tcp", peer=parse("tcp:localhost:9")) == parse("tcp:127.0.0.1:0")
 
 
 def test_host_ip_forces_the_host() -> None:
     with config.override(host_ip="10.1.2.3"):
-        assert any_addr("tcp", peer="tcp:127.0.0.1:9") == parse("tcp:10.1.2.3:0")
+        assert any_addr("tcp", peer=parse("tcp:127.0.0.1:9")) == parse("tcp:10.1.2.3:0")
         assert any_addr("tls") == parse("tls:10.1.2.3:0")
     with config.override(host_ip="[2401:db00::1]"):
         assert str(any_addr("tcp")) == "tcp:[2401:db00::1]:0"
@@ -349,7 +350,7 @@ def test_host_ip_forces_the_host() -> None:
 def test_host_ip_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PALATINE_HOST_IP", "10.1.2.3")
     with config.override(host_ip=config.from_env().host_ip):
-        assert any_addr("tcp", peer="tcp:127.0.0.1:9").host == "10.1.2.3"
+        assert any_addr("tcp", peer=parse("tcp:127.0.0.1:9")).host == "10.1.2.3"
 
 
 def test_bad_host_ip_is_a_config_error() -> None:
@@ -362,7 +363,7 @@ def test_bad_host_ip_is_a_config_error() -> None:
 
 def test_any_addr_routes_towards_a_remote_peer_and_is_bindable() -> None:
     # Whatever this machine's routing, the chosen host must be one of our own addresses.
-    a = any_addr("tcp", peer="tcp:192.0.2.1:9")  # TEST-NET-1: nothing is sent
+    a = any_addr("tcp", peer=parse("tcp:192.0.2.1:9"))  # TEST-NET-1: nothing is sent
     assert a.port == 0 and a.family in (socket.AF_INET, socket.AF_INET6)
     with socket.socket(a.family, socket.SOCK_STREAM) as s:
         s.bind(a.sockaddr())
@@ -371,13 +372,13 @@ def test_any_addr_routes_towards_a_remote_peer_and_is_bindable() -> None:
 def test_any_addr_fallback_order(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(addr_mod, "_route_ip", lambda peer: "10.9.8.7")
     monkeypatch.setattr(addr_mod, "_hostname_ip", lambda: "10.5.5.5")
-    assert any_addr("tcp", peer="tcp:192.0.2.1:9").host == "10.9.8.7"
+    assert any_addr("tcp", peer=parse("tcp:192.0.2.1:9")).host == "10.9.8.7"
     assert any_addr("tcp").host == "10.5.5.5"
-    assert any_addr("tcp", peer="unix:@x").host == "10.5.5.5"
+    assert any_addr("tcp", peer=parse("unix:@x")).host == "10.5.5.5"
     monkeypatch.setattr(addr_mod, "_route_ip", lambda peer: None)
-    assert any_addr("tcp", peer="tcp:192.0.2.1:9").host == "10.5.5.5"
+    assert any_addr("tcp", peer=parse("tcp:192.0.2.1:9")).host == "10.5.5.5"
     monkeypatch.setattr(addr_mod, "_hostname_ip", lambda: None)
-    assert any_addr("tcp", peer="tcp:192.0.2.1:9") == parse("tcp:127.0.0.1:0")
+    assert any_addr("tcp", peer=parse("tcp:192.0.2.1:9")) == parse("tcp:127.0.0.1:0")
 
 
 def test_any_addr_local_and_unknown() -> None:

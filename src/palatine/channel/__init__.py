@@ -23,38 +23,36 @@ from palatine.errors import AddrParseError
 __all__ = ["ChannelAddr", "Rx", "Tx", "TxStatus", "any_addr", "dial", "parse", "serve"]
 
 
-async def serve(addr: ChannelAddr | str) -> tuple[ChannelAddr, Rx]:
+async def serve(addr: ChannelAddr) -> tuple[ChannelAddr, Rx]:
     """Bind and listen on ``addr``; returns the real address (bound port or name) and Rx.
 
     ``local:0`` gets a fresh in-process port; ``local:N`` with N ≠ 0 raises
     `AddrParseError`. Bind errors raise `OSError` with the OS message; ``tls:`` without
     the ``PALATINE_TLS_*`` files raises `ConfigError`. Must run on the event loop that
-    will use the channel.
+    will use the channel. Text is parsed where it enters (`parse`), not here.
     """
-    a = parse(addr)
-    if a.transport == "local":
+    if addr.transport == "local":
         from palatine.channel.local import serve_local
 
-        return serve_local(a)
+        return serve_local(addr)
     from palatine.channel.net import serve_net
 
-    return await serve_net(a)
+    return await serve_net(addr)
 
 
-def dial(addr: ChannelAddr | str) -> Tx:
+def dial(addr: ChannelAddr) -> Tx:
     """A new Tx to ``addr``; network channels connect lazily, on the first post.
 
     ``dial(local:N)`` raises `ChannelClosed` at once when nothing is served at N. An
     "any" address (port 0, ``unix:``) cannot be dialed (`AddrParseError`). Must be
     called on the event loop thread.
     """
-    a = parse(addr)
-    if a.transport == "local":
+    if addr.transport == "local":
         from palatine.channel.local import dial_local
 
-        return dial_local(a)
-    if a.is_any:
-        raise AddrParseError(f"cannot dial {a}: it means any port or name (serve it instead)")
+        return dial_local(addr)
+    if addr.is_any:
+        raise AddrParseError(f"cannot dial {addr}: it means any port or name (serve it instead)")
     from palatine.channel.net import dial_net
 
-    return dial_net(a)
+    return dial_net(addr)

@@ -147,7 +147,7 @@ class ChannelAddr(msgspec.Struct, frozen=True, omit_defaults=True):
     # -- constructors -------------------------------------------------------------------
 
     @classmethod
-    def parse(cls, text: str | ChannelAddr) -> ChannelAddr:
+    def parse(cls, text: str) -> ChannelAddr:
         """Parse the text form; same as the module's `parse`."""
         return parse(text)
 
@@ -319,15 +319,14 @@ class ChannelAddr(msgspec.Struct, frozen=True, omit_defaults=True):
         return f"<ChannelAddr {self}>"
 
 
-def parse(text: str | ChannelAddr) -> ChannelAddr:
+def parse(text: str) -> ChannelAddr:
     """Parse a channel address, raising `AddrParseError`.
 
     The kind is split off at the legacy ``!`` separator (``tcp!127.0.0.1:80``) or at
     the first ``:``, whichever comes first, so a unix path containing ``!`` still
-    round-trips. A `ChannelAddr` is returned unchanged.
+    round-trips. Text is parsed where it enters (a command line, a request, a handoff, a
+    message); what is inside takes a `ChannelAddr`.
     """
-    if isinstance(text, ChannelAddr):
-        return text
     if not isinstance(text, str):
         raise TypeError(f"expected an address string, got {type(text).__name__}")
     cuts = [i for i in (text.find("!"), text.find(":")) if i >= 0]
@@ -419,7 +418,7 @@ def _pick_host(peer: ChannelAddr | None) -> tuple[str, str]:
     return "127.0.0.1", "fallback"
 
 
-def any_addr(transport: str, peer: ChannelAddr | str | None = None) -> ChannelAddr:
+def any_addr(transport: str, peer: ChannelAddr | None = None) -> ChannelAddr:
     """An address to serve ``transport`` on, dialable by ``peer``.
 
     tcp/tls: port 0 on ``PALATINE_HOST_IP``, else a loopback of the peer's family when
@@ -427,9 +426,8 @@ def any_addr(transport: str, peer: ChannelAddr | str | None = None) -> ChannelAd
     hostname's first address, else ``127.0.0.1``. unix: a fresh path socket in the
     private per-user directory (`unix_socket_dir`). local: ``local:0``.
     """
-    peer_addr = parse(peer) if peer is not None else None
     if transport in ("tcp", "tls"):
-        host, why = _pick_host(peer_addr)
+        host, why = _pick_host(peer)
         addr = ChannelAddr._net(transport, host, 0)
         logger.debug("any_addr(%s) -> %s (%s)", transport, addr, why)
         return addr

@@ -154,6 +154,7 @@ def _stop_system(record: Any) -> str:
 
 def _ask(record: Any, request: Any) -> tuple[Any, str]:
     """Attach to the job's system with its token and make one request; (answer, why not)."""
+    from palatine.channel.addr import ChannelAddr
     from palatine.channel.token import set_token
     from palatine.core import runtime
     from palatine.core.runtime import new_event_loop
@@ -167,7 +168,7 @@ def _ask(record: Any, request: Any) -> tuple[Any, str]:
     async def ask() -> Any:
         runtime.adopt_current_loop()
         async with asyncio.timeout(_ANSWER_S + 1):
-            client = await System(record.system_addr).attach(timeout_s=_ANSWER_S)
+            client = await System(ChannelAddr.parse(record.system_addr)).attach(timeout_s=_ANSWER_S)
             try:
                 return await request(client)
             finally:

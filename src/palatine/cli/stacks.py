@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _collect(args: argparse.Namespace) -> dict[str, Any]:
+    from palatine.channel.addr import ChannelAddr
     from palatine.core import runtime
     from palatine.ids import ActorId, ProcId, is_host_world
     from palatine.protocol.agent import StackDump, StackTrace
@@ -115,7 +116,7 @@ async def _collect(args: argparse.Namespace) -> dict[str, Any]:
     runtime.adopt_current_loop()
     timeout = args.timeout_in_sec
     async with asyncio.timeout(timeout + 15):
-        client = await System(args.system_addr).attach(timeout_s=10)
+        client = await System(ChannelAddr.parse(args.system_addr)).attach(timeout_s=10)
         try:
             snap = await client.snapshot(args.world or None)
             chosen: list[tuple[str, Any]] = []

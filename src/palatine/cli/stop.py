@@ -43,12 +43,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _stop(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from palatine.channel.addr import ChannelAddr
     from palatine.core import runtime
     from palatine.system.service import System
 
     runtime.adopt_current_loop()
     async with asyncio.timeout(args.timeout_in_sec + 10):
-        client = await System(args.system_addr).attach(timeout_s=10)
+        client = await System(ChannelAddr.parse(args.system_addr)).attach(timeout_s=10)
         try:
             return await client.stop(args.world or None, args.timeout_in_sec)
         finally:

@@ -112,12 +112,13 @@ async def _main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    from palatine.channel.addr import ChannelAddr
     from palatine.core import runtime
     from palatine.system.service import System
 
     runtime.adopt_current_loop()
     async with asyncio.timeout(_ANSWER_S + 1):
-        client = await System(args.system_addr).attach(timeout_s=_ANSWER_S)
+        client = await System(ChannelAddr.parse(args.system_addr)).attach(timeout_s=_ANSWER_S)
     cpu: dict[int, Any] = {}
     try:
 

@@ -126,7 +126,7 @@ async def serve_worker(proc_text: str, addr: str, stop: asyncio.Event) -> int:
     except ValueError as e:
         raise ConfigError(f"--proc-id {proc_text!r}: {e}") from None
     try:
-        ChannelAddr.parse(addr)
+        system_addr = ChannelAddr.parse(addr)
     except ValueError as e:
         raise ConfigError(f"--bootstrap-addr {addr!r}: {e}") from None
     host = Handoff.from_env().host_proc_id
@@ -134,7 +134,7 @@ async def serve_worker(proc_text: str, addr: str, stop: asyncio.Event) -> int:
         handle = await unless_stopped(
             bootstrap_proc(
                 proc_id,
-                addr,
+                system_addr,
                 host_proc=ProcId.parse(host) if host else None,
                 main_proc=True,
                 join_timeout_s=config.get().join_timeout_s,

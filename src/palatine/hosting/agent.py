@@ -544,8 +544,8 @@ class ProcHandle:
 
 async def bootstrap_proc(
     proc_id: ProcId,
-    system_addr: ChannelAddr | str,
-    listen_addr: ChannelAddr | str | None = None,
+    system_addr: ChannelAddr,
+    listen_addr: ChannelAddr | None = None,
     supervision_update_interval_s: float | None = None,
     labels: dict[str, str] | None = None,
     mode: str = MANAGED,
@@ -556,13 +556,10 @@ async def bootstrap_proc(
     agent_args: dict[str, Any] | None = None,
 ) -> ProcHandle:
     """Create, serve and join a proc; raises `JoinError` on failure."""
-    sys_addr = ChannelAddr.parse(system_addr) if isinstance(system_addr, str) else system_addr
+    sys_addr = system_addr
     proc = Proc(proc_id)
     proc.router.bind(SYSTEM_WORLD, sys_addr)
-    if listen_addr is None:
-        listen = any_addr(sys_addr.transport, peer=sys_addr)
-    else:
-        listen = ChannelAddr.parse(listen_addr) if isinstance(listen_addr, str) else listen_addr
+    listen = any_addr(sys_addr.transport, peer=sys_addr) if listen_addr is None else listen_addr
     try:
         bound = await proc.serve(listen)
     except BaseException:  # (the address taken, say, or a stop): the proc holds its router

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from palatine import config
-from palatine.channel.addr import ChannelAddr, parse
+from palatine.channel.addr import ChannelAddr
 from palatine.config import format_seconds
 from palatine.errors import error_text
 from palatine.fastpath.blocking import BlockingConn, LinkLost, Stopped, Waiter
@@ -89,7 +89,7 @@ def _notify(callback: Callable[[], None] | None, name: str) -> None:
             logger.exception("%s callback of the heartbeat thread failed", name)
 
 
-def lost_contact_message(addr: ChannelAddr | str, silent_s: float, limit_s: float) -> str:
+def lost_contact_message(addr: ChannelAddr, silent_s: float, limit_s: float) -> str:
     """``lost contact with system at ADDR: no heartbeat acknowledged for 10.4 s (limit 10 s); stopping``."""
     return (
         f"lost contact with system at {addr}: no heartbeat acknowledged for "
@@ -187,7 +187,7 @@ class HeartbeatThread:
 
     def __init__(
         self,
-        system_addr: ChannelAddr | str,
+        system_addr: ChannelAddr,
         *,
         sender: ActorId,
         make_update: Callable[[], codec.Message] | None = None,
@@ -209,7 +209,7 @@ class HeartbeatThread:
         Raises `ValueError` for a missing ``make_update`` (net) or ``post_via_loop``
         (local), or a bad duration; `ConfigError` for an unusable token or TLS files.
         """
-        self.addr = parse(system_addr)
+        self.addr = system_addr
         if self.addr.is_any:
             raise ValueError(f"cannot send heartbeats to {self.addr}: it is not a dialable address")
         self.settings = HeartbeatSettings.from_config(

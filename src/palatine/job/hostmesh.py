@@ -19,7 +19,7 @@ import math
 import sys
 
 from palatine.channel import token as token_mod
-from palatine.channel.addr import any_addr
+from palatine.channel.addr import ChannelAddr, any_addr
 from palatine.core import runtime
 from palatine.core.actor import Context, _current_cx
 from palatine.core.sender import set_default_client
@@ -48,7 +48,7 @@ class _Cluster:
     def __init__(
         self,
         system: SystemHandle | None,
-        system_addr: str,
+        system_addr: ChannelAddr,
         client: SystemClient,
         fork_server: ForkServer | None,
         logs: LogSession,
@@ -89,10 +89,11 @@ async def _get_cluster() -> _Cluster:
             outer = Handoff.from_env()
             if outer.bootstrap_addr and outer.proc_id:  # a proc of a system already
                 me = ProcId.parse(outer.proc_id)
-                client = await System(outer.bootstrap_addr).attach()
+                outer_addr = ChannelAddr.parse(outer.bootstrap_addr)  # (handed over as text)
+                client = await System(outer_addr).attach()
                 _cluster = _Cluster(
                     None,
-                    outer.bootstrap_addr,
+                    outer_addr,
                     client,
                     fork_server,
                     logs,
@@ -105,7 +106,7 @@ async def _get_cluster() -> _Cluster:
                 # builds on this module.
                 await system.proc.spawn_by_type(CONTROLLER_REGISTRY, "controllers", (), {})
                 client = await System(system.addr).attach()
-                _cluster = _Cluster(system, str(system.addr), client, fork_server, logs)
+                _cluster = _Cluster(system, system.addr, client, fork_server, logs)
             set_default_client(client.client)
             runtime.at_exit(_shutdown)
     return _cluster

@@ -12,6 +12,7 @@ from typing import Any
 
 from palatine import config
 from palatine.channel import token as token_mod
+from palatine.channel.addr import ChannelAddr
 from palatine.core import runtime
 from palatine.core.actor import Context, _current_cx
 from palatine.core.sender import set_default_client
@@ -85,7 +86,7 @@ class JobHosts:
     async def _attach(self) -> SystemClient:
         if self._client is None:
             token_mod.set_token(self._token)
-            self._client = await System(self.system_addr).attach()
+            self._client = await System(ChannelAddr.parse(self.system_addr)).attach()
             set_default_client(self._client.client)
         return self._client
 

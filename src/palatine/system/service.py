@@ -147,21 +147,20 @@ class SystemClient:
 class System:
     """``System.serve(addr)`` to run one; ``System(addr).attach()`` to use one."""
 
-    def __init__(self, addr: ChannelAddr | str) -> None:
-        self.addr = ChannelAddr.parse(addr) if isinstance(addr, str) else addr
+    def __init__(self, addr: ChannelAddr) -> None:
+        self.addr = addr
 
     @staticmethod
     async def serve(
-        addr: ChannelAddr | str,
+        addr: ChannelAddr,
         supervision_update_timeout_s: float | None = None,
         world_eviction_timeout_s: float | None = None,
     ) -> SystemHandle:
         """Create ``system[0]`` with the SystemActor and serve ``addr``."""
-        a = ChannelAddr.parse(addr) if isinstance(addr, str) else addr
         proc = Proc(SYSTEM_PROC)
         # Every request acknowledged at once: a system started again at this address is
         # sent again only what this one never received, not requests it already handled.
-        await proc.serve(a, ack_every_n=1)
+        await proc.serve(addr, ack_every_n=1)
         actor = SystemActor(
             registry_from_config(supervision_update_timeout_s, world_eviction_timeout_s)
         )
