@@ -16,11 +16,11 @@ pytestmark = pytest.mark.timeout(150)
 SCRIPT = """
     import torch
     from palatine import fetch, local_mesh, remote
-    from palatine.tensor.client.session import Session
+    from palatine.tensor.client.results import Results
 
     direct = []  # the values that came from the worker itself
-    received = Session.on_fetched_value
-    Session.on_fetched_value = lambda self, msg: (direct.append(msg.seq), received(self, msg))[1]
+    received = Results.on_fetched_value
+    Results.on_fetched_value = lambda self, msg: (direct.append(msg.seq), received(self, msg))[1]
 
     def make(n):
         import torch
@@ -52,8 +52,8 @@ SCRIPT = """
             print("BYTES", type(data).__name__, data == bytes(range(256)) * (N // 256))
             small = fetch(remote(make)(16), shard=0).result(60)
             print("SMALL", small.tolist()[-1])
-            session = mesh.session
-            print("LEFT", len(session.arrived), len(session.awaited), len(session.pending))
+            results = mesh.session.results
+            print("LEFT", len(results.arrived), len(results.awaited), len(results.pending))
             print("DIRECT", len(direct))
 """
 

@@ -192,10 +192,10 @@ def test_a_borrowed_value_in_mutates_is_a_type_error_before_sending(mesh: Device
         lst = remote(new_list)()
         b = lst.to_stream(side)
         with side.activate():
-            before = mesh.session.pending.copy()
+            before = mesh.session.results.pending.copy()
             with pytest.raises(TypeError, match="borrowed"):
                 remote(append_slowly, mutates=("lst",), returns=0)(b, 1, 0.0)
-            assert set(mesh.session.pending) <= set(before)
+            assert set(mesh.session.results.pending) <= set(before)
 
 
 @pytest.mark.timeout(30)

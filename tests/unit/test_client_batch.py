@@ -1,4 +1,4 @@
-"""How one client flush is cut into `Send`s (palatine.tensor.client.session._group_sends) and
+"""How one client flush is cut into `Send`s (palatine.tensor.client.outbox.group_sends) and
 the plain-argument fast path of `pickle_args`."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from palatine.protocol.worker import (
     SendValue,
     Slice,
 )
-from palatine.tensor.client.session import _group_sends
+from palatine.tensor.client.outbox import group_sends
 from palatine.tensor.client.values import pickle_args
 from palatine.tensor.worker.values import dumps_args
 
@@ -23,7 +23,7 @@ ALL = Slice(0, [4], [1])
 
 
 def _sends(cmds):  # (ranks, decoded message) per Send
-    return [(s.ranks, s.message.decode()) for s in _group_sends(cmds)]
+    return [(s.ranks, s.message.decode()) for s in group_sends(cmds)]
 
 
 def test_one_command_travels_alone() -> None:

@@ -21,7 +21,8 @@ from palatine.protocol.worker import (
 )
 from palatine.tensor.client.context import active_stream
 from palatine.tensor.client.remote import fetch, remote
-from palatine.tensor.client.values import RemoteValue, ValueMesh, capture_site
+from palatine.tensor.client.sites import capture_site
+from palatine.tensor.client.values import RemoteValue, ValueMesh
 from palatine.tensor.worker.functions import broadcast_state
 
 __all__ = ["ensure_collectives", "process_group", "reduce", "resync"]
@@ -30,16 +31,17 @@ __all__ = ["ensure_collectives", "process_group", "reduce", "resync"]
 def ensure_collectives(mesh: ValueMesh) -> int:
     """The session's collective-context ref, initialising collectives on first use."""
     session = mesh.session
+    records = session.recovery
     with session.lock:
-        if session.collective_ref is not None:
-            return session.collective_ref
+        if records.collective_ref is not None:
+            return records.collective_ref
         root = session.root_mesh
         assert root is not None, "a session's root mesh is set when it connects"
         first = root.slice(**{n: 0 for n in root.names})
         with first.activate():
             addr_value = remote("palatine.tensor.worker.collectives.open_store")()
         store_addr = fetch(addr_value).result()
-        ctx = session.new_ref()
+        ctx = session.ids.new_ref()
         world = Slice(offset=0, sizes=[session.world_size], strides=[1])
         main = root.stream("main")
 
@@ -52,7 +54,7 @@ def ensure_collectives(mesh: ValueMesh) -> int:
                         result=ctx,
                         store_addr=store_addr,
                         stream=main.id,
-                        generation=session.generation,
+                        generation=records.generation,
                     ),
                 )
             ]
@@ -60,7 +62,7 @@ def ensure_collectives(mesh: ValueMesh) -> int:
         session.issue(
             "BackendNetworkInit", [ctx], [], [], site=capture_site(), make_commands=commands
         )
-        session.collective_ref = ctx
+        records.collective_ref = ctx
         return ctx
 
 
@@ -81,7 +83,7 @@ def process_group(mesh: ValueMesh, dims: str | tuple[str, ...] | None = None) ->
     ctx = ensure_collectives(mesh)
     handle = mesh.handle()
     stream = active_stream(mesh)
-    pg = session.new_ref()
+    pg = session.ids.new_ref()
 
     def commands(seq: int) -> list[tuple[Slice, Any]]:
         return [
@@ -146,7 +148,7 @@ def reduce(
         out.check_mutable("out")
     ctx = ensure_collectives(mesh)
     handle = mesh.handle()
-    result = value.ref if in_place else session.new_ref()
+    result = value.ref if in_place else session.ids.new_ref()
     uses = [value.ref, ctx, handle.ref] + ([out.ref] if out is not None else [])
     defs = [result]
     factory = _factory(like)
@@ -188,7 +190,8 @@ def resync(value: RemoteValue, src: int | None = None) -> None:
     session.check_usable()
     ranks = value.mesh.ranks
     if src is None:
-        fresh = session.lost[-1][1] if session.lost else frozenset()
+        lost = session.recovery.lost
+        fresh = lost[-1][1] if lost else frozenset()
         survivors = [r for r in ranks if r not in fresh]
         if not survivors:
             raise ValueError(f"no rank of {value!r} survived the last recovery to copy from")

@@ -16,7 +16,8 @@ from palatine.protocol.worker import CreateDeviceMesh, CreateStream, Slice
 from palatine.tensor.client.collectives import process_group, reduce
 from palatine.tensor.client.context import activated
 from palatine.tensor.client.remote import remote, restore
-from palatine.tensor.client.session import Handle, LocalRoles, Session, Stream, shutdown_session
+from palatine.tensor.client.session import Handle, Session, Stream
+from palatine.tensor.client.shutdown import LocalRoles, shutdown_session
 from palatine.tensor.client.values import RemoteValue
 
 __all__ = ["DeviceMesh"]
@@ -135,7 +136,7 @@ class DeviceMesh:
         with s.lock:
             sid = s.streams.get(name)
             if sid is None:
-                sid = 0 if name == "main" else next(s._stream_ids)
+                sid = 0 if name == "main" else s.ids.new_stream()
                 s.streams[name] = sid
                 whole = Slice(offset=0, sizes=[s.world_size], strides=[1])
                 s.send_commands([(whole, CreateStream(id=sid, name=name, default=name == "main"))])
@@ -145,7 +146,7 @@ class DeviceMesh:
         """This mesh's device-mesh ref on its ranks (``CreateDeviceMesh`` on first use)."""
         if self._handle is None:
             s = self.session
-            ref = s.new_ref()
+            ref = s.ids.new_ref()
             s.send_commands(
                 [
                     (
@@ -155,7 +156,7 @@ class DeviceMesh:
                 ]
             )
             self._handle = _MeshHandle(s, ref)
-            s.device_meshes.append((ref, list(self.names), self.slice_spec))
+            s.recovery.device_meshes.append((ref, list(self.names), self.slice_spec))
         return self._handle
 
     def rank(self, dim: str | tuple[str, ...]) -> RemoteValue:

@@ -18,13 +18,8 @@ from palatine.core.future import Future
 from palatine.protocol.worker import CallFunction, RequestStatus, SendValue, Slice
 from palatine.tensor.client.context import active_mesh, active_stream
 from palatine.tensor.client.session import Handle
-from palatine.tensor.client.values import (
-    RemoteValue,
-    ValueMesh,
-    capture_site,
-    function_ref,
-    pickle_args,
-)
+from palatine.tensor.client.sites import capture_site
+from palatine.tensor.client.values import RemoteValue, ValueMesh, function_ref, pickle_args
 
 __all__ = ["remote", "RemoteFunction", "fetch", "inspect", "restore"]
 
@@ -35,6 +30,7 @@ def _checker(
     """What checks each handle a call on ``mesh`` (on ``ranks`` of it, when given) uses."""
     ranks = set(mesh.ranks) if ranks is None else ranks
     session = mesh.session
+    records = session.recovery
 
     def check(h: Handle) -> None:
         if h.session is not session:
@@ -44,7 +40,7 @@ def _checker(
                 raise TypeError(f"{h!r} was dropped at {h.dropped_at.short()}")
             if not ranks <= set(h.mesh.ranks):
                 raise TypeError(f"{h!r} does not live on every rank of {mesh!r}")
-            session.check_not_lost(h, ranks)
+            records.check_not_lost(h, ranks)
             if stream_id is not None and h.stream.id != stream_id:
                 raise TypeError(
                     f"{h!r} lives on stream {h.stream.name!r}, not the call's stream "
@@ -93,7 +89,7 @@ class RemoteFunction:
         fref, label = self._function()
         mutated = self._mutated(args, kwargs)
         pickled, uses = pickle_args((args, kwargs), _checker(mesh, stream.id, stream.name))
-        results = [session.new_ref() for _ in range(self.returns)]
+        results = [session.ids.new_ref() for _ in range(self.returns)]
         mrefs = [v.ref for v in mutated]
         spec = mesh.slice_spec
 
@@ -168,7 +164,7 @@ def fetch(obj: Any, shard: Any = None) -> Future[Any]:
             raise TypeError(f"{v!r} was dropped at {v.dropped_at.short()}")
         if rank not in v.mesh.ranks:
             raise TypeError(f"{v!r} does not live on rank {rank}")
-        session.check_not_lost(v, {rank})
+        session.recovery.check_not_lost(v, {rank})
         if v.stream.id != stream.id:
             raise TypeError(f"{v!r} is on stream {v.stream.name!r}, {first!r} on {stream.name!r}")
     site = capture_site()
@@ -207,7 +203,7 @@ def restore(value: RemoteValue, fn: Any, *args: Any, **kwargs: Any) -> RemoteVal
     is the same."""
     session = value.session
     session.check_usable()
-    lost = sorted(session.lost_ranks(value.ref) & set(value.mesh.ranks))
+    lost = sorted(session.recovery.lost_ranks(value.ref) & set(value.mesh.ranks))
     if not lost:
         return value
     if value.borrow is not None:
@@ -229,5 +225,5 @@ def restore(value: RemoteValue, fn: Any, *args: Any, **kwargs: Any) -> RemoteVal
         return [(Slice(offset=r, sizes=[1], strides=[1]), call) for r in lost]
 
     session.issue(f"restore {label}", [value.ref], uses, [], site=site, make_commands=commands)
-    session.restored[value.ref] = len(session.lost)
+    session.recovery.restored[value.ref] = len(session.recovery.lost)
     return value

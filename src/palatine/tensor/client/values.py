@@ -1,4 +1,4 @@
-"""Client-side values: `RemoteValue`, issue sites, argument pickling, function transport.
+"""Client-side values: `RemoteValue`, argument pickling, function transport.
 
 Arguments are pickled once per command (protocol 5, out-of-band buffers); every client
 handle inside them (a remote value, a device mesh, a process group) becomes the
@@ -8,13 +8,10 @@ refs met while pickling are the call's ``uses``.
 
 from __future__ import annotations
 
-import functools
 import pickle
-import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from palatine import config
 from palatine.protocol.worker import (
     BorrowCreate,
     BorrowFirstUse,
@@ -22,12 +19,12 @@ from palatine.protocol.worker import (
     FunctionRef,
     Pickled,
 )
-from palatine.tensor.client.session import Handle, IssueSite, MeshView, Session, Stream
-from palatine.tensor.worker.user_errors import is_palatine_frame
+from palatine.tensor.client.session import Handle, MeshView, Session, Stream
+from palatine.tensor.client.sites import IssueSite, capture_site
 from palatine.tensor.worker.values import dumps_args, function_label
 from palatine.tensor.worker.values import function_ref as worker_function_ref
 
-__all__ = ["RemoteValue", "ValueMesh", "pickle_args", "function_ref", "capture_site"]
+__all__ = ["RemoteValue", "ValueMesh", "pickle_args", "function_ref"]
 
 
 class ValueMesh(MeshView, Protocol):
@@ -39,27 +36,6 @@ class ValueMesh(MeshView, Protocol):
 
     restore_value: Callable[..., RemoteValue]
     """What a value's `RemoteValue.restore` runs (`remote.restore`)."""
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_ours(filename: str) -> bool:
-    return is_palatine_frame(filename)
-
-
-def capture_site() -> IssueSite | None:
-    """The caller's stack without palatine frames (None when capture is off)."""
-    if not config.get().client_tracebacks:
-        return None
-    frames: list[tuple[str, int, str]] = []
-    f = sys._getframe(1)
-    ours = _is_ours
-    while f is not None and len(frames) < 10:
-        code = f.f_code
-        if not ours(code.co_filename):
-            frames.append((code.co_filename, f.f_lineno, code.co_name))
-        f = f.f_back  # type: ignore[assignment]
-    frames.reverse()
-    return IssueSite(frames)
 
 
 class RemoteValue(Handle):
@@ -116,12 +92,12 @@ class RemoteValue(Handle):
         """Free the worker-side value now (later use raises `TypeError`)."""
         if self.dropped_at is None:
             self.dropped_at = capture_site() or IssueSite([])
-            self.session.drop_later(self.ref, self.mesh.slice_spec, self.borrow)
+            self.session.drops.add(self.ref, self.mesh.slice_spec, self.borrow)
 
     def __del__(self) -> None:
         try:
             if self.dropped_at is None and not self.session.closed:
-                self.session.drop_later(self.ref, self.mesh.slice_spec, self.borrow)
+                self.session.drops.add(self.ref, self.mesh.slice_spec, self.borrow)
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
 
@@ -147,8 +123,8 @@ class RemoteValue(Handle):
             return self
         session.check_usable()
         site = capture_site()
-        bid = session.new_borrow()
-        result = session.new_ref()
+        bid = session.ids.new_borrow()
+        result = session.ids.new_ref()
         spec = self.mesh.slice_spec
         cmds = [
             (

@@ -1,0 +1,112 @@
+"""The end of a session: drain, stop the workers, detach, stop the worlds.
+
+`DeviceMesh.shutdown` (and leaving a mesh's ``with`` block) ends its session here. A
+healthy session waits for what it issued, then tells every worker to exit; every session
+then detaches from its controller and asks the system to stop the worker and controller
+worlds, and a local mesh's own processes (`LocalRoles`) are stopped last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Protocol
+
+from palatine.core import runtime
+from palatine.fastpath.blocking import LinkLost
+from palatine.protocol.worker import Exit, RequestStatus, Slice
+from palatine.tensor.client.session import Session
+
+__all__ = ["LocalRoles", "shutdown_session"]
+
+log = logging.getLogger("palatine")
+
+
+class LocalRoles(Protocol):
+    """The processes a local mesh started (system, hosts, controller), which the end of its
+    session stops. `palatine.tensor.client.local.LocalCluster` is the one implementation."""
+
+    def stop(self, grace_s: float = 5.0, *, clean: bool = True) -> None:
+        """Stop every role; keep the logs unless ``clean``."""
+
+
+def shutdown_session(
+    session: Session, local: LocalRoles | None, timeout: float, error: BaseException | None = None
+) -> None:
+    """Drain, Exit, Detach, stop the worlds (and a local mesh's processes).
+
+    Leaving on an interrupt (``error`` a KeyboardInterrupt or SystemExit) drains nothing
+    and waits less: the user asked to stop now, so everything is torn down within about
+    two seconds whatever is still running."""
+    if session.closed:
+        return
+    interrupted = error is not None and not isinstance(error, Exception)
+    system_gone = getattr(session.failure, "kind", None) == "system_lost"
+    healthy = session.failure is None and not interrupted
+    # Interrupted, or with no system to leave: nothing stops gracefully, so no long waits.
+    stop_s, gone_s = (0.5, 0.5) if interrupted or system_gone else (5.0, 10.0)
+    whole = Slice(offset=0, sizes=[session.world_size], strides=[1])
+    try:
+        if healthy:
+            session.outbox.flush_drops()
+            with session.lock:
+                pending = session.results.pending
+                last = max(pending) if pending else None
+            if last is not None:
+                session.send_commands([(whole, RequestStatus(seq=last, controller=False))])
+                left = session.wait_drained(timeout)
+                if left:
+                    log.warning(
+                        "shutdown: %d operations still pending after %g s; stopping anyway",
+                        left,
+                        timeout,
+                    )
+            session.send_commands([(whole, Exit(error=str(error) if error is not None else None))])
+        session.detach()
+        client = session.system_client
+        client.client.quiet_returns = True
+
+        async def stop_worlds() -> None:
+            worlds = [session.worker_world, session.controller.proc.world.name]
+            direct = session.direct
+            if direct is not None:  # Detach and all before it are written: let it go
+                try:
+                    await direct.aclose(2.0)
+                except LinkLost as e:
+                    log.warning("shutdown: %s", e.reason)
+            if system_gone:  # nobody is left to ask: the hosts stop their procs themselves
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(stop_s):
+                        await client.close()
+                return
+            try:
+                await client.stop(worlds, stop_s)
+                end = asyncio.get_running_loop().time() + gone_s
+                while asyncio.get_running_loop().time() < end:
+                    snap = await client.snapshot(worlds=worlds)
+                    if not any(w in snap.worlds and snap.worlds[w].procs for w in worlds):
+                        break
+                    await asyncio.sleep(0.05)
+            except Exception as e:  # noqa: BLE001 - best effort
+                log.debug("stopping worlds: %s", e)
+            if local is not None:
+                try:
+                    await client.stop(None, min(2.0, stop_s))
+                except Exception:  # noqa: BLE001
+                    pass
+            try:
+                await client.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+        try:
+            runtime.submit(stop_worlds).get(30)
+        except Exception as e:  # noqa: BLE001
+            log.debug("shutdown: %s", e)
+    finally:
+        session.closed = True
+        session.results.shutdown()
+        session.results.warn_unfetched()
+        if local is not None:
+            local.stop(stop_s, clean=healthy and error is None)

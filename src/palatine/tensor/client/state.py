@@ -1,0 +1,27 @@
+"""What the parts of a session read of its state: whether it failed, ended or detached.
+
+`palatine.tensor.client.session.Session` keeps these as plain attributes, read on every
+remote call. The parts it is made of (outbox, results, keep-alive, the client actor) sit
+below it and see it through this protocol, so none of them imports the session.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from palatine.errors import DeviceException
+
+__all__ = ["SessionState"]
+
+
+class SessionState(Protocol):
+    """A session's failure and ending, as its parts read them."""
+
+    failure: DeviceException | None
+    """The first failure (every later call raises it), until a recovery clears it."""
+
+    closed: bool
+    """The session ended (`palatine.tensor.client.shutdown.shutdown_session`)."""
+
+    detached: bool
+    """The session told its controller it is leaving (``Detach``)."""
