@@ -36,9 +36,10 @@ from palatine.output.logs import LogSession
 from palatine.protocol.controller import Attach, AttachRejected, AttachReply
 from palatine.protocol.supervision import exit_text
 from palatine.system.worlds import execution_id_from_env
+from palatine.tensor.client.actor import ClientActor
 from palatine.tensor.client.mesh import DeviceMesh
 from palatine.tensor.client.procs import RoleProcess
-from palatine.tensor.client.session import ClientActor, Session
+from palatine.tensor.client.session import Session
 
 __all__ = [
     "LocalCluster",

@@ -49,8 +49,7 @@ from palatine.wire.codec import Message
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-# ClientActor (palatine.tensor.client.actor) is named here too: a session is built on one.
-__all__ = ["ClientActor", "Handle", "MeshView", "Session", "Stream", "current_stream"]
+__all__ = ["Handle", "MeshView", "Session", "Stream", "current_stream"]
 
 log = logging.getLogger("palatine")
 
