@@ -227,3 +227,12 @@ def test_palatine_system_restarts_zero_means_a_lost_system_is_never_started_agai
     finally:
         monkeypatch.delenv("PALATINE_SYSTEM_RESTARTS")
         config.reload()
+
+
+def test_slurm_hosts_are_started_with_the_host_options_flags() -> None:
+    from palatine.job.slurm import _host_command
+
+    plain = _host_command("SLURM_NODEID", HostOptions())
+    assert plain.endswith('--host-rank "$SLURM_NODEID"')
+    line = _host_command("SLURM_NODEID", HostOptions(supervision_update_interval_s=0.5))
+    assert line == plain + " --supervision-update-interval-in-sec 0.5"

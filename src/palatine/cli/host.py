@@ -30,7 +30,7 @@ async def serve_host(args: argparse.Namespace, stop: asyncio.Event) -> int:
     from palatine.hosting.host import HostAgent, join_host
 
     cmd = roles.from_args(HostCommand, args)
-    addr = check_cli_args("Host", cmd)
+    addr = check_cli_args(cmd)
     try:
         handle = await join_host(
             cmd.host_world,

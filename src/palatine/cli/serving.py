@@ -322,9 +322,7 @@ _ROLES: dict[str, type[Any]] = {
 }
 
 
-def check_role(
-    role: str, cmd: SystemCommand | HostCommand, name: Callable[[str], str]
-) -> ChannelAddr:
+def check_role(cmd: SystemCommand | HostCommand, name: Callable[[str], str]) -> ChannelAddr:
     """Semantic checks of a System or Host command (from serve or the CLI): addresses,
     names, the options' bounds (`palatine.config.roles.check`; a field left None is not
     checked: its default applies); the system's address, parsed. ``name(field)`` is how
@@ -350,10 +348,10 @@ def check_role(
     return addr
 
 
-def check_cli_args(role: str, cmd: SystemCommand | HostCommand) -> ChannelAddr:
+def check_cli_args(cmd: SystemCommand | HostCommand) -> ChannelAddr:
     """`check_role` for a role's command line; raises `ConfigError` (exit 2)."""
     try:
-        return check_role(role, cmd, roles.flag)
+        return check_role(cmd, roles.flag)
     except InvalidRequest as e:
         raise ConfigError(str(e)) from None
 
@@ -365,7 +363,7 @@ def _check(role: str, cmd: Any) -> ChannelAddr:
             return validate_command(cmd)
         except ConfigError as e:
             raise InvalidRequest(f"Run.Controller: {e}") from None
-    return check_role(role, cmd, lambda field: f"Run.{role}.{field}")
+    return check_role(cmd, lambda field: f"Run.{role}.{field}")
 
 
 def parse_request(line: bytes | str) -> RunRequest | ExitRequest:

@@ -30,7 +30,7 @@ async def serve_system(args: argparse.Namespace, stop: asyncio.Event) -> int:
     from palatine.cli.serving import SystemCommand, check_cli_args, run_system
 
     cmd = roles.from_args(SystemCommand, args)
-    error = await run_system(cmd, check_cli_args("System", cmd), stop, ready_line)
+    error = await run_system(cmd, check_cli_args(cmd), stop, ready_line)
     if error is None:
         return 0
     print(f"palatine system: {error}", file=sys.stderr)
