@@ -35,6 +35,7 @@ __all__ = [
     "ControllerOptions",
     "HostOptions",
     "LocalOptions",
+    "OptionField",
     "SystemOptions",
     "add_arguments",
     "build",
@@ -135,7 +136,7 @@ class LocalOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 # --------------------------------------------------------------------------- the fields
 
 
-class _Field:
+class OptionField:
     """One declared field: its names, scalar type, default, help and bound."""
 
     __slots__ = ("bound", "default", "help", "metavar", "name", "optional", "scalar", "wire")
@@ -164,15 +165,15 @@ class _Field:
         return self.wire if self.wire != self.name else None
 
 
-_CACHE: dict[type[Any], tuple[_Field, ...]] = {}
+_CACHE: dict[type[Any], tuple[OptionField, ...]] = {}
 
 
-def option_fields(cls: type[msgspec.Struct]) -> tuple[_Field, ...]:
+def option_fields(cls: type[msgspec.Struct]) -> tuple[OptionField, ...]:
     """The declared fields of ``cls`` (those with a help line: a role command's wiring
     fields, declared without one, are left to it)."""
     out = _CACHE.get(cls)
     if out is None:
-        out = tuple(f for f in map(_Field, msgspec.structs.fields(cls)) if f.help)
+        out = tuple(f for f in map(OptionField, msgspec.structs.fields(cls)) if f.help)
         _CACHE[cls] = out
     return out
 
@@ -322,7 +323,7 @@ def build(caller: str, cls: type[S], values: Mapping[str, Any]) -> S:
     return opts
 
 
-def _coerce(caller: str, f: _Field, value: Any) -> Any:
+def _coerce(caller: str, f: OptionField, value: Any) -> Any:
     scalar = f.scalar
     if scalar is bool:
         ok = isinstance(value, bool)
