@@ -90,15 +90,15 @@ def shutdown_session(
                     await asyncio.sleep(0.05)
             except Exception as e:  # noqa: BLE001 - best effort
                 log.debug("stopping worlds: %s", e)
-            if local is not None:
+            if local is not None:  # the local system itself: its own process is stopped below
                 try:
                     await client.stop(None, min(2.0, stop_s))
-                except Exception:  # noqa: BLE001
-                    pass
+                except Exception as e:  # noqa: BLE001 - local.stop ends the system either way
+                    log.debug("stopping the local system: %s", e)
             try:
                 await client.close()
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as e:  # noqa: BLE001 - a system that stopped has closed the link
+                log.debug("closing the system client: %s", e)
 
         try:
             runtime.submit(stop_worlds).get(30)
