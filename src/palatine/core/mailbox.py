@@ -245,7 +245,7 @@ class StreamPort(Port):
             return f"mailbox error: port {self.id} not bound"
         try:
             value = decode_payload(env)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a bad payload is the sender's error, not ours
             return f"mailbox error: cannot decode value for {self.id}: {e}"
         self._queue.append(value)
         w = self._waiter
@@ -392,7 +392,7 @@ class Pending(Port):
             return f"mailbox error: port {self.id} not bound"
         try:
             value = decode_payload(env)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a bad payload fails this call only
             self.fail(DeliveryError(f"mailbox error: cannot decode reply for {self.id}: {e}"))
             return None
         if self._finish():
@@ -483,7 +483,7 @@ class Gather(Pending):
         rank = int((env.headers or {}).get("cast_rank", -1))
         try:
             value = decode_payload(env)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a bad payload fails this rank's item only
             self._item(rank, None, DeliveryError(f"cannot decode reply: {e}"))
             return None
         if type(value) is ErrorReply:

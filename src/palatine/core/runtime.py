@@ -110,7 +110,7 @@ def submit(coro_fn: Callable[[], Coroutine[Any, Any, T]]) -> Future[T]:
     def start() -> None:
         try:
             task = loop.create_task(coro_fn())
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - the caller's future carries it
             fut.set_exception(e)
             return
         fut.chain(task)
@@ -260,7 +260,7 @@ def _shutdown() -> None:
         return
     try:
         asyncio.run_coroutine_threadsafe(run_exit_hooks(), loop).result(timeout=5.0)
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:  # noqa: BLE001 - best effort at exit
         log.debug("palatine shutdown: %s", e)
     loop.call_soon_threadsafe(loop.stop)
     _thread.join(timeout=2.0)

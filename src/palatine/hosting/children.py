@@ -243,8 +243,10 @@ class PipeReader:
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(Exception):
+        try:
             self._loop.remove_reader(self._fd)
+        except Exception as e:  # noqa: BLE001 - a closed loop reads nothing: the fd goes below
+            log.debug("removing the reader of fd %d: %s", self._fd, e)
         with contextlib.suppress(OSError):
             os.close(self._fd)
         if self._partial:
@@ -606,8 +608,10 @@ class ChildProcs:
         child._died_at = time.monotonic()
         if child._pidfd is not None:
             assert self._loop is not None
-            with contextlib.suppress(Exception):
+            try:
                 self._loop.remove_reader(child._pidfd)
+            except Exception as e:  # noqa: BLE001 - a closed loop reads nothing: the fd goes below
+                log.debug("removing the reader of pidfd %d: %s", child._pidfd, e)
             with contextlib.suppress(OSError):
                 os.close(child._pidfd)
             child._pidfd = None

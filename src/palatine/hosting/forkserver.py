@@ -425,8 +425,10 @@ class ForkServer:
         sock, self._sock = self._sock, None
         if sock is not None:
             if self._loop is not None:
-                with contextlib.suppress(Exception):
+                try:
                     self._loop.remove_reader(sock.fileno())
+                except Exception as e:  # noqa: BLE001 - a closed loop reads nothing
+                    log.debug("removing the fork server's reader: %s", e)
             sock.close()
         self._fail_ready("the fork server is gone")
         for fut in self._pending.values():

@@ -16,7 +16,7 @@ from palatine.errors import DeviceException, StuckWorkersException
 from palatine.protocol.controller import Failure, Log, Result, Results
 from palatine.protocol.worker import FetchedValue
 from palatine.tensor.client import results
-from palatine.tensor.client.state import SessionState
+from palatine.tensor.client.state import FailableState
 
 __all__ = ["Attached", "ClientActor", "device_exception"]
 
@@ -25,13 +25,10 @@ log = logging.getLogger("palatine")
 _LEVELS = {"info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
 
 
-class Attached(SessionState, Protocol):
-    """What the client actor needs of its session."""
+class Attached(FailableState, Protocol):
+    """What the client actor needs of its session: its state, `fail`, and where results go."""
 
     results: results.Results
-
-    def fail(self, exc: DeviceException) -> None:
-        """Fail the session with ``exc``."""
 
 
 def device_exception(failure: Any) -> DeviceException:

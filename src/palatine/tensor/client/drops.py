@@ -3,7 +3,9 @@
 A `RemoteValue`'s finalizer (or ``value.drop()``) queues its ref here. Finalizers run
 whenever the garbage collector decides, on any thread, possibly while that thread holds
 one of the session's other locks, so queueing does no I/O and takes only this module's
-own lock. The queue leaves with the next batch the outbox sends: per slice one
+own lock. That lock is reentrant: a garbage collection can start inside it too (any
+allocation may start one), and its finalizers then queue drops on the thread that holds
+it. The queue leaves with the next batch the outbox sends: per slice one
 ``DeleteRefs`` to the workers, and the refs as the batch's ``drop_refs`` to the
 controller. A borrowed handle (``to_stream``) releases its borrow instead of deleting a
 ref: ``BorrowLastUse`` then ``BorrowDrop``.
@@ -31,7 +33,10 @@ class Drops:
     def __init__(self) -> None:
         # Guards `_queue` only; held for a list operation, never across anything else,
         # so a finalizer may take it on a thread that holds any other session lock.
-        self._lock = threading.Lock()
+        # An RLock, as a finalizer may also run on a thread inside it (a collection that
+        # an allocation under it started): each section is one list operation, so an
+        # `add` nested in it lands whole in the list that `take` hands out or keeps.
+        self._lock = threading.RLock()
         self._queue: list[tuple[int, Slice, int | None]] = []
 
     def add(self, ref: int, ranks: Slice, borrow: int | None = None) -> None:

@@ -16,7 +16,7 @@ from palatine.errors import DeviceException
 from palatine.ids import ActorId, ProcId
 from palatine.protocol.controller import KeepAlive
 from palatine.tensor.client.outbox import Outbox
-from palatine.tensor.client.state import SessionState
+from palatine.tensor.client.state import FailableState, SessionState
 
 __all__ = ["Keepalive", "Watched", "watch_controller"]
 
@@ -56,14 +56,11 @@ class Keepalive:
             self._loop.call_soon_threadsafe(timer.cancel)
 
 
-class Watched(SessionState, Protocol):
-    """What `watch_controller` needs of a session."""
+class Watched(FailableState, Protocol):
+    """What `watch_controller` needs of a session: its state, `fail`, and its controller."""
 
     controller: ActorId
     controller_log: str | None
-
-    def fail(self, exc: DeviceException) -> None:
-        """Fail the session with ``exc``."""
 
 
 def watch_controller(session: Watched, proc: Any, controller_proc: ProcId) -> None:

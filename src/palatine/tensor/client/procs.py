@@ -119,6 +119,7 @@ class RoleProcess:
         self._ready_event = threading.Event()
         self._stderr_tail: collections.deque[bytes] = collections.deque()
         self._stderr_tail_bytes = 0
+        #: guards `_stderr_tail` and `_stderr_tail_bytes`: the pump appends, `stderr` reads
         self._tail_lock = threading.Lock()
         self._stop_pump = False
         self._killing = False

@@ -1,9 +1,10 @@
 """The client session: one attachment to a controller, and the handles it gives out.
 
-The session is a *program generator*: each remote call takes the next seq and fresh
-refs and hands its ``Node`` and commands to the outbox under one lock, so seq order is
-send order across user threads. What comes back is routed per seq, and the first
-``Failure`` marks the session failed: pending futures and every later call raise it.
+The session is a *program generator*: each remote call takes fresh refs for what it
+defines (its caller does, before `Session.issue`: refs need no order), then, under the
+session's lock, takes the next seq and hands its ``Node`` and commands to the outbox, so
+seq order is send order across user threads. What comes back is routed per seq, and the
+first ``Failure`` marks the session failed: pending futures and every later call raise it.
 
 `Session` is composed of one part per concern, each in its own module:
 

@@ -9,7 +9,6 @@ worlds, and a local mesh's own processes (`LocalRoles`) are stopped last.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Protocol
 
@@ -76,9 +75,11 @@ def shutdown_session(
                 except LinkLost as e:
                     log.warning("shutdown: %s", e.reason)
             if system_gone:  # nobody is left to ask: the hosts stop their procs themselves
-                with contextlib.suppress(Exception):
+                try:
                     async with asyncio.timeout(stop_s):
                         await client.close()
+                except Exception as e:  # noqa: BLE001 - the system is gone: nothing to close
+                    log.debug("closing the system client: %s", e)
                 return
             try:
                 await client.stop(worlds, stop_s)
@@ -102,7 +103,7 @@ def shutdown_session(
 
         try:
             runtime.submit(stop_worlds).get(30)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - best effort: the session ends either way
             log.debug("shutdown: %s", e)
     finally:
         session.closed = True

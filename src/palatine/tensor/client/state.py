@@ -2,7 +2,7 @@
 
 `palatine.tensor.client.session.Session` keeps these as plain attributes, read on every
 remote call. The parts it is made of (outbox, results, keep-alive, the client actor) sit
-below it and see it through this protocol, so none of them imports the session.
+below it and see it through these protocols, so none of them imports the session.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Protocol
 
 from palatine.errors import DeviceException
 
-__all__ = ["SessionState"]
+__all__ = ["FailableState", "SessionState"]
 
 
 class SessionState(Protocol):
@@ -25,3 +25,11 @@ class SessionState(Protocol):
 
     detached: bool
     """The session told its controller it is leaving (``Detach``)."""
+
+
+class FailableState(SessionState, Protocol):
+    """A session's state, for the parts that may also fail it (the client actor, the
+    controller watch)."""
+
+    def fail(self, exc: DeviceException) -> None:
+        """Fail the session with ``exc``."""

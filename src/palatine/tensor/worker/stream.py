@@ -405,7 +405,7 @@ class Stream:
                     self.worker.send(FetchResult(seq=seq, value=Ok(DIRECT)))
             except (InfrastructureError, _Stopped):
                 raise
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001 - the user's code failed: the client gets it
                 err = self.user_error(seq, label, e, cmd.mutates)
                 self.worker.send(FetchResult(seq=seq, value=Err(err.error)))
         finally:
@@ -469,7 +469,7 @@ class Stream:
                     collectives.run(self, cmd)
             except (InfrastructureError, _Stopped):
                 raise
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001 - a user error: poison the results
                 err = self.user_error(seq, label, e, ())
                 self.poison_collective(cmd, err)
         finally:
