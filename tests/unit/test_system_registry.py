@@ -630,7 +630,7 @@ def test_a13_duplicate_live_host_conflict_then_restart() -> None:
     )
     reply, instrs = h.send(msg)
     assert isinstance(reply, JoinProbeNeeded)
-    assert reply.probe.addr == "tcp:10.0.0.3:4000"
+    assert reply.probe.addr == ChannelAddr.parse("tcp:10.0.0.3:4000")
     reply, instrs = h.run(h.reg.complete_join(msg, reply.probe, "connected"))
     assert isinstance(reply, Rejected) and reply.code == "conflict"
     assert reply.message == (
@@ -859,7 +859,7 @@ def test_a20_connection_loss_of_external_worker_and_probe() -> None:
     # A transient drop: the address still answers.
     _, instrs = h.run(h.reg.handle_connection_lost(pid("w[0]")))
     (probe,) = [i for i in instrs if isinstance(i, Probe)]
-    assert probe.timeout_s == 1.0 and probe.addr == "unix:/run/w_0.sock"
+    assert probe.timeout_s == 1.0 and probe.addr == ChannelAddr.parse("unix:/run/w_0.sock")
     h.run(h.reg.handle_probe_result(probe, "connected"))
     assert h.health("w[0]") == "Alive"
     # A probe without a verdict leaves it to the silence path.
@@ -1480,7 +1480,7 @@ def test_complete_join_with_stale_probe_asks_again() -> None:
     h = Harness()
     h.joined("w[0]", addr="unix:/a", incarnation=1)
     msg = Join(proc_id=pid("w[0]"), addr="unix:/b", incarnation=2)
-    stale = Probe(pid("w[0]"), "unix:/elsewhere", 1, 1.0, stimulus_id="test")
+    stale = Probe(pid("w[0]"), ChannelAddr.parse("unix:/elsewhere"), 1, 1.0, stimulus_id="test")
     reply, _ = h.run(h.reg.complete_join(msg, stale, "refused"))
     assert isinstance(reply, JoinProbeNeeded)
 
@@ -1986,6 +1986,34 @@ def test_a_join_binds_its_address_parsed_once_and_a_bad_one_is_rejected_clearly(
     assert entry.kind == "join" and entry.reply.startswith("Rejected invalid_argument: join of")
 
 
+def test_a_refused_join_leaves_its_parsed_address_for_the_shell_to_reach_the_joiner() -> None:
+    h = Harness()
+    h.joined("w[0]", addr="tcp:10.0.0.3:4000")
+    # refused after validation (a live proc answers at its address): parsed all the same
+    msg = Join(proc_id=pid("w[0]"), addr="tcp:10.0.0.3:4001", pid=900, incarnation=77)
+    reply, _ = h.send(msg)
+    assert isinstance(reply, JoinProbeNeeded)
+    reply, _ = h.run(h.reg.complete_join(msg, reply.probe, "connected"))
+    assert isinstance(reply, Rejected) and reply.code == "conflict"
+    assert h.reg.join_addr == ChannelAddr.parse("tcp:10.0.0.3:4001")
+    # refused by validation before its address is looked at: parsed as well
+    h.rejected(Join(proc_id=pid("system[0]"), addr="unix:/run/s.sock"), "invalid_argument")
+    assert h.reg.join_addr == ChannelAddr.parse("unix:/run/s.sock")
+    # no address the shell could dial
+    for bad in ("tcp:nowhere", "tcp:0.0.0.0:0"):
+        h.rejected(Join(proc_id=pid("w[1]"), addr=bad), "invalid_argument")
+        assert h.reg.join_addr is None
+
+
+def test_a_detached_client_without_an_address_is_replaced_without_a_probe() -> None:
+    h = Harness()
+    h.joined("user[1]", mode="Detached", addr="")
+    again = Join(proc_id=pid("user[1]"), addr="", mode="Detached", incarnation=99)
+    reply, instrs = h.send(again, requester=pid("user[1]"))
+    assert isinstance(reply, Joined)  # nothing to probe: nothing answers there
+    assert not [i for i in instrs if isinstance(i, Probe)]
+
+
 def test_the_stimulus_log_keeps_only_the_newest_entries_up_to_its_size() -> None:
     h = Harness(stimulus_log_size=5)
     for r in range(12):
@@ -2017,6 +2045,18 @@ def test_heartbeats_ticks_and_queries_that_decide_nothing_stay_out_of_the_log() 
         "Log WARNING: heartbeat from z[0], which is unknown to the system; telling it to stop",
         "Send ProcStop to z[0].proc[0]",
     ]
+
+
+def test_a_quiet_stimulus_rejected_without_instructions_enters_the_log() -> None:
+    h = Harness(rejoin_window_s=10.0)
+    for msg in (Resolve(proc_id=pid("W[3]")), WorldState(world_id=wid("W"))):
+        reply, instrs = h.send(msg)  # W[3] may still rejoin: unavailable, nothing else
+        assert isinstance(reply, Rejected) and reply.code == "unavailable" and instrs == []
+        entry = h.reg.stimuli().entries[-1]
+        assert entry.stimulus_id == f"{entry.kind}-{h.reg.stimuli().handled}"
+        assert entry.kind in ("resolve", "world-state")
+        assert entry.reply.startswith("Rejected unavailable: ") and entry.instructions == []
+    assert [e.kind for e in h.reg.stimuli().entries] == ["resolve", "world-state"]
 
 
 def test_the_stimuli_request_returns_the_log_oldest_first() -> None:

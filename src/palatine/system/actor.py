@@ -60,12 +60,8 @@ log = logging.getLogger("palatine.system")
 _REFUSAL_FLUSH_S = 2.0  # how long a refused joiner's one-off Tx may take to deliver the refusal
 
 
-async def probe_addr(addr: str, timeout_s: float) -> ProbeOutcome:
-    """Try to connect to ``addr``: ``connected``, ``refused`` or ``timeout`` (nothing sent)."""
-    try:
-        a = ChannelAddr.parse(addr)
-    except ValueError:
-        return "refused"
+async def probe_addr(a: ChannelAddr, timeout_s: float) -> ProbeOutcome:
+    """Try to connect to ``a``: ``connected``, ``refused`` or ``timeout`` (nothing sent)."""
     if a.transport == "local":
         from palatine.channel import local
 
@@ -143,23 +139,22 @@ class SystemActor(Actor):
         if isinstance(reply, JoinProbeNeeded):
             self._spawn(self._probe_then_join(env, msg, reply.probe))
         elif type(reply) is Rejected and type(msg) is Join and env.reply_to is not None:
-            self._refuse_joiner(env, msg, reply)
+            self._refuse_joiner(env, msg, reply, self.reg.join_addr)
         elif reply is not None and env.reply_to is not None:
             self.cx.reply(env.reply_to, reply, env)
         self._execute(out)
 
-    def _refuse_joiner(self, env: Envelope, msg: Join, reply: Rejected) -> None:
+    def _refuse_joiner(
+        self, env: Envelope, msg: Join, reply: Rejected, addr: ChannelAddr | None
+    ) -> None:
         """A refused Join has no route back: its proc was not recorded, or its id is
-        another (live) proc's. Reach the joiner once at the address it gave, so it hears
-        why at once instead of waiting out its join timeout."""
+        another (live) proc's. Reach the joiner once at the address it gave (``addr``, as
+        the registry parsed it; None: none that can be dialed), so it hears why at once
+        instead of waiting out its join timeout."""
         assert env.reply_to is not None
         router = Proc.of(self.cx).router
         actor = env.reply_to.actor
-        try:
-            addr = ChannelAddr.parse(msg.addr) if msg.addr else None
-        except ValueError:
-            addr = None
-        if addr is None or addr.is_any:
+        if addr is None:
             self.cx.reply(env.reply_to, reply, env)  # (routed as usual, if at all)
             return
         before, dynamic = router.binding(actor), router.is_dynamic(actor)

@@ -98,14 +98,15 @@ class Ask(Stimulated, frozen=True):
 
 
 class Probe(Stimulated, frozen=True):
-    """Liveness probe: try to connect to ``addr`` of ``proc_id`` (that incarnation).
+    """Liveness probe: try to connect to ``addr`` of ``proc_id`` (that incarnation),
+    parsed once, where the proc's address came in from the wire.
 
     ``recheck`` marks the one probe sent again after a connection loss whose first probe
     found the address answering (`ProbeAgain`).
     """
 
     proc_id: ProcId
-    addr: str
+    addr: ChannelAddr
     incarnation: int | None
     timeout_s: float
     recheck: bool = False
@@ -180,7 +181,7 @@ class ProbeAgain(msgspec.Struct, frozen=True):
 
     proc_id: ProcId
     incarnation: int | None
-    addr: str
+    addr: ChannelAddr
 
 
 class StopFallback(msgspec.Struct, frozen=True):

@@ -173,19 +173,16 @@ def _stimulus(kind: str) -> Callable[[_Handler[_P]], _Handler[_P]]:
     """Make a ``handle_*`` method a stimulus: it gets the id ``<kind>-<n>`` (``n`` counts
     every stimulus of the registry), every instruction it returns carries that id, and it
     enters the bounded log of recent stimuli (quiet kinds only when they decide
-    something). The hot handlers (heartbeats, `Resolve`) do the same inline."""
+    something): `SystemRegistry._begin` and `SystemRegistry._end`, which the hot handlers
+    (heartbeats, `Resolve`) call themselves, skipping ``_end`` when it could keep nothing."""
     quiet = kind in QUIET_STIMULI
 
     def wrap(fn: _Handler[_P]) -> _Handler[_P]:
         @functools.wraps(fn)
         def handler(self: SystemRegistry, /, *args: _P.args, **kwargs: _P.kwargs) -> Result:
-            self._seq += 1
-            self._kind = kind
-            self._sid_text = None
+            self._begin(kind)
             result = fn(self, *args, **kwargs)
-            if not quiet or result[1] or type(result[0]) is Rejected:
-                self._note(args[0] if args else next(iter(kwargs.values()), None), result)
-            return result
+            return self._end(args[0] if args else next(iter(kwargs.values()), None), result, quiet)
 
         return handler
 
@@ -356,6 +353,8 @@ class SystemRegistry:
         self.rejoins = 0  # procs that rejoined after a restart of the system
 
         self._records: dict[ProcId, ProcRecord] = {}
+        # the address of each record in _records that has one, parsed where it came in
+        self._addrs: dict[ProcId, ChannelAddr] = {}
         self._worlds: dict[str, WorldRecord] = {}
         self._managing: dict[ProcId, ProcRecord] = {}
         # world name -> subscriber ports (a dict as an insertion-ordered set)
@@ -373,6 +372,9 @@ class SystemRegistry:
         self._seq = 0
         self._kind = ""
         self._sid_text: str | None = None
+        # the address of the Join handled last, parsed (None: none that can be dialed):
+        # where the shell reaches a joiner it refuses, which has no route yet
+        self.join_addr: ChannelAddr | None = None
         self._stimuli: collections.deque[_Stimulus] = collections.deque(
             maxlen=max(1, stimulus_log_size)
         )
@@ -407,12 +409,24 @@ class SystemRegistry:
             sid = self._sid_text = f"{self._kind}-{self._seq}"
         return sid
 
-    def _note(self, subject: Any, result: Result) -> None:
-        """Log the stimulus being handled: its ``subject`` (the handler's first argument)
-        and what it decided (a reply's type only, not the reply: snapshots are big)."""
+    def _begin(self, kind: str) -> None:
+        """A stimulus of ``kind`` begins: it gets the next id (made text on first use)."""
+        self._seq += 1
+        self._kind = kind
+        self._sid_text = None
+
+    def _end(self, subject: Any, result: Result, quiet: bool) -> Result:
+        """The stimulus that `_begin` began ends with ``result``, returned as is: it enters
+        the log of recent stimuli with its ``subject`` (the handler's first argument) and
+        what it decided (a reply's type only, not the reply: snapshots are big), unless it
+        is ``quiet`` (`QUIET_STIMULI`) and produced no instruction and no rejection."""
         reply, out = result
-        kept = reply if reply is None or type(reply) is Rejected else type(reply)
-        self._stimuli.append(_Stimulus(self._seq, self._clock(), self._kind, subject, kept, out))
+        if out or not quiet or type(reply) is Rejected:
+            kept = reply if reply is None or type(reply) is Rejected else type(reply)
+            self._stimuli.append(
+                _Stimulus(self._seq, self._clock(), self._kind, subject, kept, out)
+            )
+        return result
 
     def _reject(
         self,
@@ -470,6 +484,7 @@ class SystemRegistry:
         pid = rec.proc_id
         if self._records.get(pid) is rec:
             del self._records[pid]
+            self._addrs.pop(pid, None)
         if rec.kind == "managing":
             self._managing.pop(pid, None)
             self._managing_pending.discard(pid)
@@ -597,15 +612,14 @@ class SystemRegistry:
         ``arrived_at`` is when the mailbox server received it (system clock); a backlog
         in the SystemActor therefore never causes a false expiry.
 
-        A stimulus of kind ``heartbeat``, accounted inline (`_stimulus`) on this hot path.
+        A stimulus of kind ``heartbeat``, begun and ended by hand (`_stimulus`) on this hot
+        path.
         """
-        self._seq += 1
-        self._kind = "heartbeat"
-        self._sid_text = None
+        self._begin("heartbeat")
         out: list[Instruction] = []
         self._supervision_update(msg, arrived_at, out)
-        if out:
-            self._note(msg, (None, out))
+        if out:  # (else quiet: `_end` would keep nothing; this path skips the call)
+            self._end(msg, (None, out), True)
         return None, out
 
     def _supervision_update(
@@ -897,6 +911,7 @@ class SystemRegistry:
         rec.failed_at = now
         rec.declared_wall = self._wall()
         self._records[rec.proc_id] = rec
+        self._addrs.pop(rec.proc_id, None)
         world.procs[rec.proc_id.rank] = rec
         world.failed.add(rec.proc_id.rank)
         out.append(Log(logging.WARNING, text, stimulus_id=self._sid))
@@ -926,15 +941,7 @@ class SystemRegistry:
             token = ExitReportGrace(proc_id, rec.incarnation)
             out.append(Timer(self.exit_report_grace_s, token, stimulus_id=self._sid))
         else:
-            out.append(
-                Probe(
-                    proc_id,
-                    rec.addr,
-                    rec.incarnation,
-                    self.liveness_probe_timeout_s,
-                    stimulus_id=self._sid,
-                )
-            )
+            out.append(self._probe(rec))
         return None, out
 
     @_stimulus("probe-result")
@@ -942,7 +949,11 @@ class SystemRegistry:
         """Outcome of a liveness `Probe`: refused means ``ConnectionFailure``."""
         out: list[Instruction] = []
         rec = self._records.get(probe.proc_id)
-        if rec is None or rec.incarnation != probe.incarnation or rec.addr != probe.addr:
+        if (
+            rec is None
+            or rec.incarnation != probe.incarnation
+            or self._addrs.get(rec.proc_id) != probe.addr
+        ):
             return None, out
         rec.checking = False
         if not rec.alive:
@@ -983,17 +994,29 @@ class SystemRegistry:
         if (
             rec is None
             or rec.incarnation != token.incarnation
-            or rec.addr != token.addr
+            or self._addrs.get(rec.proc_id) != token.addr
             or not rec.alive
             or rec.checking
         ):
             return
         rec.checking = True
+        out.append(self._probe(rec, recheck=True))
+
+    def _set_addr(self, pid: ProcId, addr: ChannelAddr | None) -> None:
+        """``addr`` is the parsed address of ``pid``'s record (None: it has none)."""
+        if addr is None:
+            self._addrs.pop(pid, None)
+        else:
+            self._addrs[pid] = addr
+
+    def _probe(self, rec: ProcRecord, recheck: bool = False) -> Probe:
+        """A liveness `Probe` of ``rec``'s incarnation at its address (a joined proc that
+        is supervised always has one: a join without an address is refused)."""
+        addr = self._addrs.get(rec.proc_id)
+        assert addr is not None, f"{rec.proc_id} has no address to probe"
         timeout = self.liveness_probe_timeout_s
-        out.append(
-            Probe(
-                rec.proc_id, rec.addr, rec.incarnation, timeout, recheck=True, stimulus_id=self._sid
-            )
+        return Probe(
+            rec.proc_id, addr, rec.incarnation, timeout, recheck=recheck, stimulus_id=self._sid
         )
 
     def _probe_children_of(self, host: ProcRecord, out: list[Instruction]) -> None:
@@ -1003,17 +1026,14 @@ class SystemRegistry:
         independent of the order (and of a probe that was inconclusive a moment earlier).
         """
         for child in list(self._records.values()):
-            if child.host_proc == host.proc_id and child.alive and not child.checking:
+            if (
+                child.host_proc == host.proc_id
+                and child.alive
+                and not child.checking
+                and child.proc_id in self._addrs  # (a detached client may give no address)
+            ):
                 child.checking = True
-                out.append(
-                    Probe(
-                        child.proc_id,
-                        child.addr,
-                        child.incarnation,
-                        self.liveness_probe_timeout_s,
-                        stimulus_id=self._sid,
-                    )
-                )
+                out.append(self._probe(child))
 
     @_stimulus("returned")
     def handle_returned(
@@ -1379,15 +1399,7 @@ class SystemRegistry:
                     rec.checking = False
                     self._stop_done(rec, out)
                 else:
-                    out.append(
-                        Probe(
-                            rec.proc_id,
-                            rec.addr,
-                            rec.incarnation,
-                            self.liveness_probe_timeout_s,
-                            stimulus_id=self._sid,
-                        )
-                    )
+                    out.append(self._probe(rec))
         elif isinstance(token, ProbeAgain):
             self._probe_again(token, out)
         elif isinstance(token, StopFallback):
@@ -1456,7 +1468,7 @@ class SystemRegistry:
         A `Join` may be answered with `JoinProbeNeeded` (see `complete_join`).
         """
         if type(msg) is SupervisionUpdate:
-            return self.handle_supervision_update(msg, arrived_at=arrived_at)
+            return self.handle_supervision_update(msg, arrived_at)
         name = self._HANDLERS.get(type(msg))
         if name is None:
             return self.handle_unexpected(msg, requester=requester)
@@ -1526,13 +1538,20 @@ class SystemRegistry:
 
     def _validate_join(self, msg: Join) -> tuple[tuple[RejectCode, str] | None, ChannelAddr | None]:
         """``(problem, addr)``: why the join is refused (None: it is not), and its address,
-        parsed here once, where it comes in from the wire (None: a detached client gave
-        none, or the join is refused)."""
+        parsed here once, where it comes in from the wire, also when the join is refused
+        (None: none given, as a detached client may, or none that can be dialed)."""
         pid = msg.proc_id
         name = pid.world.name
         mode = msg.mode
         problem: tuple[RejectCode, str] | None = None
         addr: ChannelAddr | None = None
+        bad_addr: ValueError | None = None
+        if msg.addr:
+            try:
+                addr = ChannelAddr.parse(msg.addr)
+            except ValueError as e:
+                bad_addr = e
+        dialable = addr if addr is not None and not addr.is_any else None
         is_host = isinstance(name, str) and name.startswith(HOST_WORLD_PREFIX)
         if mode not in PROC_MODES:
             modes = ", ".join(PROC_MODES)
@@ -1558,28 +1577,25 @@ class SystemRegistry:
             problem = "shutting_down", "system is shutting down"
         elif mode != DETACHED and not msg.addr:
             problem = "invalid_argument", f"join of {pid} has no address"
+        elif bad_addr is not None:
+            text = f"join of {pid}: invalid address {msg.addr!r}: {bad_addr}"
+            problem = "invalid_argument", text
+        elif addr is not None and dialable is None:
+            why = "an 'any' address is for serving; a join gives the address it serves"
+            text = f"join of {pid}: address {msg.addr!r} cannot be dialed ({why})"
+            problem = "invalid_argument", text
         if problem is not None:
-            return problem, None
-        if msg.addr:
-            try:
-                addr = ChannelAddr.parse(msg.addr)
-            except ValueError as e:
-                text = f"join of {pid}: invalid address {msg.addr!r}: {e}"
-                return ("invalid_argument", text), None
-            if addr.is_any:
-                why = "an 'any' address is for serving; a join gives the address it serves"
-                text = f"join of {pid}: address {msg.addr!r} cannot be dialed ({why})"
-                return ("invalid_argument", text), None
+            return problem, dialable
         if mode == MANAGED_BY_SYSTEM:
             wname = served_name(name) if is_host else name
             world = self._worlds.get(wname)
             if world is not None and world.phase != ACTIVE:
                 doing = "stopped" if world.phase == STOPPING else "evicted"
-                return ("conflict", f"cannot join {pid}: world {wname} is being {doing}"), None
+                return ("conflict", f"cannot join {pid}: world {wname} is being {doing}"), addr
             size = world.size if world is not None and not is_host else None
             if size is not None and pid.rank >= size:
                 text = f"rank {pid.rank} out of range for world {wname} of size {size}"
-                return ("invalid_argument", text), None
+                return ("invalid_argument", text), addr
         return None, addr
 
     def _join(
@@ -1591,6 +1607,7 @@ class SystemRegistry:
     ) -> Result:
         out: list[Instruction] = []
         problem, addr = self._validate_join(msg)
+        self.join_addr = addr
         if problem is not None:
             return self._reject(msg, requester, problem[0], problem[1], out)
         pid = msg.proc_id
@@ -1620,22 +1637,15 @@ class SystemRegistry:
                     # A retried join of the same process: answer again, change nothing.
                     if old.addr != msg.addr:
                         old.addr = msg.addr
+                        self._set_addr(pid, addr)
                         if addr is not None:
                             out.append(Bind(pid, addr, stimulus_id=self._sid))
                     return self._joined(), out
-                if probe is None or probe.incarnation != old.incarnation or probe.addr != old.addr:
-                    return (
-                        JoinProbeNeeded(
-                            Probe(
-                                pid,
-                                old.addr,
-                                old.incarnation,
-                                self.liveness_probe_timeout_s,
-                                stimulus_id=self._sid,
-                            )
-                        ),
-                        out,
-                    )
+                at = self._addrs.get(pid)  # (none, a detached client's: nothing answers)
+                if at is not None and (
+                    probe is None or probe.incarnation != old.incarnation or probe.addr != at
+                ):
+                    return JoinProbeNeeded(self._probe(old)), out
                 if outcome == "connected":
                     return self._reject(
                         msg,
@@ -1758,6 +1768,7 @@ class SystemRegistry:
             incarnation=msg.incarnation,
             now=now,
         )
+        self._set_addr(pid, addr)
         self._records[pid] = rec
         self._unknown_told.pop(pid, None)
         if addr is not None:  # (a detached client may give none: replies go back on its connection)
@@ -2140,14 +2151,13 @@ class SystemRegistry:
     def handle_resolve(self, msg: Resolve, requester: ProcId | None = None) -> Result:
         """`Resolve`: `Resolved`; the requester becomes a resolver.
 
-        A stimulus of kind ``resolve``, accounted inline (`_stimulus`) on this hot path.
+        A stimulus of kind ``resolve``, begun and ended by hand (`_stimulus`) on this hot
+        path: a `Resolved` reply decides nothing.
         """
-        self._seq += 1
-        self._kind = "resolve"
-        self._sid_text = None
+        self._begin("resolve")
         result = self._resolve(msg, requester)
-        if result[1]:  # (a rejection: nothing else decides anything)
-            self._note(msg, result)
+        if type(result[0]) is not Resolved:  # (else quiet and nothing decided: no call)
+            self._end(msg, result, True)
         return result
 
     def _resolve(self, msg: Resolve, requester: ProcId | None) -> Result:
