@@ -86,12 +86,12 @@ def log(msg: str) -> None:
 
 
 def _new_mesh() -> Any:
-    return local_mesh(hosts=1, procs_per_host=PROCS, startup_timeout_in_sec=STARTUP_TIMEOUT_S)
+    return local_mesh(hosts=1, procs_per_host=PROCS, startup_timeout_s=STARTUP_TIMEOUT_S)
 
 
 def _shutdown(mesh: Any) -> None:
     try:
-        mesh.shutdown(timeout=20)
+        mesh.shutdown(timeout_s=20)
     except Exception as exc:  # noqa: BLE001 - a failed session may refuse a clean stop
         log(f"shutdown: {type(exc).__name__}: {exc}")
 

@@ -140,7 +140,7 @@ def fetch_rate(
 ) -> tuple[list[float], dict[str, Any]]:
     nbytes = 64 << 20
     with roles_on_bed(bed, per_host=1, tls=tls) as roles:
-        with connect(roles.system_addr, "worker", timeout=90, _token=roles.token) as mesh:
+        with connect(roles.system_addr, "worker", timeout_s=90, _token=roles.token) as mesh:
             value = remote(make_tensor)(nbytes)
             where = {"host": 1, "proc": 0}
             fetch(value, shard=where).result()  # warm
@@ -160,7 +160,7 @@ def detect(bed: TestBed, fault: str) -> tuple[list[float], dict[str, Any]]:
         with roles_on_bed(
             bed, per_host=1, update_timeout_s=UPDATE_TIMEOUT_S, interval_s=INTERVAL_S
         ) as roles:
-            with connect(roles.system_addr, "worker", timeout=90, _token=roles.token) as mesh:
+            with connect(roles.system_addr, "worker", timeout_s=90, _token=roles.token) as mesh:
                 where = {"host": 1, "proc": 0}
                 pid = inspect(remote(os.getpid)(), shard=where)
                 pending = fetch(remote(sleep_long)(), shard=where)

@@ -149,9 +149,9 @@ def measure_sigstop(args: Any) -> tuple[list[float], dict[str, Any]]:
         mesh = local_mesh(
             hosts=1,
             procs_per_host=PROCS,
-            startup_timeout_in_sec=STARTUP_TIMEOUT_S,
-            supervision_update_timeout_in_sec=STOP_TIMEOUT_S,
-            supervision_update_interval_in_sec=STOP_INTERVAL_S,
+            startup_timeout_s=STARTUP_TIMEOUT_S,
+            supervision_update_timeout_s=STOP_TIMEOUT_S,
+            supervision_update_interval_s=STOP_INTERVAL_S,
         )
         victim_pid = None
         stopped = False
@@ -249,9 +249,9 @@ def measure_hang(args: Any) -> tuple[list[float], dict[str, Any]]:
         mesh = local_mesh(
             hosts=1,
             procs_per_host=PROCS,
-            startup_timeout_in_sec=STARTUP_TIMEOUT_S,
-            operation_timeout_in_sec=HANG_TIMEOUT_S,
-            worker_progress_check_interval_in_sec=HANG_CHECK_S,
+            startup_timeout_s=STARTUP_TIMEOUT_S,
+            operation_timeout_s=HANG_TIMEOUT_S,
+            worker_progress_check_interval_s=HANG_CHECK_S,
             fail_on_worker_timeout=True,
         )
         try:
@@ -330,7 +330,7 @@ def _cpu(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
 
 def measure_transfer(args: Any) -> tuple[list[float], dict[str, Any]]:
     numel = TENSOR_BYTES // 4
-    mesh = local_mesh(hosts=1, procs_per_host=PROCS, startup_timeout_in_sec=STARTUP_TIMEOUT_S)
+    mesh = local_mesh(hosts=1, procs_per_host=PROCS, startup_timeout_s=STARTUP_TIMEOUT_S)
     try:
         pids = _worker_pids(mesh)
         roles = _role_procs(mesh)

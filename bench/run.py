@@ -788,13 +788,13 @@ def render_markdown(res: dict[str, Any]) -> str:
         "repetition starts a fresh mesh, not timed). Where a target depends on settings, the "
         'program records them and the bound they give (`target_value`, shown as "here ≤ …"):',
         "",
-        "* `detect_sigstop_s`: `supervision_update_timeout_in_sec=1.0`, "
-        "`supervision_update_interval_in_sec=0.2`; a long `time.sleep` on rank 2 fetched; rank "
+        "* `detect_sigstop_s`: `supervision_update_timeout_s=1.0`, "
+        "`supervision_update_interval_s=0.2`; a long `time.sleep` on rank 2 fetched; rank "
         "2's worker SIGSTOPped (SIGCONTed afterwards); time from the SIGSTOP until the pending "
         "fetch raises `palatine.DeviceException`. A fetch that has not raised after 20 s "
         "(client never told) is reported as an error, not a number.",
-        "* `detect_hang_s`: `operation_timeout_in_sec=1.0`, "
-        "`worker_progress_check_interval_in_sec=0.2`, `fail_on_worker_timeout=True`; one call "
+        "* `detect_hang_s`: `operation_timeout_s=1.0`, "
+        "`worker_progress_check_interval_s=0.2`, `fail_on_worker_timeout=True`; one call "
         "on all ranks in which rank 3 spins in a pure-Python busy loop, fetched from rank 0; "
         "time from issuing the call until `palatine.StuckWorkersException` is raised. Met only "
         "if the exception also names the rank, the op (the remote function) and has a Python "

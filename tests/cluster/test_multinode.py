@@ -77,7 +77,7 @@ def two_node_mesh(
         bed, per_host=2, tls=tls, update_timeout_s=UPDATE_TIMEOUT_S, interval_s=INTERVAL_S
     ) as roles:
         assert roles.system_addr.startswith(f"{'tls' if tls else 'tcp'}:{bed.root_ip}:")
-        with connect(roles.system_addr, "worker", timeout=90, _token=roles.token) as mesh:
+        with connect(roles.system_addr, "worker", timeout_s=90, _token=roles.token) as mesh:
             yield mesh
 
 

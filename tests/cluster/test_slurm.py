@@ -96,7 +96,7 @@ def slurm_tls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Slurm
 def test_a_slurm_job_runs_calls_on_its_nodes_and_a_collective_across_them(
     slurm: SlurmTestCluster,
 ) -> None:
-    with SlurmJob(hosts=2, procs_per_host=2, partition=PARTITION, start_timeout_s=120) as job:
+    with SlurmJob(hosts=2, procs_per_host=2, partition=PARTITION, startup_timeout_s=120) as job:
         assert job.state() == "Live"
         mesh = job.mesh()
         with mesh.activate():
@@ -136,7 +136,7 @@ def test_a_job_cancelled_under_the_client_is_a_clear_error_and_nothing_stays(
 
     from palatine import DeviceException, fetch
 
-    job = SlurmJob(hosts=2, procs_per_host=1, partition=PARTITION, start_timeout_s=120)
+    job = SlurmJob(hosts=2, procs_per_host=1, partition=PARTITION, startup_timeout_s=120)
     try:
         mesh = job.mesh()
         with mesh.activate():
@@ -380,7 +380,7 @@ class Where(Actor):
 
 
 def test_a_slurm_jobs_host_mesh_spawns_actors_on_every_node(slurm: SlurmTestCluster) -> None:
-    with SlurmJob(hosts=2, procs_per_host=1, partition=PARTITION, start_timeout_s=120) as job:
+    with SlurmJob(hosts=2, procs_per_host=1, partition=PARTITION, startup_timeout_s=120) as job:
         hosts = job.host_mesh()
         assert hosts.sizes == {"hosts": 2}
         procs = hosts.spawn_procs(per_host={"gpus": 2})

@@ -81,7 +81,7 @@ def spin(seconds: float) -> str:
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    m = local_mesh(hosts=1, procs_per_host=4, startup_timeout_in_sec=60)
+    m = local_mesh(hosts=1, procs_per_host=4, startup_timeout_s=60)
     try:
         yield m
     finally:
@@ -155,7 +155,7 @@ def test_without_lanes_batch_scheduling_or_gil_switching_the_loop_sends_for_the_
     monkeypatch.setenv("PALATINE_WORKER_SCHED_BATCH", "0")
     monkeypatch.setenv("PALATINE_WORKER_SWITCH_INTERVAL_US", "0")
     with config.override(lanes=False):
-        m = local_mesh(hosts=1, procs_per_host=2, startup_timeout_in_sec=60)
+        m = local_mesh(hosts=1, procs_per_host=2, startup_timeout_s=60)
         try:
             assert m.session.direct is None
             with m.activate():
@@ -176,7 +176,7 @@ def test_each_worker_proc_sees_one_device_of_its_host(monkeypatch: pytest.Monkey
     ; here on CPU workers, which only carry the setting."""
     monkeypatch.setenv("PALATINE_DEVICES_PER_HOST", "2")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7,9")
-    with local_mesh(hosts=1, procs_per_host=3, device="cpu", startup_timeout_in_sec=60) as m:
+    with local_mesh(hosts=1, procs_per_host=3, device="cpu", startup_timeout_s=60) as m:
         with m.activate():
             seen = remote(os.getenv)("CUDA_VISIBLE_DEVICES")
             assert [inspect(seen, shard=i) for i in range(3)] == ["5", "7", "5"]
@@ -262,7 +262,7 @@ def test_large_values_fetch_exactly_as_private_snapshots(mesh: DeviceMesh) -> No
 
 
 def test_sigkilled_worker_raises_device_exception_fast() -> None:
-    with local_mesh(hosts=1, procs_per_host=4, startup_timeout_in_sec=60):
+    with local_mesh(hosts=1, procs_per_host=4, startup_timeout_s=60):
         pids = [inspect(remote(os.getpid)(), shard=p) for p in range(4)]
         pending = fetch(remote(spin)(30.0), shard=0)
         t0 = time.monotonic()
@@ -283,10 +283,10 @@ def test_stuck_worker_fails_with_rank_op_and_stack(caplog: pytest.LogCaptureFixt
     with local_mesh(
         hosts=1,
         procs_per_host=4,
-        operation_timeout_in_sec=1.0,
-        worker_progress_check_interval_in_sec=0.3,
+        operation_timeout_s=1.0,
+        worker_progress_check_interval_s=0.3,
         fail_on_worker_timeout=True,
-        startup_timeout_in_sec=60,
+        startup_timeout_s=60,
     ) as m:
         ranks = m.rank("proc")
         stuck = remote(lambda r: spin(60.0) if r == 3 else "ok")(ranks)

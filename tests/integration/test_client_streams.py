@@ -65,7 +65,7 @@ def rank_times(r: int, k: int) -> int:
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    m = local_mesh(hosts=1, procs_per_host=2, startup_timeout_in_sec=60)
+    m = local_mesh(hosts=1, procs_per_host=2, startup_timeout_s=60)
     try:
         yield m
     finally:

@@ -72,7 +72,7 @@ def slow():
     time.sleep(60)
     return 1
 
-with local_mesh(1, 2, supervision_update_timeout_in_sec=3, system_restarts=0) as mesh:
+with local_mesh(1, 2, supervision_update_timeout_s=3, system_restarts=0) as mesh:
     print("roles", *[rp.popen.pid for rp in mesh._local.procs], flush=True)
     pending = fetch(remote(slow)())
     time.sleep(0.3)

@@ -74,7 +74,7 @@ def backend() -> str:
 @pytest.fixture(scope="module")
 def shared() -> Iterator[DeviceMesh]:
     """Two worker procs; with one GPU they share it."""
-    m = local_mesh(hosts=1, procs_per_host=2, device="cuda", startup_timeout_in_sec=120)
+    m = local_mesh(hosts=1, procs_per_host=2, device="cuda", startup_timeout_s=120)
     try:
         yield m
     finally:
@@ -129,7 +129,7 @@ def test_a_borrow_between_cuda_streams(shared: DeviceMesh) -> None:
 
 
 def test_one_proc_per_gpu_uses_nccl() -> None:
-    with local_mesh(hosts=1, procs_per_host=1, device="cuda", startup_timeout_in_sec=120) as m:
+    with local_mesh(hosts=1, procs_per_host=1, device="cuda", startup_timeout_s=120) as m:
         with m.activate():
             t = remote(on_gpu)(m.rank("proc"), 4)
             summed = remote(all_reduce_sum)(t, m.process_group())

@@ -118,8 +118,8 @@ def test_a_rank_declared_stuck_is_killed_and_recovered_and_training_goes_on() ->
 
     opts = dict(
         fail_on_worker_timeout=True,
-        operation_timeout_in_sec=10.0,  # the first steps import torch
-        worker_progress_check_interval_in_sec=0.2,
+        operation_timeout_s=10.0,  # the first steps import torch
+        worker_progress_check_interval_s=0.2,
     )
     with local_mesh(1, 4, **opts) as mesh:
         with mesh.activate():
@@ -190,7 +190,7 @@ def test_an_expired_rank_is_killed_before_it_is_respawned() -> None:
         PRELUDE
         + """
     import psutil
-    opts = dict(supervision_update_timeout_in_sec=1.0, supervision_update_interval_in_sec=0.2)
+    opts = dict(supervision_update_timeout_s=1.0, supervision_update_interval_s=0.2)
     with local_mesh(1, 3, **opts) as mesh:
         with mesh.activate():
             before = pids_of(mesh)
@@ -234,7 +234,7 @@ def test_the_ranks_of_a_lost_host_are_recovered_on_the_other_host() -> None:
             kill(hosts[3])  # the whole host: both its workers go with it
             until_failed(mesh)
             # (named: the system declares a lost host's procs one by one, as it learns)
-            print("RECOVERED", mesh.recover([2, 3], timeout=60).ranks)
+            print("RECOVERED", mesh.recover([2, 3], timeout_s=60).ranks)
             after = pids_of(mesh)
             print("MOVED", [host_of(p) == hosts[0] for p in after])
             print("KEPT", fetch(v, shard=1).result(timeout=60).tolist())
@@ -259,7 +259,7 @@ def test_a_recovery_with_no_host_left_fails_cleanly_in_bounded_time() -> None:
             until_failed(mesh)
             t0 = time.monotonic()
             try:
-                mesh.recover(timeout=30)
+                mesh.recover(timeout_s=30)
             except RecoveryError as e:
                 print("REFUSED", time.monotonic() - t0 < 30, "no other live host" in str(e), e)
             try:

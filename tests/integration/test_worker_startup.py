@@ -39,7 +39,7 @@ def total(t: object) -> float:
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    m = local_mesh(hosts=1, procs_per_host=2, startup_timeout_in_sec=60, device="cpu")
+    m = local_mesh(hosts=1, procs_per_host=2, startup_timeout_s=60, device="cpu")
     try:
         yield m
     finally:

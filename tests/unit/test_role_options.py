@@ -151,7 +151,7 @@ def test_local_job_and_slurm_job_check_their_keys_when_built() -> None:
         SlurmJob(1, 1, partiton="gpu")
     with pytest.raises(TypeError, match=r"SlurmJob\(\) .* 'device'"):
         SlurmJob(1, 1, device="cpu")  # (a local mesh's own option)
-    job = SlurmJob(1, 1, operation_timeout_in_sec=30, supervision_update_interval_s=0.5)
+    job = SlurmJob(1, 1, operation_timeout_s=30, supervision_update_interval_s=0.5)
     assert job.controller_options.operation_timeout_s == 30
     assert job.controller_options.supervision_update_interval_s == 0.5
     assert job.host_options.supervision_update_interval_s == 0.5
@@ -189,7 +189,7 @@ def test_option_values_keep_their_types_and_bounds() -> None:
     with pytest.raises(TypeError, match="'operation_timeout_s' must be float, not str"):
         mesh_options("local_mesh", {"operation_timeout_s": "soon"})
     with pytest.raises(ValueError, match="operation_timeout_s must be > 0, got -1"):
-        mesh_options("local_mesh", {"operation_timeout_in_sec": -1})
+        mesh_options("local_mesh", {"operation_timeout_s": -1})
     with pytest.raises(ValueError, match="system_restarts must be an integer >= 0"):
         mesh_options("local_mesh", {"system_restarts": -1})
     assert mesh_options("local_mesh", {"system_restarts": 0}).local.system_restarts == 0
@@ -236,3 +236,116 @@ def test_slurm_hosts_are_started_with_the_host_options_flags() -> None:
     assert plain.endswith('--host-rank "$SLURM_NODEID"')
     line = _host_command("SLURM_NODEID", HostOptions(supervision_update_interval_s=0.5))
     assert line == plain + " --supervision-update-interval-in-sec 0.5"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "supervision_query_interval_s",
+        "supervision_update_interval_s",
+        "worker_progress_check_interval_s",
+    ],
+)
+def test_a_controller_interval_may_be_inf(name: str) -> None:
+    opts = ControllerOptions(**{name: float("inf")})
+    roles.check(opts)  # (inf: never, e.g. no progress probes)
+    if name not in HostOptions.__struct_fields__:  # (a host's heartbeat stays finite)
+        got = mesh_options("local_mesh", {name: float("inf")}).controller
+        assert getattr(got, name) == float("inf")
+    wire = next(f.wire for f in roles.option_fields(ControllerOptions) if f.name == name)
+    args = parser_of(controller_cli).parse_args(
+        ["--system-addr", "unix:@s", "--worker-world", "w", "--world-size", "2"]
+        + [roles.flag(wire), "inf"]
+    )
+    assert getattr(args, name) == float("inf")
+    with pytest.raises(ValueError, match="must be > 0"):
+        roles.check(ControllerOptions(**{name: 0.0}))
+
+
+def test_the_help_of_an_option_the_configuration_defaults_gives_the_configuration_value() -> None:
+    from palatine import config
+
+    defaults = config.Config()
+    for kind in (SystemOptions, HostOptions, LocalOptions):
+        for f in roles.option_fields(kind):
+            value = getattr(defaults, f.name, None)
+            if f.default is None and value is not None:
+                assert roles.help_text(f) == (
+                    f"{f.help} (default {value:g}, or {config.env_var(f.name)})"
+                )
+    text = " ".join(help_of("system").split())
+    assert f"(default {defaults.supervision_update_timeout_s:g}, or " in text
+    text = " ".join(help_of("host").split())
+    assert f"(default {defaults.supervision_update_interval_s:g}, or " in text
+
+
+def test_the_demo_takes_the_controllers_flags_as_it_declares_them() -> None:
+    from palatine.cli import demo
+
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    actions = {a.dest: a for a in p._actions}
+    for f in roles.option_fields(ControllerOptions):
+        if f.name in ("operation_timeout_s", "fail_on_worker_timeout"):
+            assert actions[f.name].option_strings == [roles.flag(f.wire)]
+            assert actions[f.name].default == f.default
+    args = p.parse_args(["--operation-timeout-in-sec", "30", "--fail-on-worker-timeout"])
+    assert (args.operation_timeout_s, args.fail_on_worker_timeout) == (30.0, True)
+    with pytest.raises(ValueError, match="declares no colour"):
+        roles.add_arguments(argparse.ArgumentParser(), ControllerOptions, only=["colour"])
+
+
+def test_slurm_job_startup_timeout_s_and_its_older_name() -> None:
+    assert SlurmJob(1, 1).startup_timeout_s == 300.0
+    assert SlurmJob(1, 1, startup_timeout_s=120).startup_timeout_s == 120
+    assert SlurmJob(1, 1, start_timeout_s=90).startup_timeout_s == 90  # the alias
+    with pytest.raises(TypeError, match="'startup_timeout_s' and 'start_timeout_s'"):
+        SlurmJob(1, 1, startup_timeout_s=1, start_timeout_s=2)
+    with pytest.raises(TypeError, match="did you mean 'startup_timeout_s'"):
+        SlurmJob(1, 1, startup_timout_s=5)
+
+
+def test_slurm_jobs_own_parameters_are_its_signatures() -> None:
+    import inspect
+
+    from palatine.job import slurm
+
+    params = inspect.signature(SlurmJob).parameters
+    assert set(slurm._OWN_PARAMS) == {
+        n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    assert "partition" in slurm._OWN_PARAMS and "options" not in slurm._OWN_PARAMS
+
+
+def test_local_mesh_and_local_job_check_their_options_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from palatine.tensor.client import local
+
+    calls: list[str] = []
+    checked = local.mesh_options
+
+    def counting(caller: str, options: object) -> object:
+        calls.append(caller)
+        return checked(caller, options)  # type: ignore[arg-type]
+
+    class Started(Exception):
+        pass
+
+    def start(*_: object) -> None:
+        raise Started
+
+    monkeypatch.setattr(local, "mesh_options", counting)
+    monkeypatch.setattr(local, "start_checked", start)
+    with pytest.raises(Started):
+        local.local_mesh(1, 1, operation_timeout_s=5)
+    assert calls == ["local_mesh"]
+    import palatine.job.local as job_local
+
+    calls.clear()
+    monkeypatch.setattr(job_local, "mesh_options", counting)
+    monkeypatch.setattr(job_local, "start_checked", start)
+    job = LocalJob(1, 1, operation_timeout_s=5)
+    with pytest.raises(Started):
+        job.apply()
+    assert calls == ["LocalJob"]

@@ -17,6 +17,9 @@ import sys
 import time
 from typing import Any
 
+from palatine.config import roles
+from palatine.config.roles import ControllerOptions
+
 __all__ = [
     "init_state",
     "train_step",
@@ -192,8 +195,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--operation-timeout-in-sec", type=float, default=120.0)
-    p.add_argument("--fail-on-worker-timeout", action="store_true")
+    # the controller's, as `palatine controller` declares them
+    roles.add_arguments(
+        p, ControllerOptions, only=("operation_timeout_s", "fail_on_worker_timeout")
+    )
     p.add_argument(
         "--kill-rank",
         type=int,
@@ -244,7 +249,7 @@ def main(args: argparse.Namespace) -> int:
             args.hosts,
             args.procs_per_host,
             device=args.device,
-            operation_timeout_s=args.operation_timeout_in_sec,
+            operation_timeout_s=args.operation_timeout_s,
             fail_on_worker_timeout=args.fail_on_worker_timeout,
         )
     with mesh:

@@ -85,7 +85,7 @@ def _job(args: argparse.Namespace) -> Any:
         sbatch_args=args.sbatch_arg,
         log_dir=args.log_dir,
         transport=args.transport,
-        start_timeout_s=args.start_timeout_in_sec,
+        startup_timeout_s=args.start_timeout_in_sec,
         use_allocation=False if args.submit else None,
     )
 

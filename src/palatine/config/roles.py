@@ -42,8 +42,10 @@ __all__ = [
     "check",
     "flag",
     "from_args",
+    "help_text",
     "opt",
     "option_fields",
+    "renamed",
     "sort_kwargs",
     "to_argv",
 ]
@@ -68,11 +70,11 @@ class SystemOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     supervision_update_timeout_s: Annotated[
         float | None,
-        opt("silence after which a proc is Expired (default 20)", bound="finite"),
+        opt("silence after which a proc is Expired", bound="finite"),
     ] = msgspec.field(default=None, name="supervision_update_timeout_in_sec")
     world_eviction_timeout_s: Annotated[
         float | None,
-        opt("how long a world may stay unhealthy before eviction (default 10)", bound="finite"),
+        opt("how long a world may stay unhealthy before eviction", bound="finite"),
     ] = msgspec.field(default=None, name="world_eviction_timeout_in_sec")
     metrics_addr: Annotated[
         str | None,
@@ -88,7 +90,7 @@ class HostOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The options of ``palatine host`` (None: the configuration's value)."""
 
     supervision_update_interval_s: Annotated[
-        float | None, opt("heartbeat interval (default 2)", bound="finite")
+        float | None, opt("heartbeat interval", bound="finite")
     ] = msgspec.field(default=None, name="supervision_update_interval_in_sec")
 
 
@@ -96,13 +98,13 @@ class ControllerOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     """The options of ``palatine controller`` (the defaults of Monarch's controller)."""
 
     supervision_query_interval_s: Annotated[
-        float, opt("how often the system is polled for failed workers", bound="finite")
+        float, opt("how often the system is polled for failed workers", bound="positive")
     ] = msgspec.field(default=2.0, name="supervision_query_interval_in_sec")
     supervision_update_interval_s: Annotated[
-        float, opt("heartbeat interval of the controller proc", bound="finite")
+        float, opt("heartbeat interval of the controller proc", bound="positive")
     ] = msgspec.field(default=2.0, name="supervision_update_interval_in_sec")
     worker_progress_check_interval_s: Annotated[
-        float, opt("how often worker progress is checked", bound="finite")
+        float, opt("how often worker progress is checked (inf: never)", bound="positive")
     ] = msgspec.field(default=10.0, name="worker_progress_check_interval_in_sec")
     operation_timeout_s: Annotated[
         float, opt("stall allowed before workers are reported stuck", bound="positive")
@@ -126,10 +128,7 @@ class LocalOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = msgspec.field(default=60.0, name="startup_timeout_in_sec")
     system_restarts: Annotated[
         int | None,
-        opt(
-            "times a lost system is started again (default PALATINE_SYSTEM_RESTARTS)",
-            bound="restarts",
-        ),
+        opt("times a lost system is started again", bound="restarts"),
     ] = None
 
 
@@ -190,21 +189,45 @@ def _default_text(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def add_arguments(p: argparse.ArgumentParser, cls: type[msgspec.Struct]) -> None:
-    """The flags of ``cls``'s fields: ``--<wire name>``, its type and default, its help
-    (with the default where it is not None); the parsed value is at ``args.<name>``."""
-    for f in option_fields(cls):
+def help_text(f: OptionField) -> str:
+    """``f``'s help with its default: the declared one, or for a None default (the
+    configuration's value applies) `palatine.config.Config`'s, and the variable that
+    overrides it."""
+    if f.default is not None:
+        return f"{f.help} (default {_default_text(f.default)})"
+    from palatine import config
+
+    fallback = getattr(config.Config(), f.name, None)
+    if fallback is None:
+        return f.help
+    return f"{f.help} (default {_default_text(fallback)}, or {config.env_var(f.name)})"
+
+
+def add_arguments(
+    p: argparse.ArgumentParser, cls: type[msgspec.Struct], only: Iterable[str] | None = None
+) -> None:
+    """The flags of ``cls``'s fields (``only``: of those Python names, for a command that
+    takes some of a role's options): ``--<wire name>``, its type and default, its help
+    (`help_text`); the parsed value is at ``args.<name>``."""
+    chosen = None if only is None else set(only)
+    fields = option_fields(cls)
+    if chosen is not None:
+        unknown = chosen - {f.name for f in fields}
+        if unknown:
+            raise ValueError(f"{cls.__name__} declares no {', '.join(sorted(unknown))}")
+    for f in fields:
+        if chosen is not None and f.name not in chosen:
+            continue
         if f.scalar is bool:
             p.add_argument(flag(f.wire), dest=f.name, action="store_true", help=f.help)
             continue
-        text = f.help if f.default is None else f"{f.help} (default {_default_text(f.default)})"
         p.add_argument(
             flag(f.wire),
             dest=f.name,
             type=f.scalar,
             default=f.default,
             metavar=f.metavar or f.wire.upper(),
-            help=text,
+            help=help_text(f),
         )
 
 
@@ -281,6 +304,20 @@ def sort_kwargs(
             )
         used[field] = key
     return {field: kwargs[key] for field, key in used.items()}
+
+
+def renamed(
+    caller: str, name: str, value: float | None, alias: str, alias_value: float | None
+) -> float | None:
+    """A parameter that also takes another spelling (``timeout_s`` and ``timeout``): the
+    value given under either name (None: neither); both is a `TypeError`."""
+    if alias_value is None:
+        return value
+    if value is not None:
+        raise TypeError(
+            f"{caller}() got both {name!r} and {alias!r}, two spellings of one option: pass one"
+        )
+    return alias_value
 
 
 def unknown_key_text(

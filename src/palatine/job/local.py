@@ -20,7 +20,7 @@ from palatine.tensor.client.local import (
     check_shape,
     connect,
     mesh_options,
-    start_local,
+    start_checked,
 )
 
 if TYPE_CHECKING:
@@ -35,10 +35,10 @@ class LocalJob:
 
     def __init__(self, hosts: int = 1, procs_per_host: int = 4, **options: Any) -> None:
         check_shape(hosts, procs_per_host)
-        self._startup_s = mesh_options("LocalJob", options).local.startup_timeout_s
+        self.opts = mesh_options("LocalJob", options)  # checked once, here
+        self._startup_s = self.opts.local.startup_timeout_s
         self.hosts = hosts
         self.procs_per_host = procs_per_host
-        self.options = options
         self.job_id: str | None = None
         self._cluster: LocalCluster | None = None
         self._mesh: DeviceMesh | None = None
@@ -47,7 +47,7 @@ class LocalJob:
     def apply(self) -> str:
         """Start the processes (the worker world is up when this returns); ``"local"``."""
         if self._cluster is None:
-            self._cluster = start_local(self.hosts, self.procs_per_host, **self.options)
+            self._cluster = start_checked(self.hosts, self.procs_per_host, self.opts)
             self.job_id = "local"
         return "local"
 
@@ -74,7 +74,7 @@ class LocalJob:
             self._mesh = connect(
                 cluster.system_addr,
                 "worker",
-                timeout=self._startup_s,
+                timeout_s=self._startup_s,
                 _local=cluster,
                 _token=cluster.env["PALATINE_CLUSTER_TOKEN"],
             )

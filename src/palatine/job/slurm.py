@@ -33,6 +33,7 @@ batch script goes on. ``use_allocation=False`` submits a job of its own anyway.
 
 from __future__ import annotations
 
+import inspect
 import os
 import secrets
 import shlex
@@ -81,11 +82,6 @@ _ENDED = (
 
 
 _ROLE_KINDS = (SystemOptions, HostOptions, ControllerOptions)
-# SlurmJob's own parameters (a mistyped one is suggested from these too)
-_OWN_PARAMS = (
-    "partition", "time_limit", "account", "gpus_per_node", "python", "sbatch_args", "log_dir",
-    "transport", "start_timeout_s", "job_name", "use_allocation",
-)  # fmt: skip
 
 
 class _SlurmCluster(LocalCluster):
@@ -116,15 +112,20 @@ class SlurmJob:
         sbatch_args: tuple[str, ...] | list[str] = (),
         log_dir: str | None = None,
         transport: str = "tcp",
-        start_timeout_s: float = 300.0,
+        startup_timeout_s: float | None = None,
         job_name: str = "palatine",
         use_allocation: bool | None = None,
+        start_timeout_s: float | None = None,
         **options: Any,
     ) -> None:
-        """``options``: the roles' (`SystemOptions`, `HostOptions`, `ControllerOptions`
-        of `palatine.config.roles`), as `local_mesh` takes them; an unknown key is a
-        `TypeError` naming it and the allowed ones."""
+        """``startup_timeout_s`` (default 300; ``start_timeout_s`` is its older name):
+        bound of queue time plus start-up. ``options``: the roles' (`SystemOptions`,
+        `HostOptions`, `ControllerOptions` of `palatine.config.roles`), as `local_mesh`
+        takes them; an unknown key is a `TypeError` naming it and the allowed ones."""
         check_shape(hosts, procs_per_host)
+        startup_timeout_s = roles.renamed(
+            "SlurmJob", "startup_timeout_s", startup_timeout_s, "start_timeout_s", start_timeout_s
+        )
         values = roles.sort_kwargs("SlurmJob", options, _ROLE_KINDS, also=_OWN_PARAMS)
         self.system_options = roles.build("SlurmJob", SystemOptions, values)
         self.host_options = roles.build("SlurmJob", HostOptions, values)
@@ -141,7 +142,7 @@ class SlurmJob:
         self.sbatch_args = list(sbatch_args)
         self.log_dir = log_dir
         self.transport = transport
-        self.start_timeout_s = start_timeout_s
+        self.startup_timeout_s = 300.0 if startup_timeout_s is None else startup_timeout_s
         self.job_name = job_name
         # None: inside an allocation (SLURM_JOB_ID set) use it, else submit (module doc)
         self.use_allocation = use_allocation
@@ -171,7 +172,7 @@ class SlurmJob:
         env = {"PALATINE_CLUSTER_TOKEN": self._token, "PALATINE_LOG_DIR": str(logs.path)}
         cluster = _SlurmCluster(env, logs, self)
         self._cluster = cluster
-        self._deadline = time.monotonic() + self.start_timeout_s
+        self._deadline = time.monotonic() + self.startup_timeout_s
         try:
             allocation = self._allocation()
             host = (
@@ -206,7 +207,7 @@ class SlurmJob:
             ]  # fmt: skip
             if not self.gpus_per_node:
                 ctl.append("--is-cpu-worker")
-            cluster.start(ctl, self.start_timeout_s, "controller", wait=False)
+            cluster.start(ctl, self.startup_timeout_s, "controller", wait=False)
         except BaseException:
             self._cluster = None
             cluster.stop(1.0, clean=False)
@@ -415,7 +416,7 @@ class SlurmJob:
             self._mesh = connect(
                 self._cluster.system_addr,
                 "worker",
-                timeout=60.0,
+                timeout_s=60.0,
                 _local=self._cluster,
                 _token=self._token,
             )
@@ -503,6 +504,14 @@ class SlurmJob:
 
     def __exit__(self, *exc: Any) -> None:
         self.cancel(clean=exc[0] is None)
+
+
+# SlurmJob's own parameters (a mistyped option is suggested from these too)
+_OWN_PARAMS = tuple(
+    name
+    for name, param in inspect.signature(SlurmJob.__init__).parameters.items()
+    if param.kind is inspect.Parameter.KEYWORD_ONLY
+)
 
 
 class JobRecord(msgspec.Struct, frozen=True, kw_only=True):

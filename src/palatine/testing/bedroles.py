@@ -17,6 +17,8 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from palatine.config import roles
+from palatine.config.roles import ControllerOptions, HostOptions, SystemOptions
 from palatine.tensor.client.procs import RoleProcess
 from palatine.testing.netns import TestBed
 
@@ -50,32 +52,33 @@ def roles_on_bed(
     token = secrets.token_hex(32)
     env = {"PALATINE_CLUSTER_TOKEN": token, **(tls[bed.root_ip] if tls else {})}
     transport = "tls" if tls else "tcp"
-    roles: list[RoleProcess] = []
+    started: list[RoleProcess] = []
     try:
-        argv = ["system", "--system-addr", f"{transport}:{bed.root_ip}:0"]
-        if update_timeout_s is not None:
-            argv += ["--supervision-update-timeout-in-sec", str(update_timeout_s)]
+        argv = ["system", "--system-addr", f"{transport}:{bed.root_ip}:0",
+                *roles.to_argv(SystemOptions(supervision_update_timeout_s=update_timeout_s))]  # fmt: skip
         system = RoleProcess(argv, env, 30)
-        roles.append(system)
+        started.append(system)
         out = BedRoles(system.addr, token)
         for i in range(bed.nodes):
             argv = ["host", "--system-addr", system.addr, "--host-world", "hostworker",
-                    "--host-rank", str(i)]  # fmt: skip
-            if interval_s is not None:
-                argv += ["--supervision-update-interval-in-sec", str(interval_s)]
+                    "--host-rank", str(i),
+                    *roles.to_argv(HostOptions(supervision_update_interval_s=interval_s))]  # fmt: skip
             node_env = {**env, "PALATINE_HOST_IP": bed.node_ip(i), **(tls[bed.node_ip(i)] if tls else {})}  # fmt: skip
             out.hosts.append(RoleProcess(argv, node_env, 60, prefix=bed.prefix(i)))
-            roles.append(out.hosts[-1])
+            started.append(out.hosts[-1])
         if per_host is not None:
+            controller = (
+                ControllerOptions()
+                if interval_s is None
+                else ControllerOptions(supervision_query_interval_s=interval_s)
+            )
             argv = ["controller", "--worker-world", "worker", "--system-addr", system.addr,
                     "--world-size", str(bed.nodes * per_host), "--num-procs-per-host",
                     str(per_host), "--program", f"{sys.executable} -m palatine worker",
-                    "--is-cpu-worker"]  # fmt: skip
-            if interval_s is not None:
-                argv += ["--supervision-query-interval-in-sec", str(interval_s)]
+                    "--is-cpu-worker", *roles.to_argv(controller)]  # fmt: skip
             out.controller = RoleProcess(argv, env, 90)
-            roles.append(out.controller)
+            started.append(out.controller)
         yield out
     finally:
-        for role in reversed(roles):
+        for role in reversed(started):
             role.kill()

@@ -48,6 +48,7 @@ __all__ = [
     "connect",
     "local_mesh",
     "mesh_options",
+    "start_checked",
     "start_local",
 ]
 
@@ -289,13 +290,14 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
     seconds end in ``_s`` (``operation_timeout_s=60``), and the command line's spelling
     (``operation_timeout_in_sec``) is accepted for the same option.
     """
-    startup = mesh_options("local_mesh", options).local.startup_timeout_s
-    cluster = start_local(hosts, procs_per_host, **options)
+    check_shape(hosts, procs_per_host)
+    opts = mesh_options("local_mesh", options)
+    cluster = start_checked(hosts, procs_per_host, opts)
     try:
         return connect(
             cluster.system_addr,
             "worker",
-            timeout=startup,
+            timeout_s=opts.local.startup_timeout_s,
             _local=cluster,
             _token=cluster.env["PALATINE_CLUSTER_TOKEN"],
         )
@@ -334,7 +336,12 @@ def start_local(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Loca
     --scheduler local`` start here and let a client attach later.
     """
     check_shape(hosts, procs_per_host)
-    opts = mesh_options("local_mesh", options)
+    return start_checked(hosts, procs_per_host, mesh_options("local_mesh", options))
+
+
+def start_checked(hosts: int, procs_per_host: int, opts: MeshOptions) -> LocalCluster:
+    """`start_local` with its shape and options already checked (`check_shape`,
+    `mesh_options`), by a caller that needs them itself."""
     cuda = _want_cuda(opts.local.device)
     transport = opts.local.transport
     startup = opts.local.startup_timeout_s
@@ -451,7 +458,8 @@ def connect(
     system_addr: str | None = None,
     worker_world: str | None = None,
     *,
-    timeout: float = 60.0,
+    timeout_s: float | None = None,
+    timeout: float | None = None,
     _local: LocalCluster | None = None,
     _token: str | None = None,
 ) -> DeviceMesh:
@@ -460,7 +468,10 @@ def connect(
     With no ``system_addr``, the job that ``palatine launch`` runs this program in: the
     system address and worker world it hands over (``PALATINE_SYSTEM_ADDR``,
     ``PALATINE_WORKER_WORLD``, with the cluster token in ``PALATINE_CLUSTER_TOKEN``).
+    ``timeout_s`` (default 60; ``timeout`` is its older name) bounds attaching.
     """
+    wait_s = roles.renamed("connect", "timeout_s", timeout_s, "timeout", timeout)
+    wait_s = 60.0 if wait_s is None else wait_s
     if system_addr is None:
         handed = Handoff.from_env()
         if not handed.system_addr:
@@ -475,7 +486,7 @@ def connect(
 
         token_mod.set_token(_token)
     addr = ChannelAddr.parse(system_addr)  # (text from the caller or the handoff)
-    session = runtime.submit(lambda: _connect(addr, worker_world, timeout)).get()
+    session = runtime.submit(lambda: _connect(addr, worker_world, wait_s)).get()
     if _local is not None:
         session.controller_log = _local.logs.file("controller.log")
         _local.on_system_lost = _system_lost_to(session, _local)

@@ -12,6 +12,7 @@ import math
 import time
 from typing import Any
 
+from palatine.config import roles
 from palatine.protocol.worker import CreateDeviceMesh, CreateStream, Slice
 from palatine.tensor.client.collectives import process_group, reduce
 from palatine.tensor.client.context import activated
@@ -176,7 +177,13 @@ class DeviceMesh:
     restore_value = staticmethod(restore)
 
     # ------------------------------------------------------------ recovery
-    def recover(self, ranks: list[int] | None = None, timeout: float = 120.0) -> Recovery:
+    def recover(
+        self,
+        ranks: list[int] | None = None,
+        timeout_s: float | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Recovery:
         """Bring back the ranks this mesh lost (``ranks``, or every rank known dead and,
         after a `palatine.StuckWorkersException`, the stuck ranks not waiting in a
         collective) after a `palatine.DeviceException`, without restarting the job: each
@@ -189,11 +196,23 @@ class DeviceMesh:
         raises `palatine.errors.LostValue`; ``value.restore(make)`` makes them again) and
         stay valid on the other ranks; `palatine.resync` copies a model's and an
         optimizer's state from a surviving rank. Raises `palatine.errors.RecoveryError`,
-        within ``timeout``, when a rank cannot be brought back; the mesh stays failed."""
+        within ``timeout_s`` (default 120; ``timeout`` is its older name), when a rank
+        cannot be brought back; the mesh stays failed."""
+        wait_s = roles.renamed("recover", "timeout_s", timeout_s, "timeout", timeout)
         t0 = time.monotonic()
-        back = self.session.recover(ranks, timeout)
+        back = self.session.recover(ranks, 120.0 if wait_s is None else wait_s)
         return Recovery(back, time.monotonic() - t0)
 
     # ------------------------------------------------------------ shutdown
-    def shutdown(self, timeout: float = 30.0, error: BaseException | None = None) -> None:
-        shutdown_session(self.session, self._local, timeout, error)
+    def shutdown(
+        self,
+        timeout_s: float | None = None,
+        error: BaseException | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Drain, detach and stop the worlds (and a local mesh's processes), draining for
+        at most ``timeout_s`` (default 30; ``timeout`` is its older name); ``error``: what
+        ended the ``with`` block, if anything did (an interrupt drains nothing)."""
+        wait_s = roles.renamed("shutdown", "timeout_s", timeout_s, "timeout", timeout)
+        shutdown_session(self.session, self._local, 30.0 if wait_s is None else wait_s, error)
