@@ -363,6 +363,39 @@ def test_snapshot_stimuli_prints_what_the_system_heard_and_decided(cluster: Clus
     assert live("w")(cluster.snapshot())
 
 
+def test_palatine_system_given_address_text_attaches_to_a_running_system(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``palatine.System`` is public: it takes the address as text too, parsed there."""
+    import palatine
+
+    env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(16), "PALATINE_LOG_LEVEL": "WARNING"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    from palatine.channel import token
+
+    token.reset_token_cache()
+    system = RoleProcess(["system", "--system-addr", "unix:"], env)
+    lt = LoopThread()
+    try:
+        text = system.addr
+        assert isinstance(text, str)
+
+        async def attach_and_ask() -> Any:
+            client = await palatine.System(text).attach(timeout_s=10)
+            try:
+                return await client.snapshot()
+            finally:
+                await client.close()
+
+        snap = lt.run(attach_and_ask)
+        assert snap.execution_id
+    finally:
+        lt.close()
+        system.kill()
+        token.reset_token_cache()  # (the next test reads its own token)
+
+
 def test_a_role_stops_when_its_launcher_is_gone() -> None:
     """The lifeline pipe (PALATINE_LIFELINE_FD) reaching EOF stops a role as SIGTERM does."""
     env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(16), "PALATINE_LOG_LEVEL": "WARNING"}

@@ -16,7 +16,7 @@ A channel is a one-way, ordered pipe of envelopes from a proc to a served addres
 
 from __future__ import annotations
 
-from palatine.channel.addr import ChannelAddr, any_addr, parse
+from palatine.channel.addr import ChannelAddr, any_addr, parse, require_addr
 from palatine.channel.base import Rx, Tx, TxStatus
 from palatine.errors import AddrParseError
 
@@ -31,6 +31,7 @@ async def serve(addr: ChannelAddr) -> tuple[ChannelAddr, Rx]:
     the ``PALATINE_TLS_*`` files raises `ConfigError`. Must run on the event loop that
     will use the channel. Text is parsed where it enters (`parse`), not here.
     """
+    require_addr(addr, "channel.serve")
     if addr.transport == "local":
         from palatine.channel.local import serve_local
 
@@ -47,6 +48,7 @@ def dial(addr: ChannelAddr) -> Tx:
     "any" address (port 0, ``unix:``) cannot be dialed (`AddrParseError`). Must be
     called on the event loop thread.
     """
+    require_addr(addr, "channel.dial")
     if addr.transport == "local":
         from palatine.channel.local import dial_local
 

@@ -38,6 +38,7 @@ __all__ = [
     "any_addr",
     "parse",
     "random_abstract_name",
+    "require_addr",
     "remove_socket_file",
     "secure_socket_file",
     "unix_socket_dir",
@@ -319,6 +320,17 @@ class ChannelAddr(msgspec.Struct, frozen=True, omit_defaults=True):
         return f"<ChannelAddr {self}>"
 
 
+def require_addr(addr: object, who: str) -> None:
+    """Raise `TypeError` unless ``addr`` is a `ChannelAddr`: what is inside takes a parsed
+    address, and text given there would otherwise fail deep inside with an AttributeError.
+    For entry points (a serve, a dial, a thread's start), not for every message."""
+    if not isinstance(addr, ChannelAddr):
+        raise TypeError(
+            f"{who} takes a ChannelAddr, not {type(addr).__name__} {addr!r}; "
+            "parse text with ChannelAddr.parse"
+        )
+
+
 def parse(text: str) -> ChannelAddr:
     """Parse a channel address, raising `AddrParseError`.
 
@@ -426,6 +438,8 @@ def any_addr(transport: str, peer: ChannelAddr | None = None) -> ChannelAddr:
     hostname's first address, else ``127.0.0.1``. unix: a fresh path socket in the
     private per-user directory (`unix_socket_dir`). local: ``local:0``.
     """
+    if peer is not None:
+        require_addr(peer, "any_addr(peer=)")
     if transport in ("tcp", "tls"):
         host, why = _pick_host(peer)
         addr = ChannelAddr._net(transport, host, 0)

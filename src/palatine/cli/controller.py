@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palatine.cli.role import ready_line, run_role
 from palatine.config import roles
 from palatine.config.roles import ControllerOptions
+
+if TYPE_CHECKING:
+    from palatine.channel.addr import ChannelAddr
 
 __all__ = ["add_arguments", "parse_label", "run"]
 
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     cmd = command_from_args(args)
     try:
-        validate_command(cmd)
+        addr = validate_command(cmd)  # (the system's address, parsed once)
         ControllerTimeouts.from_env()
     except ConfigError as e:
         print(f"palatine controller: error: {e}", file=sys.stderr)
@@ -82,15 +85,15 @@ def run(args: argparse.Namespace) -> int:
     except TooManyOpenFiles as e:
         print(f"palatine controller: error: {e}", file=sys.stderr)
         return 1
-    return run_role(lambda stop: serve_controller(cmd, stop))
+    return run_role(lambda stop: serve_controller(cmd, addr, stop))
 
 
-async def serve_controller(cmd: Any, stop: asyncio.Event) -> int:
+async def serve_controller(cmd: Any, addr: ChannelAddr, stop: asyncio.Event) -> int:
     from palatine.tensor.controller.bootstrap import BootstrapError, run_controller
 
     try:
         code, why = await run_controller(
-            cmd, stop, lambda addr: ready_line("controller", addr), main_proc=True
+            cmd, addr, stop, lambda served: ready_line("controller", served), main_proc=True
         )
     except BootstrapError as e:
         print(f"palatine controller: {e}", file=sys.stderr)

@@ -7,6 +7,7 @@ clean stop, 1 when a root actor fails unhandled, and 2 for a configuration error
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -14,7 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palatine import config
 from palatine.core import runtime
@@ -24,7 +25,18 @@ from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import raise_open_files_limit
 from palatine.output.console import LineFormatter
 
-__all__ = ["run_role", "ready_line", "add_seconds_flag", "setup_logging", "ask_system"]
+if TYPE_CHECKING:
+    from palatine.channel.addr import ChannelAddr
+
+__all__ = [
+    "run_role",
+    "ready_line",
+    "add_seconds_flag",
+    "add_system_addr_flag",
+    "channel_addr_arg",
+    "setup_logging",
+    "ask_system",
+]
 
 log = logging.getLogger("palatine")
 
@@ -47,7 +59,7 @@ def setup_logging() -> None:
 
 def ask_system(
     command: str,
-    system_addr: str,
+    system_addr: ChannelAddr,
     work: Callable[[], Awaitable[Any]],
     timeout_s: float | None = None,
 ) -> Any:
@@ -77,6 +89,29 @@ def ready_line(role: str, addr: Any, **extra: str | None) -> None:
     line.update({k: v for k, v in extra.items() if v is not None})
     sys.stdout.write(json.dumps(line) + "\n")
     sys.stdout.flush()
+
+
+def channel_addr_arg(text: str) -> ChannelAddr:
+    """argparse ``type=`` of an address flag: the text parsed once, where it enters; bad
+    text is argparse's usage error (exit 2): ``argument --system-addr: invalid address
+    'foo': ...``."""
+    from palatine.channel.addr import ChannelAddr
+
+    try:
+        return ChannelAddr.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid address {text!r}: {e}") from None
+
+
+def add_system_addr_flag(p: argparse.ArgumentParser) -> None:
+    """``--system-addr`` of a client command (stop, snapshot, stacks, top): a `ChannelAddr`."""
+    p.add_argument(
+        "--system-addr",
+        required=True,
+        type=channel_addr_arg,
+        metavar="ADDR",
+        help="address of the system (tcp:HOST:PORT, unix:PATH, ...)",
+    )
 
 
 def add_seconds_flag(p: Any, flag: str, default: float | None, help_text: str) -> None:

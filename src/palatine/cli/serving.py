@@ -501,12 +501,14 @@ async def run_host(
 
 
 async def _run_controller(
-    cmd: ControllerCommand, stop: asyncio.Event, on_ready: OnReady
+    cmd: ControllerCommand, addr: ChannelAddr, stop: asyncio.Event, on_ready: OnReady
 ) -> str | None:
     from palatine.tensor.controller.bootstrap import run_controller
 
     try:
-        code, why = await run_controller(cmd, stop, lambda addr: on_ready("controller", addr))
+        code, why = await run_controller(
+            cmd, addr, stop, lambda served: on_ready("controller", served)
+        )
     except BootstrapError as e:
         return str(e)
     return (why or f"controller exited with status {code}") if code else None
@@ -519,7 +521,7 @@ async def run_role(req: RunRequest, stop: asyncio.Event, on_ready: OnReady) -> s
             return await run_system(req.command, req.system_addr, stop, on_ready)  # type: ignore[arg-type]
         if req.role == "Host":
             return await run_host(req.command, req.system_addr, stop, on_ready)  # type: ignore[arg-type]
-        return await _run_controller(req.command, stop, on_ready)  # type: ignore[arg-type]
+        return await _run_controller(req.command, req.system_addr, stop, on_ready)  # type: ignore[arg-type]
     except asyncio.CancelledError:
         raise
     except Exception as e:

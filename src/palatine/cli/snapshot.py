@@ -28,7 +28,9 @@ def parse_kv(items: list[str] | None) -> dict[str, str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--system-addr", required=True)
+    from palatine.cli.role import add_system_addr_flag
+
+    add_system_addr_flag(p)
     p.add_argument(
         "--world",
         action="extend",
@@ -118,16 +120,13 @@ def _print_stimuli(args: argparse.Namespace) -> int:
 
 
 async def _stimuli(args: argparse.Namespace) -> StimulusLog:
-    from palatine.channel.addr import ChannelAddr
     from palatine.core import runtime
     from palatine.protocol.system import Stimuli, StimulusLog
     from palatine.system.service import System
 
     runtime.adopt_current_loop()
     async with asyncio.timeout(args.timeout_in_sec + 1):
-        client = await System(ChannelAddr.parse(args.system_addr)).attach(
-            timeout_s=args.timeout_in_sec
-        )
+        client = await System(args.system_addr).attach(timeout_s=args.timeout_in_sec)
         try:
             reply = await client.ask(Stimuli(limit=args.last), timeout_s=args.timeout_in_sec)
         finally:
@@ -138,16 +137,13 @@ async def _stimuli(args: argparse.Namespace) -> StimulusLog:
 
 
 async def _snapshot(args: argparse.Namespace, wl: dict[str, str], pl: dict[str, str]):  # type: ignore[no-untyped-def]
-    from palatine.channel.addr import ChannelAddr
     from palatine.core import runtime
     from palatine.system.service import System
 
     runtime.adopt_current_loop()
     # The outer bound leaves the attach room to fail with its own words first.
     async with asyncio.timeout(args.timeout_in_sec + 1):
-        client = await System(ChannelAddr.parse(args.system_addr)).attach(
-            timeout_s=args.timeout_in_sec
-        )
+        client = await System(args.system_addr).attach(timeout_s=args.timeout_in_sec)
         try:
             return await client.snapshot(args.world, wl, pl)
         finally:

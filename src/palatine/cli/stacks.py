@@ -28,7 +28,9 @@ _VOLATILE = re.compile(r"0x[0-9a-f]+|Thread \d+\b|\((?:idle|active)[^)]*\)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--system-addr", required=True)
+    from palatine.cli.role import add_system_addr_flag
+
+    add_system_addr_flag(p)
     p.add_argument("--world", action="extend", nargs="+", default=[], metavar="W",
                    help="only these worlds (repeatable)")  # fmt: skip
     p.add_argument("--rank", action="extend", nargs="+", type=int, default=[], metavar="R",
@@ -107,7 +109,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _collect(args: argparse.Namespace) -> dict[str, Any]:
-    from palatine.channel.addr import ChannelAddr
     from palatine.core import runtime
     from palatine.ids import ActorId, ProcId, is_host_world
     from palatine.protocol.agent import StackDump, StackTrace
@@ -116,7 +117,7 @@ async def _collect(args: argparse.Namespace) -> dict[str, Any]:
     runtime.adopt_current_loop()
     timeout = args.timeout_in_sec
     async with asyncio.timeout(timeout + 15):
-        client = await System(ChannelAddr.parse(args.system_addr)).attach(timeout_s=10)
+        client = await System(args.system_addr).attach(timeout_s=10)
         try:
             snap = await client.snapshot(args.world or None)
             chosen: list[tuple[str, Any]] = []

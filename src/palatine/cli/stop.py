@@ -10,7 +10,9 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--system-addr", required=True)
+    from palatine.cli.role import add_system_addr_flag
+
+    add_system_addr_flag(p)
     p.add_argument(
         "--world",
         action="extend",
@@ -43,13 +45,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _stop(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from palatine.channel.addr import ChannelAddr
     from palatine.core import runtime
     from palatine.system.service import System
 
     runtime.adopt_current_loop()
     async with asyncio.timeout(args.timeout_in_sec + 10):
-        client = await System(ChannelAddr.parse(args.system_addr)).attach(timeout_s=10)
+        client = await System(args.system_addr).attach(timeout_s=10)
         try:
             return await client.stop(args.world or None, args.timeout_in_sec)
         finally:

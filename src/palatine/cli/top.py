@@ -28,7 +28,9 @@ _ANSWER_S = 10.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--system-addr", required=True)
+    from palatine.cli.role import add_system_addr_flag
+
+    add_system_addr_flag(p)
     p.add_argument("--world", action="extend", nargs="+", default=[], metavar="W",
                    help="only these worlds (repeatable)")  # fmt: skip
     p.add_argument("--interval-in-sec", type=float, default=1.0, help="refresh period")
@@ -112,13 +114,12 @@ async def _main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from palatine.channel.addr import ChannelAddr
     from palatine.core import runtime
     from palatine.system.service import System
 
     runtime.adopt_current_loop()
     async with asyncio.timeout(_ANSWER_S + 1):
-        client = await System(ChannelAddr.parse(args.system_addr)).attach(timeout_s=_ANSWER_S)
+        client = await System(args.system_addr).attach(timeout_s=_ANSWER_S)
     cpu: dict[int, Any] = {}
     try:
 

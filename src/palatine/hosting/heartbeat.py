@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from palatine import config
-from palatine.channel.addr import ChannelAddr
+from palatine.channel.addr import ChannelAddr, require_addr
 from palatine.config import format_seconds
 from palatine.errors import error_text
 from palatine.fastpath.blocking import BlockingConn, LinkLost, Stopped, Waiter
@@ -207,8 +207,10 @@ class HeartbeatThread:
         """Resolve settings, the token and (for ``tls:``) the client context; start nothing.
 
         Raises `ValueError` for a missing ``make_update`` (net) or ``post_via_loop``
-        (local), or a bad duration; `ConfigError` for an unusable token or TLS files.
+        (local), or a bad duration; `ConfigError` for an unusable token or TLS files;
+        `TypeError` for a ``system_addr`` that is not a `ChannelAddr` (text: parse it).
         """
+        require_addr(system_addr, "HeartbeatThread")
         self.addr = system_addr
         if self.addr.is_any:
             raise ValueError(f"cannot send heartbeats to {self.addr}: it is not a dialable address")

@@ -13,7 +13,7 @@ import logging
 from typing import Any, cast
 
 from palatine import config
-from palatine.channel.addr import ChannelAddr
+from palatine.channel.addr import ChannelAddr, require_addr
 from palatine.core.proc import ClientInstance, Proc
 from palatine.hosting.agent import DETACHED, ProcHandle, bootstrap_proc
 from palatine.ids import SYSTEM_ACTOR, SYSTEM_PROC, PortId, ProcId, WorldId, random_user_proc
@@ -144,19 +144,35 @@ class SystemClient:
         await self.handle.shutdown("client closed")
 
 
+def _public_addr(addr: str | ChannelAddr, who: str) -> ChannelAddr:
+    """A public entry point's address: a `ChannelAddr`, or text parsed here once."""
+    if isinstance(addr, str):
+        try:
+            return ChannelAddr.parse(addr)
+        except ValueError as e:
+            raise ValueError(f"{who}: invalid address {addr!r}: {e}") from None
+    require_addr(addr, who)
+    return addr
+
+
 class System:
     """``System.serve(addr)`` to run one; ``System(addr).attach()`` to use one."""
 
-    def __init__(self, addr: ChannelAddr) -> None:
-        self.addr = addr
+    def __init__(self, addr: str | ChannelAddr) -> None:
+        """``addr`` is a `ChannelAddr` or its text (``tcp:HOST:PORT``, ``unix:...``),
+        parsed here once: a public entry point. Bad text raises `ValueError` naming it;
+        anything else, `TypeError`."""
+        self.addr = _public_addr(addr, "System")
 
     @staticmethod
     async def serve(
-        addr: ChannelAddr,
+        addr: str | ChannelAddr,
         supervision_update_timeout_s: float | None = None,
         world_eviction_timeout_s: float | None = None,
     ) -> SystemHandle:
-        """Create ``system[0]`` with the SystemActor and serve ``addr``."""
+        """Create ``system[0]`` with the SystemActor and serve ``addr`` (a `ChannelAddr`
+        or its text, as for ``System(addr)``)."""
+        addr = _public_addr(addr, "System.serve")
         proc = Proc(SYSTEM_PROC)
         # Every request acknowledged at once: a system started again at this address is
         # sent again only what this one never received, not requests it already handled.

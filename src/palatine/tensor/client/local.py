@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from palatine import config
-from palatine.channel.addr import ChannelAddr
+from palatine.channel.addr import ChannelAddr, require_addr
 from palatine.config import roles
 from palatine.config.roles import ControllerOptions, HostOptions, LocalOptions, SystemOptions
 from palatine.core import runtime
@@ -455,7 +455,7 @@ def _gpu_device_nodes() -> bool:
 
 
 def connect(
-    system_addr: str | None = None,
+    system_addr: str | ChannelAddr | None = None,
     worker_world: str | None = None,
     *,
     timeout_s: float | None = None,
@@ -468,6 +468,7 @@ def connect(
     With no ``system_addr``, the job that ``palatine launch`` runs this program in: the
     system address and worker world it hands over (``PALATINE_SYSTEM_ADDR``,
     ``PALATINE_WORKER_WORLD``, with the cluster token in ``PALATINE_CLUSTER_TOKEN``).
+    ``system_addr`` is a `ChannelAddr` (a `SystemHandle.addr`) or its text.
     ``timeout_s`` (default 60; ``timeout`` is its older name) bounds attaching.
     """
     wait_s = roles.renamed("connect", "timeout_s", timeout_s, "timeout", timeout)
@@ -485,7 +486,9 @@ def connect(
         from palatine.channel import token as token_mod
 
         token_mod.set_token(_token)
-    addr = ChannelAddr.parse(system_addr)  # (text from the caller or the handoff)
+    # (text from the caller or the handoff, parsed here once)
+    addr = ChannelAddr.parse(system_addr) if isinstance(system_addr, str) else system_addr
+    require_addr(addr, "connect(system_addr=)")
     session = runtime.submit(lambda: _connect(addr, worker_world, wait_s)).get()
     if _local is not None:
         session.controller_log = _local.logs.file("controller.log")

@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 
 from palatine import config
+from palatine.channel.addr import ChannelAddr, require_addr
 from palatine.config import format_seconds
 from palatine.core.runtime import unless_stopped
 from palatine.errors import CallTimeout, JoinError, PalatineError, error_text
@@ -59,7 +60,6 @@ from palatine.tensor.controller.startup import (
     not_live_text,
     poll_delay,
     proc_labels,
-    validate_command,
     worker_records,
     world_labels,
 )
@@ -245,23 +245,25 @@ async def _stop_worlds(client: Any, worlds: list[str]) -> None:
 
 async def run_controller(
     cmd: ControllerCommand,
+    addr: ChannelAddr,
     stop: asyncio.Event,
     on_ready: Callable[[str], None],
     *,
     main_proc: bool = False,
     timeouts: ControllerTimeouts | None = None,
 ) -> tuple[int, str | None]:
-    """Bootstrap and run the controller until its proc stops.
+    """Bootstrap and run the controller of ``cmd``, checked by `validate_command`, which
+    also gives ``addr`` (its ``system_addr``, parsed once), until its proc stops.
 
     Returns ``(exit status, reason)``: ``(0, None)`` after a normal stop, ``(1, why)``
     after losing the client or the system. Raises `BootstrapError` when the bootstrap
-    fails (after cleanup), `ConfigError` for invalid input.
+    fails (after cleanup), `ConfigError` for bad timeouts in the environment.
     """
     from palatine.hosting.agent import MANAGED, bootstrap_proc
     from palatine.system.service import System
     from palatine.tensor.controller.actor import ControllerActor
 
-    addr = validate_command(cmd)  # (the address, parsed once: the command is text)
+    require_addr(addr, "run_controller")
     timeouts = timeouts or ControllerTimeouts.from_env()
     cfg = config.get()
     actor_id = ActorId.parse(cmd.controller_actor_id)
