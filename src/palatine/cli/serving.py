@@ -516,12 +516,13 @@ async def _run_controller(
 
 async def run_role(req: RunRequest, stop: asyncio.Event, on_ready: OnReady) -> str | None:
     """Run one role to its end; the error message for ``Finished``, or None."""
+    cmd = req.command  # of the role's type (`_ROLES`): the role is told by it
     try:
-        if req.role == "System":
-            return await run_system(req.command, req.system_addr, stop, on_ready)  # type: ignore[arg-type]
-        if req.role == "Host":
-            return await run_host(req.command, req.system_addr, stop, on_ready)  # type: ignore[arg-type]
-        return await _run_controller(req.command, req.system_addr, stop, on_ready)  # type: ignore[arg-type]
+        if isinstance(cmd, SystemCommand):
+            return await run_system(cmd, req.system_addr, stop, on_ready)
+        if isinstance(cmd, HostCommand):
+            return await run_host(cmd, req.system_addr, stop, on_ready)
+        return await _run_controller(cmd, req.system_addr, stop, on_ready)
     except asyncio.CancelledError:
         raise
     except Exception as e:

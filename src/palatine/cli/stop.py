@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     loop = new_event_loop()
     try:
         ack = loop.run_until_complete(_stop(args))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - any failure is the command's error message
         print(f"palatine stop: {e}", file=sys.stderr)
         return 1
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import select
@@ -23,6 +24,8 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["add_arguments", "run", "frame"]
+
+log = logging.getLogger(__name__)
 
 _ANSWER_S = 10.0
 
@@ -142,5 +145,7 @@ async def _main(args: argparse.Namespace) -> int:
                     await asyncio.sleep(0.05)
                 live.update(frame(await snapshot(), cpu), refresh=True)
     finally:
-        with contextlib.suppress(Exception):
+        try:
             await client.close()
+        except Exception as e:  # noqa: BLE001 - leaving anyway: the system drops the link
+            log.debug("closing the system client: %s", e)

@@ -127,6 +127,8 @@ class LocalCluster:
         self.on_system_lost: Callable[[str, int, int | None], None] | None = None
         self._system_args: list[str] = []
         self._startup_s = 60.0
+        #: guards `_stopping`, `_ended`, `restarts_left` and a restart's change of `system`
+        #: and `procs` (pump threads), so no restart adds a proc once `stop` has begun
         self._lock = threading.Lock()
         self._stopping = False
         self._ended: set[int] = set()  # pids of systems whose end was handled

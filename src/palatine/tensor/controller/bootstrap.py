@@ -326,7 +326,7 @@ async def run_controller(
         )
         try:
             reply = await client.mailbox.ask(handle.agent_id, spawn, cfg.rpc_timeout_s)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - any failure to spawn is a BootstrapError
             raise BootstrapError(
                 f"cannot spawn controller actor {actor_id}: {error_text(e)}"
             ) from None
@@ -342,7 +342,7 @@ async def run_controller(
         # 7. announce
         try:
             await client.upsert_world(x_world, [1], 1, None, {})
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - any failure to announce is a BootstrapError
             raise BootstrapError(
                 f"cannot create controller world {x_world}: {error_text(e)}"
             ) from None
