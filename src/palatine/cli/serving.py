@@ -46,6 +46,7 @@ __all__ = [
     "MAX_LINE_BYTES",
     "RunRequest",
     "SystemCommand",
+    "SystemRefused",
     "check_cli_args",
     "check_role",
     "finished_line",
@@ -431,11 +432,20 @@ def start_metrics(text: str, handle: Any) -> Any:
     return MetricsServer(host.strip("[]") or "127.0.0.1", int(port), handle.proc, handle.actor.reg)
 
 
+class SystemRefused(msgspec.Struct, frozen=True):
+    """Why the system role could not start: the text for ``Finished`` and the exit code
+    ``palatine system`` reports it with (2 for an option that cannot be served, such as
+    ``--metrics-addr``, as for any usage error; 1 when the system itself cannot serve)."""
+
+    text: str
+    exit_code: int
+
+
 async def run_system(
     cmd: SystemCommand, addr: ChannelAddr, stop: asyncio.Event, on_ready: OnReady
-) -> str | None:
+) -> SystemRefused | None:
     """Serve the system at ``addr`` (``cmd.system_addr``, parsed) until it is stopped
-    (``palatine stop``) or ``stop`` is set."""
+    (``palatine stop``) or ``stop`` is set; None when it ended that way."""
     from palatine.system.service import System
 
     try:
@@ -445,14 +455,14 @@ async def run_system(
             world_eviction_timeout_s=cmd.world_eviction_timeout_s,
         )
     except Exception as e:  # noqa: BLE001 - the Finished message
-        return f"cannot serve the system at {cmd.system_addr}: {e}"
+        return SystemRefused(f"cannot serve the system at {cmd.system_addr}: {e}", 1)
     metrics = None
     if cmd.metrics_addr is not None:
         try:
             metrics = start_metrics(cmd.metrics_addr, handle)
         except (OSError, ValueError) as e:
             await handle.close()
-            return f"cannot serve metrics at {cmd.metrics_addr!r}: {e}"
+            return SystemRefused(f"cannot serve metrics at {cmd.metrics_addr!r}: {e}", 2)
     try:
         if metrics is None:
             on_ready("system", str(handle.addr))
@@ -519,7 +529,8 @@ async def run_role(req: RunRequest, stop: asyncio.Event, on_ready: OnReady) -> s
     cmd = req.command  # of the role's type (`_ROLES`): the role is told by it
     try:
         if isinstance(cmd, SystemCommand):
-            return await run_system(cmd, req.system_addr, stop, on_ready)
+            refused = await run_system(cmd, req.system_addr, stop, on_ready)
+            return None if refused is None else refused.text
         if isinstance(cmd, HostCommand):
             return await run_host(cmd, req.system_addr, stop, on_ready)
         return await _run_controller(cmd, req.system_addr, stop, on_ready)

@@ -30,8 +30,8 @@ async def serve_system(args: argparse.Namespace, stop: asyncio.Event) -> int:
     from palatine.cli.serving import SystemCommand, check_cli_args, run_system
 
     cmd = roles.from_args(SystemCommand, args)
-    error = await run_system(cmd, check_cli_args(cmd), stop, ready_line)
-    if error is None:
+    refused = await run_system(cmd, check_cli_args(cmd), stop, ready_line)
+    if refused is None:
         return 0
-    print(f"palatine system: {error}", file=sys.stderr)
-    return 2 if error.startswith("cannot serve metrics") else 1
+    print(f"palatine system: {refused.text}", file=sys.stderr)
+    return refused.exit_code
