@@ -463,6 +463,14 @@ def test_a_role_stops_when_its_launcher_is_gone() -> None:
         ),
         (["snapshot", "--system-addr", "unix:@nobody", "--last", "3"], "--last needs --stimuli"),
         (
+            ["system", "--system-addr", "unix:@palatine-bad-metrics", "--metrics-addr", "nohost"],
+            "cannot serve metrics at 'nohost'",
+        ),
+        (
+            ["system", "--system-addr", "unix:@palatine-bad-port", "--metrics-addr", ":99999"],
+            "cannot serve metrics at ':99999'",
+        ),
+        (
             ["snapshot", "--system-addr", "unix:@nobody", "--stimuli", "--last", "0"],
             "--last must be >= 1, got 0",
         ),

@@ -460,7 +460,7 @@ async def run_system(
     if cmd.metrics_addr is not None:
         try:
             metrics = start_metrics(cmd.metrics_addr, handle)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, OverflowError) as e:  # (a port past 65535: OverflowError)
             await handle.close()
             return SystemRefused(f"cannot serve metrics at {cmd.metrics_addr!r}: {e}", 2)
     try:
