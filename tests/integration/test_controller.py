@@ -945,6 +945,12 @@ def test_history_through_the_actor(cluster: Cluster) -> None:
     assert r20.seq == 20 and r20.result.value.data == b"42"
     state = client.ask(client.controller, Introspect())
     assert state.client_state == "attached" and state.history.live_invocations == 0
+    # its recent stimuli: the first supervision check at init, the attach's first check
+    kinds = [e.kind for e in state.stimuli]
+    assert kinds[0] == "supervision-check" and "attach" in kinds, kinds
+    first = state.stimuli[0]
+    assert first.stimulus_id == "supervision-check-1" and abs(first.time - time.time()) < 60
+    assert first.instructions[-1].startswith("Schedule CheckSupervision in ")
     # a Status naming a rank outside the world is dropped; the controller keeps working
     client.tell(Status(seq=30, rank=9))
     assert client.ask(client.controller, Introspect()).history.frontiers == [21, 21, 21, 21]

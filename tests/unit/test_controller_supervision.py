@@ -8,6 +8,8 @@ exactly-once delivery per failed proc.
 
 from __future__ import annotations
 
+from unittest.mock import ANY
+
 import pytest
 
 from palatine.ids import ActorId, ProcId, WorldId
@@ -313,7 +315,8 @@ def test_answers_and_events_keep_the_system_alive() -> None:
     for t in range(0, 30):
         now = float(t)
         out = sup.tick(now)
-        assert QueryWorldState() in out and out[-1] == Schedule(1.0, CheckSupervision())
+        assert QueryWorldState(stimulus_id=ANY) in out
+        assert out[-1] == Schedule(1.0, CheckSupervision(), stimulus_id=ANY)
         sup.on_result(SupervisionResult(state=state()), now + 0.1)
     assert not sup.system_lost
     # A streak of failures shorter than the timeout, then recovery: logged, no Failure.
@@ -455,13 +458,15 @@ def test_rank_outside_the_world_is_reported_but_not_marked_dead() -> None:
 
 def test_handle_dispatches_every_input() -> None:
     sup = monitor()
-    assert QueryWorldState() in sup.handle(CheckSupervision(), 0.0)
+    assert QueryWorldState(stimulus_id=ANY) in sup.handle(CheckSupervision(), 0.0)
     assert fails(sup.handle(SupervisionResult(state=state(killed(0))), 0.5))
     assert fails(sup.handle(ProcFailed(world=W, rank=1, state=killed(1)), 0.6))
     changed = sup.handle(WorldStatusChanged(world=W, status="Unhealthy", reason="r"), 0.7)
-    assert changed == [LogLine("info", "worker world worker is Unhealthy: r")]
+    assert changed == [LogLine("info", "worker world worker is Unhealthy: r", stimulus_id=ANY)]
     stopping = sup.handle(SystemStopping(reason="palatine stop"), 0.8)
-    assert stopping == [LogLine("info", f"system at {ADDR} is stopping: palatine stop")]
+    assert stopping == [
+        LogLine("info", f"system at {ADDR} is stopping: palatine stop", stimulus_id=ANY)
+    ]
     assert fails(sup.handle(WorldGone(world=W, reason="stopped"), 0.9))
     with pytest.raises(TypeError):
         sup.handle(object(), 1.0)  # type: ignore[arg-type]
@@ -487,7 +492,7 @@ def test_from_params() -> None:
         system_loss_timeout_s=3.0,
     )
     sup = SupervisionMonitor.from_params(params, now=0.0)
-    assert sup.tick(0.0)[-1] == Schedule(0.5, CheckSupervision())
+    assert sup.tick(0.0)[-1] == Schedule(0.5, CheckSupervision(), stimulus_id=ANY)
     assert fails(sup.tick(3.5)) and sup.system_lost
 
 

@@ -8,6 +8,8 @@ those: interval 1 s, timeout 3 s, K = 100.
 
 from __future__ import annotations
 
+from unittest.mock import ANY
+
 import pytest
 
 from palatine.ids import ProcId, WorldId
@@ -185,7 +187,7 @@ class Sim:
 def test_probe_after_first_node_answered_in_time_is_silent() -> None:
     sim = Sim()
     sim.node(0, "init")
-    assert sim.probes == [SendProbe(0, (0,))]
+    assert sim.probes == [SendProbe(0, (0,), stimulus_id=ANY)]
     sim.advance(1.5)
     sim.answer(0, 0)
     sim.advance(20.0)
@@ -199,7 +201,7 @@ def test_late_answer_gives_exactly_one_warning_with_the_seed_line() -> None:
     sim.advance(2.0)
     sim.node(1, "train_step")
     sim.advance(2.5)
-    assert SendProbe(1, (0,)) in sim.probes
+    assert SendProbe(1, (0,), stimulus_id=ANY) in sim.probes
     sim.advance(8.0)  # answered after 6 s
     sim.answer(0, 1)
     sim.advance(30.0)
@@ -442,7 +444,7 @@ def test_dead_rank_is_neither_probed_nor_listed() -> None:
     sim = Sim(3)
     sim.dead.add(1)
     sim.node(0, "f")
-    assert sim.probes == [SendProbe(0, (0, 2))]
+    assert sim.probes == [SendProbe(0, (0, 2), stimulus_id=ANY)]
     sim.advance(5.0)
     (warn,) = sim.warnings()
     assert warn.message.splitlines()[0].startswith("ranks 0, 2 have")
@@ -465,8 +467,8 @@ def test_check_only_reschedules_without_client_or_after_failure() -> None:
     sim.advance(20.0)
     assert sim.client == [] and sim.requests == []
     out = sim.mon.check(21.0, client_attached=False, mesh_failed=False)
-    assert out == [Schedule(1.0, CheckWorkerProgress())]
-    assert sim.mon.first_check() == Schedule(1.0, CheckWorkerProgress())
+    assert out == [Schedule(1.0, CheckWorkerProgress(), stimulus_id=ANY)]
+    assert sim.mon.first_check(0.0) == Schedule(1.0, CheckWorkerProgress(), stimulus_id=ANY)
 
 
 def test_report_lines_when_worker_idle_or_query_failed() -> None:

@@ -77,7 +77,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # None: min(1, supervision_update_timeout_s / 4)
     health_tick_interval_s: float | None = None
     stop_fallback_margin_s: float = 3.0
-    # how many recent stimuli the system keeps for `palatine snapshot --stimuli`
+    # how many recent stimuli the system keeps for `palatine snapshot --stimuli` (and a
+    # controller for its `Introspect` reply)
     stimulus_log_size: int = 1000
     # how many times `local_mesh` starts its system again, at the same address, when it
     # dies (its procs rejoin it); 0: a lost system fails the job at once

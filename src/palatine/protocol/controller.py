@@ -15,6 +15,7 @@ sans-IO parts return.
 * Instructions (`SendProbe`, `RequestStacks`, `Warn`, `Fail`, `Schedule`, `LogLine`,
   `QueryWorldState`) — plain structs, never sent: `palatine.tensor.controller.progress` and
   `palatine.tensor.controller.supervision` return them and the actor shell executes them.
+  Each carries the ``stimulus_id`` of the stimulus that caused it (`Stimulated`).
 
 Wire invariants:
 
@@ -42,6 +43,7 @@ import msgspec
 from palatine.ids import ActorId, ProcId, WorldId
 from palatine.protocol.system import (
     ProcFailed,
+    StimulusEntry,
     SystemStopping,
     WorldGone,
     WorldStatusChanged,
@@ -111,6 +113,7 @@ __all__ = [
     "ClientMessage",
     # instructions
     "SendProbe",
+    "Stimulated",
     "RequestStacks",
     "Warn",
     "Fail",
@@ -343,6 +346,9 @@ class IntrospectReply(Message, kw_only=True):
     dead_ranks: list[int] = []
     mesh_failed: bool = False
     stall_report_in_flight: bool = False
+    #: the controller's recent stimuli that decided something, oldest first (at most
+    #: ``stimulus_log_size``; ``time`` is wall-clock seconds, no ``reply``)
+    stimuli: list[StimulusEntry] = []
 
 
 # --------------------------------------------------------------------------- self
@@ -525,14 +531,24 @@ ClientMessage: TypeAlias = Result | Results | Log | Failure | DebuggerMessage
 # --------------------------------------------------------------------------- instructions
 
 
-class SendProbe(msgspec.Struct, frozen=True):
+class Stimulated(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of every instruction: ``stimulus_id`` names the controller's stimulus that
+    caused it (``<kind>-<n>``, as in its log of recent stimuli, `IntrospectReply`).
+
+    The field is keyword-only and required, so no instruction is made without it.
+    """
+
+    stimulus_id: str
+
+
+class SendProbe(Stimulated, frozen=True):
     """Cast ``RequestStatus{seq, controller: true}`` to ``ranks`` on the comm path."""
 
     seq: int
     ranks: tuple[int, ...]
 
 
-class RequestStacks(msgspec.Struct, frozen=True, kw_only=True):
+class RequestStacks(Stimulated, frozen=True, kw_only=True):
     """Start the stall report for ``ranks``; post a `StallReport` back.
 
     For every rank, in parallel and bounded together by ``timeout_s``: a
@@ -547,35 +563,35 @@ class RequestStacks(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float
 
 
-class Warn(msgspec.Struct, frozen=True):
+class Warn(Stimulated, frozen=True):
     """Send ``Log(warn, message, details)`` to the client (and log it at WARNING)."""
 
     message: str
     details: dict[str, Any] | None = None
 
 
-class Fail(msgspec.Struct, frozen=True):
+class Fail(Stimulated, frozen=True):
     """Send ``Failure(failure)`` to the client, or queue it before attach; set
     ``mesh_failed`` (and log it at ERROR)."""
 
     failure: DeviceFailure
 
 
-class Schedule(msgspec.Struct, frozen=True):
+class Schedule(Stimulated, frozen=True):
     """Post ``timer`` to the actor itself after ``delay_s``."""
 
     delay_s: float
     timer: CheckWorkerProgress | CheckSupervision
 
 
-class LogLine(msgspec.Struct, frozen=True):
+class LogLine(Stimulated, frozen=True):
     """Log ``message`` locally (the controller's own logger) at ``level``."""
 
     level: Literal["debug", "info", "warning", "error"]
     message: str
 
 
-class QueryWorldState(msgspec.Struct, frozen=True):
+class QueryWorldState(Stimulated, frozen=True):
     """Ask the system ``WorldState{W}`` (bounded by the RPC timeout) as a task; post the
     outcome back as `SupervisionResult`."""
 

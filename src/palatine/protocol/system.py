@@ -24,7 +24,8 @@ Wire invariants:
 from __future__ import annotations
 
 import time
-from typing import Literal, get_args
+from collections.abc import Callable, Sequence
+from typing import Literal, TypeVar, get_args
 
 import msgspec
 
@@ -66,6 +67,7 @@ __all__ = [
     "ActorSnapshot",
     "ChildProc",
     "StimulusEntry",
+    "instruction_lines",
     # replies shared by many requests
     "Ok",
     "Rejected",
@@ -406,6 +408,22 @@ class StimulusEntry(msgspec.Struct, kw_only=True):
     subject: str = ""
     reply: str = ""
     instructions: list[str] = []
+
+
+_I = TypeVar("_I")
+
+#: At most this many instructions are described in one `StimulusEntry`.
+_SUMMARY_INSTRUCTIONS = 20
+
+
+def instruction_lines(instructions: Sequence[_I], describe: Callable[[_I], str]) -> list[str]:
+    """`StimulusEntry.instructions`: one line per instruction (``describe``), at most 20,
+    then a count of the rest (``... and 3 more``)."""
+    lines = [describe(i) for i in instructions[:_SUMMARY_INSTRUCTIONS]]
+    more = len(instructions) - _SUMMARY_INSTRUCTIONS
+    if more > 0:
+        lines.append(f"... and {more} more")
+    return lines
 
 
 class Stimuli(Message, kw_only=True):

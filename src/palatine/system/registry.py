@@ -101,6 +101,7 @@ from palatine.protocol.system import (
     WorldStatusName,
     WorldSupervisionState,
     WorldUpserted,
+    instruction_lines,
 )
 from palatine.system.instructions import (
     Ask,
@@ -148,8 +149,6 @@ QUIET_STIMULI = frozenset(
     ("heartbeat", "health-tick", "resolve", "world-state", "snapshot", "stimuli")
 )
 
-#: At most this many instructions are described in one entry of the stimulus log.
-_SUMMARY_INSTRUCTIONS = 20
 #: A `Log` instruction's text is cut to this many characters in the stimulus log.
 _SUMMARY_TEXT = 200
 
@@ -1493,10 +1492,6 @@ class SystemRegistry:
         offset = self._wall() - self._clock()
         entries = []
         for e in kept:
-            lines = [_describe(i) for i in e.instructions[:_SUMMARY_INSTRUCTIONS]]
-            more = len(e.instructions) - _SUMMARY_INSTRUCTIONS
-            if more > 0:
-                lines.append(f"... and {more} more")
             entries.append(
                 StimulusEntry(
                     stimulus_id=f"{e.kind}-{e.seq}",
@@ -1504,7 +1499,7 @@ class SystemRegistry:
                     kind=e.kind,
                     subject=_subject_of(e.subject),
                     reply=_reply_of(e.reply),
-                    instructions=lines,
+                    instructions=instruction_lines(e.instructions, _describe),
                 )
             )
         return StimulusLog(

@@ -100,6 +100,7 @@ from palatine.tensor.controller.history import History
 from palatine.tensor.controller.progress import ProgressMonitor
 from palatine.tensor.controller.recovery import recover_ranks
 from palatine.tensor.controller.stalls import collect_stall_report
+from palatine.tensor.controller.stimuli import Stimuli
 from palatine.tensor.controller.supervision import PendingFailures, SupervisionMonitor
 from palatine.wire.codec import Message, encode_message
 from palatine.wire.envelope import ENC_MSGPACK, Envelope
@@ -147,6 +148,8 @@ class ControllerActor(Actor):
         self.last_client_message_at = 0.0
         self.history = History(params.world_size)
         self.stall_reports = 0  # stalls found (one report each)
+        # the cores' stimulus ids and log of recent stimuli (`Introspect` returns it)
+        self.stimuli = Stimuli(config.get().stimulus_log_size)
         self.supervision: SupervisionMonitor | None = None
         self.progress: ProgressMonitor | None = None
         self._records = {p.rank: p for p in params.worker_procs}
@@ -170,9 +173,11 @@ class ControllerActor(Actor):
     async def init(self) -> None:
         """Start supervision at once: first poll, subscription, client timer."""
         now = self._now()
-        self.supervision = SupervisionMonitor.from_params(self.params, now, self.history)
+        self.supervision = SupervisionMonitor.from_params(
+            self.params, now, self.history, self.stimuli
+        )
         self.progress = ProgressMonitor.from_params(
-            self.params, self.history, self.supervision.dead_ranks
+            self.params, self.history, self.supervision.dead_ranks, self.stimuli
         )
         self.cx.spawn_task(self._subscribe())
         # A restarted system has no subscriptions: subscribe again once rejoined.
@@ -275,10 +280,17 @@ class ControllerActor(Actor):
                 case Fail():
                     self._fail(ins.failure)
                 case Warn():
-                    log.warning("%s", ins.message)
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.warning("[%s] %s", ins.stimulus_id, ins.message)
+                    else:
+                        log.warning("%s", ins.message)
                     self._to_client(Log(level="warn", message=ins.message, details=ins.details))
                 case LogLine():
-                    log.log(_LEVELS.get(ins.level, logging.INFO), "%s", ins.message)
+                    level = _LEVELS.get(ins.level, logging.INFO)
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.log(level, "[%s] %s", ins.stimulus_id, ins.message)
+                    else:
+                        log.log(level, "%s", ins.message)
                 case QueryWorldState():
                     self._spawn(self._query_world_state())
                 case RequestStacks():
@@ -445,6 +457,7 @@ class ControllerActor(Actor):
             dead_ranks=sorted(sup.dead_ranks) if sup else [],
             mesh_failed=self.mesh_failed,
             stall_report_in_flight=bool(self.progress and self.progress.stall_report_in_flight),
+            stimuli=self.stimuli.entries(self._now(), time.time()),
         )
 
     # ------------------------------------------------------------------ recovery
@@ -687,7 +700,7 @@ class ControllerActor(Actor):
         for f in failures:
             self._to_client(Failure(failure=f))
         assert self.progress is not None
-        self._execute([self.progress.first_check()])
+        self._execute([self.progress.first_check(self._now())])
         return None
 
     @handler

@@ -45,6 +45,7 @@ from palatine.protocol.controller import (
 )
 from palatine.protocol.worker import WorkerProgress
 from palatine.tensor.controller.history import History
+from palatine.tensor.controller.stimuli import Stimuli
 
 __all__ = [
     "MAX_STACK_FRAMES",
@@ -89,6 +90,8 @@ class ProgressMonitor:
 
     ``dead_ranks`` is a live view of the ranks supervision reported dead (typically
     ``SupervisionMonitor.dead_ranks``): they are never probed nor listed as lagging.
+    ``stimuli`` gives the ids the instructions carry and keeps the log of recent stimuli
+    (shared with the controller's other core; its own if not given).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class ProgressMonitor:
         fail_on_worker_timeout: bool = False,
         procs: Iterable[WorkerProcRecord] = (),
         dead_ranks: Set[int] = frozenset(),
+        stimuli: Stimuli | None = None,
     ) -> None:
         if operations_per_request < 1:
             raise ValueError(
@@ -117,6 +121,7 @@ class ProgressMonitor:
         self._fail_on_timeout = fail_on_worker_timeout
         self._procs = {p.rank: p for p in procs}
         self._dead = dead_ranks
+        self._stim = stimuli if stimuli is not None else Stimuli()
         self._last_probe: tuple[int, float] | None = None
         self._due_check_at: float | None = None  # the pending one-shot deadline check
         # (report_id, expected_seq, lagging ranks, started_at) of the report in flight.
@@ -131,7 +136,11 @@ class ProgressMonitor:
 
     @classmethod
     def from_params(
-        cls, params: ControllerParams, history: History, dead_ranks: Set[int] = frozenset()
+        cls,
+        params: ControllerParams,
+        history: History,
+        dead_ranks: Set[int] = frozenset(),
+        stimuli: Stimuli | None = None,
     ) -> ProgressMonitor:
         """A monitor configured from the ControllerActor's spawn parameters."""
         return cls(
@@ -144,6 +153,7 @@ class ProgressMonitor:
             fail_on_worker_timeout=params.fail_on_worker_timeout,
             procs=params.worker_procs,
             dead_ranks=dead_ranks,
+            stimuli=stimuli,
         )
 
     # ----------------------------------------------------------------- inspection
@@ -180,9 +190,14 @@ class ProgressMonitor:
 
     # ----------------------------------------------------------------- stimuli
 
-    def first_check(self) -> Schedule:
-        """The first ``CheckWorkerProgress``, one interval after the attach."""
-        return Schedule(self._interval_s, CheckWorkerProgress())
+    def first_check(self, now: float) -> Schedule:
+        """The first ``CheckWorkerProgress``, one interval after the attach (a stimulus
+        of kind ``attach``)."""
+        st = self._stim
+        st.begin("attach")
+        first = Schedule(self._interval_s, CheckWorkerProgress(), stimulus_id=st.sid)
+        st.done(None, [first], now)
+        return first
 
     def arm_deadline(self, now: float) -> Deadline | None:
         """Arm the single deadline if none is pending; return the current one."""
@@ -210,7 +225,7 @@ class ProgressMonitor:
         if not ranks:
             return None
         self._last_probe = (expected, now)
-        return SendProbe(expected, ranks)
+        return SendProbe(expected, ranks, stimulus_id=self._stim.sid)
 
     def _arm(self, now: float, out: list[Instruction]) -> Deadline | None:
         """`arm_deadline`, and keep one one-shot check pending for the deadline's due time.
@@ -229,7 +244,9 @@ class ProgressMonitor:
         ):
             self._due_check_at = d.due
             delay = max(0.0, d.due - now) + _DUE_SLACK_S
-            out.append(Schedule(delay, CheckWorkerProgress(at_deadline=True)))
+            out.append(
+                Schedule(delay, CheckWorkerProgress(at_deadline=True), stimulus_id=self._stim.sid)
+            )
         return d
 
     def probe_cast(self, seq: int, now: float) -> None:
@@ -248,12 +265,17 @@ class ProgressMonitor:
         return last is not None and last[0] >= d.expected and now - last[1] >= self._interval_s
 
     def on_node(self, now: float) -> list[Instruction]:
-        """After an accepted Node: arm the deadline (and its due-time check), maybe probe."""
+        """After an accepted Node: arm the deadline (and its due-time check), maybe probe.
+
+        The hot path: a stimulus of kind ``node`` that begins nothing, given an id only
+        if it decides something."""
         out: list[Instruction] = []
-        self._arm(now, out)
+        d = self._arm(now, out)
         probe = self.maybe_probe(now)
         if probe is not None:
             out.append(probe)
+        if out:
+            self._stim.done(f"s{d.expected}" if d is not None else None, out, now)
         return out
 
     def check(
@@ -266,19 +288,26 @@ class ProgressMonitor:
         what is known, so a lost task outcome cannot silence later reports). Otherwise,
         once the deadline is overdue and unmet, the live ranks whose progress has not
         passed it are reported (once per deadline) via `RequestStacks`; then a probe.
+        A stimulus of kind ``check`` (``deadline-check`` when ``one_shot``).
         """
+        st = self._stim
+        st.begin("deadline-check" if one_shot else "check")
         out: list[Instruction] = []
         if one_shot:
             self._due_check_at = None
-        reschedule = None if one_shot else Schedule(self._interval_s, CheckWorkerProgress())
+        reschedule = (
+            None
+            if one_shot
+            else Schedule(self._interval_s, CheckWorkerProgress(), stimulus_id=st.sid)
+        )
         flight = self._in_flight
         if flight is not None and now >= flight[3] + self._report_timeout_s + _REPORT_GRACE_S:
             lost = StallReport(report_id=flight[0], expected_seq=flight[1])
-            out.extend(self.finish_stall_report(lost, now))
+            out.extend(self._finish_stall_report(lost))
         if not client_attached or mesh_failed or self._failed or self._in_flight is not None:
             if reschedule is not None:
                 out.append(reschedule)
-            return out
+            return st.done(None, out, now)
         h = self._history
         d = self._arm(now, out)
         if (
@@ -303,6 +332,7 @@ class ProgressMonitor:
                         expected_seq=d.expected,
                         ranks=lagging,
                         timeout_s=self._report_timeout_s,
+                        stimulus_id=st.sid,
                     )
                 )
         probe = self.maybe_probe(now)
@@ -310,14 +340,20 @@ class ProgressMonitor:
             out.append(probe)
         if reschedule is not None:
             out.append(reschedule)
-        return out
+        return st.done(f"s{d.expected}" if d is not None else None, out, now)
 
     def finish_stall_report(self, report: StallReport, now: float) -> list[Instruction]:
         """Turn the collected data into the warning (and the ``stuck`` Failure)
 
         A report that is not the one in flight (late, or already finished by the check's
         backstop) is ignored. Ranks missing from ``report.ranks`` count as not answered.
+        A stimulus of kind ``stall-report``.
         """
+        st = self._stim
+        st.begin("stall-report")
+        return st.done(f"report {report.report_id}", self._finish_stall_report(report), now)
+
+    def _finish_stall_report(self, report: StallReport) -> list[Instruction]:
         flight = self._in_flight
         if flight is None or report.report_id != flight[0]:
             return []
@@ -345,7 +381,8 @@ class ProgressMonitor:
             "ops": ops,
             "stacks": stacks,
         }
-        out: list[Instruction] = [Warn(message, details)]
+        sid = self._stim.sid
+        out: list[Instruction] = [Warn(message, details, stimulus_id=sid)]
         if self._fail_on_timeout:
             self._failed = True
             self.stuck = tuple(lagging)
@@ -360,7 +397,8 @@ class ProgressMonitor:
                         expected_seq=expected,
                         ops=ops,
                         stacks=stacks,
-                    )
+                    ),
+                    stimulus_id=sid,
                 )
             )
         return out

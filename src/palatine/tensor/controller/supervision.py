@@ -58,6 +58,7 @@ from palatine.protocol.system import (
     WorldSupervisionState,
 )
 from palatine.tensor.controller.history import History
+from palatine.tensor.controller.stimuli import Stimuli
 
 __all__ = [
     "MAX_PENDING_FAILURES",
@@ -226,7 +227,9 @@ class SupervisionMonitor:
     * `system_lost_failure` from ``on_stop`` when the proc stops for lack of the system.
 
     `dead_ranks` and `reported_procs` only grow and are never replaced, so other parts
-    (the progress monitor) can hold them as live views.
+    (the progress monitor) can hold them as live views. ``stimuli`` gives the ids the
+    instructions carry and keeps the log of recent stimuli (shared with the controller's
+    other core; its own if not given).
     """
 
     def __init__(
@@ -240,8 +243,10 @@ class SupervisionMonitor:
         system_loss_timeout_s: float = 10.0,
         history: History | None = None,
         procs: Iterable[WorkerProcRecord] = (),
+        stimuli: Stimuli | None = None,
     ) -> None:
         self._world = worker_world
+        self._stim = stimuli if stimuli is not None else Stimuli()
         self._addr = system_addr
         self._n = world_size
         self._interval_s = query_interval_s
@@ -261,7 +266,11 @@ class SupervisionMonitor:
 
     @classmethod
     def from_params(
-        cls, params: ControllerParams, now: float, history: History | None = None
+        cls,
+        params: ControllerParams,
+        now: float,
+        history: History | None = None,
+        stimuli: Stimuli | None = None,
     ) -> SupervisionMonitor:
         """A monitor configured from the ControllerActor's spawn parameters."""
         return cls(
@@ -273,6 +282,7 @@ class SupervisionMonitor:
             system_loss_timeout_s=params.system_loss_timeout_s,
             history=history,
             procs=params.worker_procs,
+            stimuli=stimuli,
         )
 
     # ----------------------------------------------------------------- inspection
@@ -309,7 +319,9 @@ class SupervisionMonitor:
         | SystemStopping,
         now: float,
     ) -> list[Instruction]:
-        """Dispatch one supervision input to its method."""
+        """Dispatch one supervision input to its method (each a stimulus of its own kind:
+        ``supervision-check``, ``supervision-poll`` / ``supervision-subscribe``,
+        ``proc-failed``, ``world-gone``, ``world-status``, ``system-stopping``)."""
         if isinstance(msg, CheckSupervision):
             return self.tick(now)
         if isinstance(msg, SupervisionResult):
@@ -330,16 +342,23 @@ class SupervisionMonitor:
         A query still out counts as failing (no new one is sent on top of it), unless it
         has been out for longer than ``system_loss_timeout`` (its outcome was lost).
         """
+        st = self._stim
+        st.begin("supervision-check")
         out = self._check_system_loss(now)
         sent = self._query_sent_at
         if sent is None or now - sent > self._loss_timeout_s:
             self._query_sent_at = now
-            out.append(QueryWorldState())
-        out.append(Schedule(self._interval_s, CheckSupervision()))
-        return out
+            out.append(QueryWorldState(stimulus_id=st.sid))
+        out.append(Schedule(self._interval_s, CheckSupervision(), stimulus_id=st.sid))
+        return st.done(None, out, now)
 
     def on_result(self, result: SupervisionResult, now: float) -> list[Instruction]:
         """A ``WorldState`` answer or failure, or the ``Subscribe`` reply."""
+        st = self._stim
+        st.begin(f"supervision-{result.source}")
+        return st.done(self._world, self._on_result(result, now), now)
+
+    def _on_result(self, result: SupervisionResult, now: float) -> list[Instruction]:
         if result.source == "poll":
             self._query_sent_at = None
         if result.rebuilding:  # a restarted system answers: contact, but no state yet
@@ -352,6 +371,7 @@ class SupervisionMonitor:
                         f"cannot subscribe to supervision events of world {self._world} at "
                         f"system {self._addr}: {result.error}; relying on polling every "
                         f"{format_seconds(self._interval_s)} s",
+                        stimulus_id=self._stim.sid,
                     )
                 ]
             out: list[Instruction] = []
@@ -366,19 +386,26 @@ class SupervisionMonitor:
                     f"supervision query for world {self._world} to system {self._addr} "
                     f"failed: {result.error}; retrying every "
                     f"{format_seconds(self._interval_s)} s",
+                    stimulus_id=self._stim.sid,
                 )
             )
             out.extend(self._check_system_loss(now))
             return out
         out = self._contact(now)
-        out.extend(self.on_state(result.state, now))
+        out.extend(self._on_state(result.state))
         return out
 
     def on_state(self, state: WorldSupervisionState | None, now: float) -> list[Instruction]:
         """A world state from a poll or the subscription: report new failures by rank.
 
-        ``None`` means the system does not know the world any more.
+        ``None`` means the system does not know the world any more. A stimulus of kind
+        ``world-state``.
         """
+        st = self._stim
+        st.begin("world-state")
+        return st.done(self._world, self._on_state(state), now)
+
+    def _on_state(self, state: WorldSupervisionState | None) -> list[Instruction]:
         if state is None:
             return self._gone(None)
         if state.world_id != self._world:
@@ -392,39 +419,54 @@ class SupervisionMonitor:
         """Pushed ``ProcFailed``: the same path as a poll hit."""
         if event.world != self._world:
             return []
+        st = self._stim
+        st.begin("proc-failed")
         out = self._contact(now)
         out.extend(self._report(event.rank, event.state))
-        return out
+        return st.done(event.state.proc_id, out, now)
 
     def on_world_gone(self, event: WorldGone, now: float) -> list[Instruction]:
         """Pushed ``WorldGone{W, reason}`` (``evicted: …`` or ``stopped``)."""
         if event.world != self._world:
             return []
+        st = self._stim
+        st.begin("world-gone")
         out = self._contact(now)
         out.extend(self._gone(event.reason))
-        return out
+        return st.done(event.world, out, now)
 
     def on_world_status_changed(self, event: WorldStatusChanged, now: float) -> list[Instruction]:
         """Logged at INFO; failures themselves arrive as ``ProcFailed`` / ``WorldGone``."""
+        st = self._stim
+        st.begin("world-status")
         out = self._contact(now)
         if event.world == self._world:
             why = f": {event.reason}" if event.reason else ""
-            out.append(LogLine("info", f"worker world {self._world} is {event.status}{why}"))
-        return out
+            text = f"worker world {self._world} is {event.status}{why}"
+            out.append(LogLine("info", text, stimulus_id=st.sid))
+        return st.done(event.world, out, now)
 
     def on_system_stopping(self, event: SystemStopping, now: float) -> list[Instruction]:
         """Logged at INFO; the worlds' stop follows as ``WorldGone``."""
+        st = self._stim
+        st.begin("system-stopping")
         out = self._contact(now)
         why = f": {event.reason}" if event.reason else ""
-        out.append(LogLine("info", f"system at {self._addr} is stopping{why}"))
-        return out
+        out.append(LogLine("info", f"system at {self._addr} is stopping{why}", stimulus_id=st.sid))
+        return st.done(None, out, now)
 
     def system_lost_failure(self, now: float | None = None) -> list[Instruction]:
         """The ``system_lost`` Failure, if not produced yet; else nothing.
 
         Called by the check below, and by ``on_stop`` when the proc stops itself for lack
-        of the system, so the client learns why before the controller goes away.
+        of the system, so the client learns why before the controller goes away. A
+        stimulus of kind ``system-lost`` (``now`` None: at the time of the last one).
         """
+        st = self._stim
+        st.begin("system-lost")
+        return st.done(None, self._system_lost_failure(now), now)
+
+    def _system_lost_failure(self, now: float | None) -> list[Instruction]:
         if self._system_lost:
             return []
         self._system_lost = True
@@ -442,7 +484,7 @@ class SupervisionMonitor:
             world=str(self._world),
             reason=reason,
         )
-        return [Fail(failure)]
+        return [Fail(failure, stimulus_id=self._stim.sid)]
 
     # ----------------------------------------------------------------- internals
 
@@ -458,12 +500,13 @@ class SupervisionMonitor:
                 "info",
                 f"supervision queries to system {self._addr} answered again after "
                 f"{now - since:.1f} s",
+                stimulus_id=self._stim.sid,
             )
         ]
 
     def _check_system_loss(self, now: float) -> list[Instruction]:
         if not self._system_lost and now - self._last_contact > self._loss_timeout_s:
-            return self.system_lost_failure(now)
+            return self._system_lost_failure(now)
         return []
 
     def revive(self, ranks: Iterable[int], records: dict[int, WorkerProcRecord]) -> None:
@@ -509,7 +552,7 @@ class SupervisionMonitor:
             record=self._records.get(rank),
             last_op=self._last_op(rank),
         )
-        return [Fail(failure)]
+        return [Fail(failure, stimulus_id=self._stim.sid)]
 
     def _last_op(self, rank: int) -> tuple[int, str] | None:
         """The first op this rank is not known to have completed (from ``progress``)."""
@@ -538,4 +581,4 @@ class SupervisionMonitor:
             world=str(self._world),
             reason=reason,
         )
-        return [Fail(failure)]
+        return [Fail(failure, stimulus_id=self._stim.sid)]
