@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from palatine.core.actor import Actor, handler
 from palatine.errors import DeviceException, StuckWorkersException
-from palatine.protocol.controller import Failure, Log, Result, Results
+from palatine.protocol.controller import DeviceFailure, Failure, Log, Result, Results
 from palatine.protocol.worker import FetchedValue
 from palatine.tensor.client import results
 from palatine.tensor.client.state import FailableState
@@ -31,28 +31,10 @@ class Attached(FailableState, Protocol):
     results: results.Results
 
 
-def device_exception(failure: Any) -> DeviceException:
-    """The user-facing exception for a controller ``DeviceFailure``."""
-    details = {
-        k: getattr(failure, k)
-        for k in (
-            "world",
-            "rank",
-            "proc_id",
-            "host",
-            "addr",
-            "pid",
-            "exit_code",
-            "exit_signal",
-            "reason",
-            "actor_id",
-            "actor_error",
-            "ranks",
-            "expected_seq",
-            "ops",
-            "stacks",
-        )
-    }
+def device_exception(failure: DeviceFailure) -> DeviceException:
+    """The user-facing exception for a controller ``DeviceFailure``: its fields but ``kind``
+    and ``message`` (`DeviceFailure.details`) are the exception's attributes."""
+    details = failure.details()
     cls = StuckWorkersException if failure.kind == "stuck" else DeviceException
     exc = cls(failure.message, failure.kind, **details)
     for k, v in details.items():
