@@ -68,6 +68,7 @@ __all__ = [
     "ChildProc",
     "StimulusEntry",
     "instruction_lines",
+    "summary_text",
     # replies shared by many requests
     "Ok",
     "Rejected",
@@ -414,6 +415,15 @@ _I = TypeVar("_I")
 
 #: At most this many instructions are described in one `StimulusEntry`.
 _SUMMARY_INSTRUCTIONS = 20
+#: A text an instruction carries (a warning, a failure) is cut to this many characters.
+_SUMMARY_TEXT = 200
+
+
+def summary_text(text: str) -> str:
+    """``text`` as an instruction's line of a `StimulusEntry` shows it: its first line, cut
+    to 200 characters (``...`` marks a cut)."""
+    line = text.partition("\n")[0]
+    return line if len(line) <= _SUMMARY_TEXT else line[: _SUMMARY_TEXT - 3] + "..."
 
 
 def instruction_lines(instructions: Sequence[_I], describe: Callable[[_I], str]) -> list[str]:

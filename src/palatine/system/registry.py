@@ -102,6 +102,7 @@ from palatine.protocol.system import (
     WorldSupervisionState,
     WorldUpserted,
     instruction_lines,
+    summary_text,
 )
 from palatine.system.instructions import (
     Ask,
@@ -148,9 +149,6 @@ Result = tuple[Any, list[Instruction]]
 QUIET_STIMULI = frozenset(
     ("heartbeat", "health-tick", "resolve", "world-state", "snapshot", "stimuli")
 )
-
-#: A `Log` instruction's text is cut to this many characters in the stimulus log.
-_SUMMARY_TEXT = 200
 
 _P = ParamSpec("_P")
 _Handler = Callable[Concatenate["SystemRegistry", _P], Result]
@@ -256,10 +254,7 @@ def _describe(ins: Instruction) -> str:
         case Unbind():
             return f"Unbind {ins.target}"
         case Log():
-            text = ins.text
-            if len(text) > _SUMMARY_TEXT:
-                text = text[: _SUMMARY_TEXT - 3] + "..."
-            return f"Log {logging.getLevelName(ins.level)}: {text}"
+            return f"Log {logging.getLevelName(ins.level)}: {summary_text(ins.text)}"
         case StopSystem():
             return f"StopSystem: {ins.reason}"
         case _:

@@ -25,7 +25,7 @@ from palatine.protocol.controller import (
     SendProbe,
     Warn,
 )
-from palatine.protocol.system import StimulusEntry, instruction_lines
+from palatine.protocol.system import StimulusEntry, instruction_lines, summary_text
 
 __all__ = ["NODE", "Stimuli", "describe"]
 
@@ -33,20 +33,12 @@ NODE = "node"
 """The kind of a stimulus whose entry named none: an accepted Node, the hot path, which
 begins nothing (the kind returns to it after every stimulus)."""
 
-#: A text (a warning, a failure) is cut to this many characters in the log.
-_SUMMARY_TEXT = 200
-
 
 class _Entry(NamedTuple):
     stimulus_id: str
     at: float  # the cores' clock (the event loop's)
     subject: str
     instructions: list[Instruction]
-
-
-def _cut(text: str) -> str:
-    line = text.partition("\n")[0]
-    return line if len(line) <= _SUMMARY_TEXT else line[: _SUMMARY_TEXT - 3] + "..."
 
 
 def describe(ins: Instruction) -> str:
@@ -57,11 +49,11 @@ def describe(ins: Instruction) -> str:
         case SendProbe():
             return f"SendProbe s{ins.seq} to ranks {', '.join(map(str, ins.ranks))}"
         case Fail():
-            return f"Fail {ins.failure.kind}: {_cut(ins.failure.message)}"
+            return f"Fail {ins.failure.kind}: {summary_text(ins.failure.message)}"
         case Warn():
-            return f"Warn: {_cut(ins.message)}"
+            return f"Warn: {summary_text(ins.message)}"
         case LogLine():
-            return f"LogLine {ins.level}: {_cut(ins.message)}"
+            return f"LogLine {ins.level}: {summary_text(ins.message)}"
         case QueryWorldState():
             return "QueryWorldState"
         case RequestStacks():
