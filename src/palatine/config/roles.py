@@ -298,10 +298,7 @@ def sort_kwargs(
         if field is None:
             raise TypeError(unknown_key_text(caller, key, names, also))
         if field in used:
-            raise TypeError(
-                f"{caller}() got both {used[field]!r} and {key!r}, two spellings of one "
-                "option: pass one"
-            )
+            raise TypeError(_both_text(caller, used[field], key))
         used[field] = key
     return {field: kwargs[key] for field, key in used.items()}
 
@@ -314,10 +311,12 @@ def renamed(
     if alias_value is None:
         return value
     if value is not None:
-        raise TypeError(
-            f"{caller}() got both {name!r} and {alias!r}, two spellings of one option: pass one"
-        )
+        raise TypeError(_both_text(caller, name, alias))
     return alias_value
+
+
+def _both_text(caller: str, one: str, other: str) -> str:
+    return f"{caller}() got both {one!r} and {other!r}, two spellings of one option: pass one"
 
 
 def unknown_key_text(
