@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from palatine.hosting.child_env import Handoff
+from palatine.hosting.child_env import Handoff, describe_exit
 from palatine.output.console import ConsoleWriter, chatter_shown
 
 __all__ = ["RoleProcess", "palatine_cmd"]
@@ -115,6 +115,10 @@ class RoleProcess:
             raise
         finally:
             os.close(lifeline_r)
+        #: when it was started (monotonic), for the time its start-up took or failed after
+        self.started_at = time.monotonic()
+        #: when its output closed (monotonic): it had ended then, or about then
+        self.output_closed_at: float | None = None
         self.ready: dict[str, Any] | None = None
         self._ready_event = threading.Event()
         self._stderr_tail: collections.deque[bytes] = collections.deque()
@@ -148,20 +152,37 @@ class RoleProcess:
         return self._ready_event.wait(timeout_s)
 
     def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        """Wait (bounded) for the ready line; raise with the stderr tail if it never comes."""
+        """Wait (bounded) for the ready line; raise with the stderr tail if it never comes.
+
+        The error says what happened and when: the role ended by itself (how, and how
+        long after its start), or it was still running without a ready line when the
+        wait ran out (then it is killed here), counted from its start.
+        """
         deadline = time.monotonic() + timeout_s
         while not self._ready_event.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline or self.popen.poll() is not None:
                 break
         if self.ready is not None:
             return self.ready
-        if self.popen.poll() is not None:
+        code = self.popen.poll()
+        after_s = time.monotonic() - self.started_at
+        if code is not None:
             self._pump.join(0.5)  # its last words
+            closed = self.output_closed_at  # (another role's wait may have come first)
+            after_s = min(after_s, after_s if closed is None else closed - self.started_at)
+            what = (
+                f"{describe_exit(None if code < 0 else code, -code if code < 0 else None)} "
+                f"{after_s:.2f} s after its start, before its ready line"
+            )
+        else:
+            what = (
+                f"printed no ready line in the {after_s:.2f} s since its start; killed it (SIGKILL)"
+            )
         self.kill()
         where = f" (log: {self.log_path})" if self.log_path else ""
         raise RuntimeError(
-            f"palatine {' '.join(self.args)} printed no ready line within {timeout_s:g} s "
-            f"(exit {self.popen.poll()}){where}; stderr:\n{self.stderr()[-4000:]}"
+            f"palatine {' '.join(self.args)} (pid {self.pid}) {what}{where}; "
+            f"stderr:\n{self.stderr()[-4000:]}"
         )
 
     def _run_pump(
@@ -204,6 +225,8 @@ class RoleProcess:
         except Exception:  # a pump that dies must say why
             log.exception("reading the output of palatine %s failed", " ".join(self.args))
         finally:
+            if not partial:
+                self.output_closed_at = time.monotonic()
             if log_file is not None:
                 with contextlib.suppress(OSError):
                     log_file.close()
