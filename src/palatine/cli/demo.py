@@ -279,31 +279,36 @@ def main(args: argparse.Namespace) -> int:
             disable=not interactive,
         )
         pids = [fetch(remote(os.getpid)(), shard=r).result() for r in range(n)] if kill else []
-        killed_at: float | None = None
+        killed = False  # the demo's own fault has been injected
+        killed_at: float | None = None  # when, until a recovery from it
+        since, what = 0.0, "the fault"  # what the last recovery was from
         resumed = False
         with progress:
             task = progress.add_task("train", total=args.steps, loss=math.nan, rate=0.0)
             next_print = 0.1
             step = 1
             while step <= args.steps:
-                if kill and killed_at is None and step == args.at_step:
+                if kill and not killed and step == args.at_step:
                     os.kill(pids[args.kill_rank], signal.SIGKILL)  # a fault, from outside
-                    killed_at = time.monotonic()
+                    killed, killed_at = True, time.monotonic()
                 try:
                     loss = step_fn(state)
                     if step == 1 or step % args.log_every == 0 or step == args.steps or resumed:
                         last_loss = fetch(loss).result()
                 except DeviceException as e:
+                    # Any lost rank is recovered from: the demo's kill, timed from the
+                    # kill, or another (killed from outside, out of memory), timed from
+                    # when it was seen.
+                    since, what = time.monotonic(), "the fault"
+                    if killed_at is not None:
+                        since, what, killed_at = killed_at, "the kill", None
                     console.print(f"fault: {str(e).splitlines()[0]}")
                     state, step = _recover(mesh, state, args, console)
                     resumed = True
                     continue
                 if resumed:
-                    assert killed_at is not None
                     resumed = False
-                    console.print(
-                        f"step {step} done {time.monotonic() - killed_at:.2f} s after the kill"
-                    )
+                    console.print(f"step {step} done {time.monotonic() - since:.2f} s after {what}")
                 if first_loss is None:
                     first_loss = last_loss
                 rate = step / max(time.monotonic() - t_train, 1e-9)
