@@ -310,3 +310,29 @@ async def test_warming_with_torch_leaves_the_server_able_to_fork(
     for child in (first, later):
         assert (await child.wait(10)).exit_code == 0
     await procs.aclose()
+
+
+async def test_a_spawn_while_the_server_warms_is_exec_d_at_once_not_held_behind_the_import(
+    reaper: Reaper, probe_dir: Path
+) -> None:
+    # A warm import that takes long (torch on a loaded machine): a proc asked for
+    # meanwhile (a respawned rank early in a mesh's life) starts cold at once.
+    mark = probe_dir / "warming"
+    (probe_dir / "fs_slow.py").write_text(
+        f"import pathlib, time\npathlib.Path({str(mark)!r}).touch()\ntime.sleep(30)\n"
+    )
+    server = await started_server(reaper, warm=["fs_slow"])
+    procs = reaper.make(fork_server=server)
+    first = await procs.spawn("s[0]", WORKER, probe_env(), None)
+    await facts_of(first)
+    await wait_for(mark.exists, 20, "the server to begin warming")
+    t0 = time.monotonic()
+    later = await procs.spawn("s[1]", WORKER, probe_env(PROBE_EXIT="0"), None)
+    took = time.monotonic() - t0
+    assert not isinstance(later._popen, ForkedProcess)  # exec'd: no fork during the import
+    assert took < 1.0, took  # not held until the import ends (or a wait for it runs out)
+    assert server.warming == ("fs_slow",) and not server.warmed
+    facts = await facts_of(later)
+    assert facts["ppid"] == os.getpid()
+    assert (await later.wait(20)).exit_code == 0
+    await procs.aclose()

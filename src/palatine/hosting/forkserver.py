@@ -54,9 +54,15 @@ all import torch, warm torch and torch._dynamo (which building the first optimiz
 imports, ≈ 1 s more) unless the variable says otherwise; other hosts warm nothing unless
 asked, so that actor meshes that never use torch do not pay for it. The import runs on
 a thread beside the server's loop, which goes on reaping and signalling workers (an exit
-is reported at once even then); a spawn asked for meanwhile waits until the import has
-ended (at most 5 s; the spawn is then exec'd), and the loop with it. Done then, not at the server's
-start, so the first procs of a mesh are not held back by a module they may never use.
+is reported at once even then). A spawn asked for meanwhile does not wait for the import
+(no fork may happen while it runs): `ForkServer.spawn` refuses it at once, and the host
+execs the program, a cold start of a fraction of a second, with the proc importing what
+it needs on first use. Done then, not at the server's start, and not as part of a mesh
+becoming ready: every mesh would then wait for imports (≈ 2.4 s of CPU for torch and
+torch._dynamo, much more on a loaded machine) that only a respawn soon after the start
+gains from; a recovery early in a mesh's life costs an exec instead, never a wait behind
+the warm-up (the server waits only, at most 1 s, for a warm thread that said it was
+done to be gone).
 numpy's OpenBLAS starts a thread pool when it loads, which would make the server
 unforkable, so the server imports with ``OPENBLAS_NUM_THREADS=1`` unless it is set:
 numpy's own BLAS calls in a proc forked afterwards run on one thread (torch's do not use
@@ -191,6 +197,8 @@ class ForkServer:
         self._warm_timer: asyncio.TimerHandle | None = None
         #: The server has imported its warm modules (``{"op": "warmed"}``).
         self.warmed = False
+        #: The warm modules being imported (asked for, not yet ``warmed``), if any.
+        self.warming: tuple[str, ...] = ()
 
     @property
     def pid(self) -> int | None:
@@ -267,6 +275,8 @@ class ForkServer:
         ready = self._ready
         if ready is None or self._closed:
             raise ForkServerError("the fork server is not running")
+        if self.warming:  # no fork until the import ends: start cold now, not later
+            raise ForkServerError(f"the fork server is still importing {', '.join(self.warming)}")
         try:
             async with asyncio.timeout(_READY_TIMEOUT_S):
                 await asyncio.shield(ready)
@@ -322,6 +332,7 @@ class ForkServer:
             return
         with contextlib.suppress(OSError):  # a lost server is reported by its reader
             sock.send(json.dumps({"op": "warm", "modules": list(modules)}).encode())
+            self.warming = modules
             log.debug("fork server warming: %s", ", ".join(modules))
 
     def signal(self, pid: int, sig: int) -> bool:
@@ -410,6 +421,7 @@ class ForkServer:
                 fut.set_exception(ForkServerError(str(msg.get("reason"))))
         elif op == "warmed":
             self.warmed = True
+            self.warming = ()
             log.debug("fork server warmed in %.2f s", msg.get("seconds", 0.0))
         elif op == "ready":
             if self._ready is not None and not self._ready.done():

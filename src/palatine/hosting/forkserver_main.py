@@ -28,9 +28,8 @@ from palatine.hosting.forkserver import FD_VAR, MAX_MESSAGE_BYTES, PARENT_VAR, P
 
 __all__ = ["main"]
 
+#: How long a spawn waits for the warm thread, done importing, to be gone.
 _THREAD_EXIT_S = 1.0
-#: How long a spawn waits for the warm import (the host gives up after 10 s).
-_WARM_WAIT_S = 5.0
 
 
 def _thread_count() -> int:
@@ -95,7 +94,8 @@ class _Server:
         self.sel = selectors.DefaultSelector()
         self.children: dict[int, tuple[int, bool]] = {}  # pid -> (pidfd, kill_group)
         # The warm import runs beside the loop, which goes on reaping and signalling
-        # workers meanwhile; a spawn waits for it to end (no fork with a second thread).
+        # workers meanwhile; the host asks for no spawn until it has ended (no fork with a
+        # second thread), and one asked for all the same is refused.
         self.warming: threading.Thread | None = None
         self.warm_asked = False
 
@@ -105,18 +105,18 @@ class _Server:
         self.send({"op": "warmed", "seconds": round(time.monotonic() - t0, 3)})
 
     def warmed(self) -> None:
-        """Wait for the warm import to end (at most `_WARM_WAIT_S`, below the host's
-        reply timeout: the spawn is then refused and the host execs), and for its thread
-        to be gone from the OS (it lingers a moment after `join`), at most
-        `_THREAD_EXIT_S`. Meanwhile the loop waits too: exits are reported after it."""
+        """Wait for the warm thread, which has said ``warmed`` (the host asks for no
+        spawn before), to end and be gone from the OS (it lingers a moment after `join`),
+        at most `_THREAD_EXIT_S` in all. A thread still importing is not waited for: the
+        spawn is refused (the host execs it) rather than held behind the warm-up."""
         warming = self.warming
         if warming is None:
             return
-        warming.join(_WARM_WAIT_S)
+        deadline = time.monotonic() + _THREAD_EXIT_S
+        warming.join(_THREAD_EXIT_S)
         if warming.is_alive():
             return  # still importing: the thread count refuses this spawn
         self.warming = None
-        deadline = time.monotonic() + _THREAD_EXIT_S
         while _thread_count() != 1 and time.monotonic() < deadline:
             time.sleep(0.001)
 
