@@ -1,11 +1,7 @@
-"""Faults a `local_mesh`'s launcher and hosts absorb, as a user meets them.
-
-* A rank lost early in a mesh's life, while the hosts' fork servers still import what
-  respawned ranks will need (``fork_server_warm``), is recovered at once: the respawn
-  starts cold, it does not queue behind the warm-up.
-* A system that stops answering (SIGSTOP: stuck, or swapping) is killed and started
-  again by the launcher before the procs give up on it, as a dead one is: the job goes
-  on and the restart is recorded.
+"""Faults a `local_mesh`'s hosts absorb, as a user meets them: a rank lost early in a
+mesh's life, while the hosts' fork servers still import what respawned ranks will need
+(``fork_server_warm``), is recovered at once: the respawn starts cold, it does not queue
+behind the warm-up. (A stalled system: `test_system_restart`.)
 
 Each test runs a script as a user would (a fresh interpreter, a real local mesh) and
 injects the fault from outside with a signal.

@@ -1,7 +1,9 @@
 """A job survives a restart of its system: `local_mesh` starts ``palatine system`` again
 at the same address when it dies, and the running hosts, procs, controller and client
 rejoin it with their identities; the training loop goes on with no call failed, and the
-rebuilt registry supervises as before. Without a restart, the loss is reported at once.
+rebuilt registry supervises as before. A system that stops answering (SIGSTOP: stuck,
+or swapping) is killed and restarted as a dead one, before the procs give up on it.
+Without a restart, the loss is reported at once.
 
 Each test runs a script as a user would (a fresh interpreter, a real local mesh) and
 kills processes with SIGKILL from outside, as a fault would.
@@ -31,6 +33,13 @@ PRELUDE = (
             finally:
                 await client.close()
         return runtime.submit(ask).get()
+
+    def training(mesh):
+        # the demo's model on the mesh, one step taken: its state and its step
+        state = remote(demo.init_state)(mesh.process_group(), 0, 64, 0.05, 32)
+        step = remote(demo.train_step, mutates=("state",))
+        fetch(step(state)).result(timeout=60)
+        return state, step
 """
 )
 
@@ -41,9 +50,7 @@ def test_training_goes_on_across_a_sigkill_and_restart_of_the_system() -> None:
         + """
     with local_mesh(1, 2) as mesh:
         with mesh.activate():
-            state = remote(demo.init_state)(mesh.process_group(), 0, 64, 0.05, 32)
-            step = remote(demo.train_step, mutates=("state",))
-            fetch(step(state)).result(timeout=60)
+            state, step = training(mesh)
             before = pids_of(mesh)
             cluster = mesh._local
             old = cluster.system.pid
@@ -76,6 +83,67 @@ def test_training_goes_on_across_a_sigkill_and_restart_of_the_system() -> None:
     assert lines["PIDS"] == "True"
     assert lines["REPLICAS"] == "1"
     assert lines["FAILED"] == "proc_failed True True"
+
+
+def test_a_stalled_system_is_killed_and_started_again_and_the_job_goes_on() -> None:
+    # SIGSTOP: the system neither dies nor answers (as when stuck or swapping). The procs
+    # give up on it after `system_loss_timeout` (10 s); the launcher must restart it first.
+    lines, _ = run_script(
+        PRELUDE
+        + """
+    from palatine import config
+
+    def slow(seconds):
+        import time
+        time.sleep(seconds)
+        return seconds
+
+    with local_mesh(1, 2) as mesh:
+        with mesh.activate():
+            cluster = mesh._local
+            state, step = training(mesh)
+            before = pids_of(mesh)
+            pending = fetch(remote(slow)(1.0))  # a call under way when the system stalls
+            old = cluster.system.pid
+            os.kill(old, signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                print("PENDING", pending.result(timeout=60))
+                # the job goes on throughout: the restart, then the procs rejoining it
+                limit = config.system_loss_timeout_s() + 10
+                rejoined = False
+                while time.monotonic() - t0 < limit and not rejoined:
+                    fetch(step(state)).result(timeout=60)
+                    if cluster.system_restarts and cluster.system.pid != old:
+                        snap = snapshot(cluster.system_addr)
+                        w = snap.worlds.get("worker")
+                        c = snap.worlds.get("controller")
+                        rejoined = (
+                            w is not None and w.status == "Live" and c is not None
+                            and c.status == "Live"
+                            and sorted(e.pid for e in w.procs.values()) == sorted(before)
+                        )
+                print("REJOINED", rejoined, round(time.monotonic() - t0, 2))
+                print("WITHIN", time.monotonic() - t0 < config.system_loss_timeout_s())
+                ended, how, new, _ = cluster.system_restarts[0]
+                print("RESTART", ended == old, new == cluster.system.pid, len(cluster.system_restarts))
+                print("HOW", how)
+                for _ in range(5):  # rejoined: acknowledged again, the procs stay
+                    fetch(step(state)).result(timeout=60)
+                print("PIDS", pids_of(mesh) == before)
+            finally:
+                try:
+                    os.kill(old, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+    """
+    )
+    assert lines["PENDING"] == "1.0"
+    assert lines["REJOINED"].startswith("True "), lines["REJOINED"]
+    assert lines["WITHIN"] == "True"
+    assert lines["RESTART"] == "True True 1"
+    assert "did not answer" in lines["HOW"] and "killed" in lines["HOW"], lines["HOW"]
+    assert lines["PIDS"] == "True"
 
 
 def test_a_worker_killed_while_the_system_is_down_is_reported_with_its_signal() -> None:

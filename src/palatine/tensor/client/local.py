@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import secrets
+import signal
+import socket
 import sys
 import threading
 import time
@@ -26,9 +29,10 @@ from palatine.config import roles
 from palatine.config.roles import ControllerOptions, HostOptions, LocalOptions, SystemOptions
 from palatine.core import runtime
 from palatine.errors import DeviceException
+from palatine.fastpath.blocking import BlockingConn, LinkLost, Stopped, Waiter
 from palatine.fastpath.direct_tx import open_direct
 from palatine.hosting.child_env import Handoff
-from palatine.hosting.limits import check_open_files
+from palatine.hosting.limits import check_open_files, mesh_open_files
 from palatine.hosting.output import watch_output
 from palatine.ids import ActorId, ProcId
 from palatine.output.console import ConsoleWriter
@@ -105,12 +109,28 @@ class LocalCluster:
     and controller rejoin it. Without a restart left, or when the new one does not come
     up, ``on_system_lost`` is told at once: its parent sees the exit as it happens,
     which no heartbeat can match.
+
+    A system that runs but no longer answers (stopped, stuck, swapping) is treated as a
+    dead one: a thread probes it (`SystemProbe`: a token handshake, which its event loop
+    must answer), and one silent for `system_probe_timeout_s` is killed, so that it is
+    started again as above. That bound is well inside the procs' own
+    (``system_loss_timeout``, after which they stop themselves): the restart and their
+    rejoining come first, and the job goes on as after a SIGKILL.
     """
 
     def __init__(
-        self, env: dict[str, str], logs: LogSession, system_restarts: int | None = None
+        self,
+        env: dict[str, str],
+        logs: LogSession,
+        system_restarts: int | None = None,
+        system_loss_s: float | None = None,
     ) -> None:
         self.env = env
+        #: how long the job's procs go on without an answer from the system
+        #: (``system_loss_timeout`` at their heartbeat interval): a restart must come first
+        self.system_loss_s = (
+            config.system_loss_timeout_s() if system_loss_s is None else system_loss_s
+        )
         self.logs = logs
         self.console = ConsoleWriter(
             limit_bytes=config.get().console_buffer_bytes, complete_in=f"the logs in {logs.path}"
@@ -132,6 +152,9 @@ class LocalCluster:
         self._lock = threading.Lock()
         self._stopping = False
         self._ended: set[int] = set()  # pids of systems whose end was handled
+        #: pid of a system killed for its silence -> what it did (for its restart's record)
+        self._stalled: dict[int, str] = {}
+        self._probe: SystemProbe | None = None
 
     def start_system(self, role_args: list[str], timeout_s: float) -> RoleProcess:
         """Start the system role and keep it (see the class)."""
@@ -139,12 +162,45 @@ class LocalCluster:
         self._startup_s = timeout_s
         self.system = self.start(role_args, timeout_s, "system", on_exit=self._system_ended)
         self.system_addr = self.system.addr
+        self._probe = SystemProbe(self, system_probe_timeout_s(self.system_loss_s))
         return self.system
+
+    def current_system(self) -> RoleProcess | None:
+        """The running system (None once `stop` has begun); a restarted one once it is up."""
+        with self._lock:
+            return None if self._stopping else self.system
+
+    def system_stalled(self, rp: RoleProcess, silent_s: float, limit_s: float) -> None:
+        """``rp`` answered no liveness probe for ``silent_s``: kill it (on the probe's
+        thread); its end is then handled as any (`_system_ended`): started again."""
+        how = (
+            f"did not answer a liveness probe for {silent_s:.1f} s (limit "
+            f"{config.format_seconds(limit_s)} s, {config.env_var('system_probe_timeout_s')}); "
+            "killed it (SIGKILL)"
+        )
+        with self._lock:
+            if self._stopping or rp is not self.system or rp.popen.poll() is not None:
+                return
+            if self.restarts_left <= 0:  # a kill would end the job; it may yet answer
+                if rp.pid not in self._stalled:
+                    log.warning(
+                        "the system at %s (pid %d) has not answered a liveness probe for "
+                        "%.1f s, and no restart is left",
+                        self.system_addr,
+                        rp.pid,
+                        silent_s,
+                    )
+                self._stalled[rp.pid] = how
+                return
+            self._stalled[rp.pid] = how
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(rp.pid, signal.SIGKILL)  # (not rp.kill: its end must be seen)
 
     def _system_ended(self, rp: RoleProcess, code: int) -> None:
         """The system ended by itself (on its pump's thread): start it again, or tell."""
         how = exit_text(None if code < 0 else code, -code if code < 0 else None)
         with self._lock:
+            how = self._stalled.pop(rp.pid, how)
             if self._stopping or rp is not self.system or code == 0 or rp.pid in self._ended:
                 return  # (0: it was asked to stop, which its procs hear from it)
             self._ended.add(rp.pid)
@@ -169,7 +225,7 @@ class LocalCluster:
             self.procs.append(new)  # (`stop` ends it; it is not `system` until it is up)
         try:
             # The procs give up on a lost system after the loss timeout: no use after it.
-            new.wait_ready(min(self._startup_s, config.system_loss_timeout_s()))
+            new.wait_ready(min(self._startup_s, self.system_loss_s))
         except RuntimeError as e:
             with self._lock:
                 if self._stopping:
@@ -258,6 +314,8 @@ class LocalCluster:
         """Stop every role; remove the logs after a ``clean`` run, else keep them and say where."""
         with self._lock:
             self._stopping = True
+        if self._probe is not None:
+            self._probe.stop()
         for rp in reversed(self.procs):
             if rp.popen.poll() is None:
                 try:
@@ -277,6 +335,102 @@ class LocalCluster:
             if not clean:
                 log.warning("the logs of this mesh are kept in %s", self.logs.path)
             self.logs.close(clean=clean)
+
+
+def system_probe_timeout_s(system_loss_s: float) -> float:
+    """`Config.system_probe_timeout_s`, or by default a quarter of the procs'
+    ``system_loss_s``, from 0.5 to 3 s: room for a restart (a second or two) and their
+    rejoining before they give up, without taking a loaded machine's pause for a stall."""
+    configured = config.get().system_probe_timeout_s
+    if configured is not None:
+        return configured
+    return max(0.5, min(3.0, system_loss_s / 4))
+
+
+#: How a dial fails where nobody listens (tcp, unix path): the probed system is ending.
+_REFUSED = frozenset(os.strerror(code) for code in (errno.ECONNREFUSED, errno.ENOENT))
+
+
+class SystemProbe:
+    """A thread that checks a `LocalCluster`'s running system answers, and has a silent
+    one killed (`LocalCluster.system_stalled`).
+
+    A probe dials the system and completes the token handshake, which the system's event
+    loop must answer: a stopped or stuck system accepts the connection (its kernel does)
+    but never answers. Probes run every quarter of the bound (0.2 s at least); the system
+    is stalled when none has been answered for the whole bound. A refused connection is
+    no silence: the system no longer listens because it is ending (its exit is handled
+    as any). Nothing else is sent: the system logs nothing for a probe. A restarted
+    system is watched from when it is up.
+    """
+
+    def __init__(self, cluster: LocalCluster, limit_s: float) -> None:
+        self._cluster = cluster
+        self.limit_s = limit_s
+        self._token = os.fsencode(cluster.env["PALATINE_CLUSTER_TOKEN"])
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._run, name="palatine-system-probe", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread (idempotent); any probe or wait is interrupted at once."""
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        if self._thread is not threading.current_thread():
+            self._thread.join(1.0)
+
+    def _run(self) -> None:
+        waiter = Waiter(self._stop, self._wake_r)
+        try:
+            self._watch(waiter)
+        except Stopped:
+            pass
+        finally:
+            waiter.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _watch(self, waiter: Waiter) -> None:
+        period = max(0.2, self.limit_s / 4)
+        watched: RoleProcess | None = None
+        answered = time.monotonic()
+        while True:
+            waiter.wait(None, 0, time.monotonic() + period)
+            rp = self._cluster.current_system()
+            if rp is None:
+                return
+            if rp is not watched:  # the first, or a restarted one: it has just come up
+                watched, answered = rp, time.monotonic()
+            if rp.popen.poll() is not None:
+                continue  # ended: its exit is handled (and it is started again) elsewhere
+            if self._answers(waiter, ChannelAddr.parse(rp.addr), answered + self.limit_s):
+                answered = time.monotonic()
+            elif time.monotonic() - answered >= self.limit_s:
+                self._cluster.system_stalled(rp, time.monotonic() - answered, self.limit_s)
+                watched = None  # (it ends now; its successor is watched once up)
+
+    def _answers(self, waiter: Waiter, addr: ChannelAddr, deadline: float) -> bool:
+        """Whether the system at ``addr`` completes a handshake before ``deadline``, or
+        refuses the connection (an answer too: nobody listens there any more)."""
+        now = time.monotonic()
+        try:
+            conn = BlockingConn.connect(
+                addr,
+                waiter,
+                token=self._token,
+                ssl_context=None,  # (a local mesh serves unix or tcp)
+                max_frame_bytes=config.get().max_frame_bytes,
+                connect_timeout_s=max(0.0, deadline - now),
+                auth_timeout_s=max(0.0, deadline - now),
+                limit=max(now, deadline),
+            )
+        except LinkLost as e:
+            log.debug("liveness probe of the system at %s: %s", addr, e.reason)
+            return e.reason in _REFUSED
+        conn.close()
+        return True
 
 
 def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> DeviceMesh:
@@ -348,7 +502,7 @@ def start_checked(hosts: int, procs_per_host: int, opts: MeshOptions) -> LocalCl
     transport = opts.local.transport
     startup = opts.local.startup_timeout_s
     check_open_files(
-        hosts * procs_per_host + hosts + 2, f"a mesh of {hosts * procs_per_host} procs"
+        mesh_open_files(hosts, procs_per_host), f"a mesh of {hosts * procs_per_host} procs"
     )
     logs = LogSession.create("mesh", opts.local.log_dir)
     # Every role and worker writes its logs there (roles: <role>.log; workers: see palatine.output.logs).
@@ -378,7 +532,9 @@ def start_checked(hosts: int, procs_per_host: int, opts: MeshOptions) -> LocalCl
         addr = "tcp:127.0.0.1:0"
     else:
         raise ValueError(f"transport must be 'unix' or 'tcp', not {transport!r}")
-    cluster = LocalCluster(env, logs, opts.local.system_restarts)
+    # (the hosts hand their heartbeat interval to the procs)
+    loss_s = config.system_loss_timeout_s(interval_s=opts.host.supervision_update_interval_s)
+    cluster = LocalCluster(env, logs, opts.local.system_restarts, loss_s)
     try:
         system = cluster.start_system(
             ["system", "--system-addr", addr, *roles.to_argv(opts.system)], startup
