@@ -1,14 +1,75 @@
-"""Shared test plumbing: coroutine tests run on a fresh palatine-configured loop."""
+"""Shared test plumbing: coroutine tests run on a fresh palatine-configured loop; every
+script a test starts inherits what a terminal would give it; and a test that leaves the
+environment or the signal handling changed fails by name, with both put back."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import logging
+import os
+import signal
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+#: Signals whose handling a test's subprocesses inherit (an ignored one stays ignored
+#: across exec); SIGALRM is pytest-timeout's.
+_INHERITED_SIGNALS = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGCHLD,
+    signal.SIGPIPE,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Let SIGINT through, as at a terminal, when the run was started with it ignored.
+
+    A shell starts a background job of a script (``make test &``, a CI step) with SIGINT
+    ignored, Python keeps it so, and every script a test starts inherits it: a test that
+    presses Ctrl-C on its script (`test_client_teardown`) then waits on a script that
+    never hears it. Tests stand for a user at a terminal, where Ctrl-C interrupts.
+    """
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_state() -> Iterator[None]:
+    """Fail the test that leaves changed what later tests and their subprocesses inherit:
+    the environment (set without ``monkeypatch``), a signal's handler, the signal mask.
+    What it changed is put back first, so that no later test pays for it."""
+    environ = dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in _INHERITED_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    leaks = []
+    for key in sorted(environ.keys() | os.environ.keys()):
+        before, after = environ.get(key), os.environ.get(key)
+        if before != after and key != "PYTEST_CURRENT_TEST":
+            leaks.append(f"environment variable {key}: {before!r} -> {after!r}")
+            if before is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = before
+    for sig, handler in handlers.items():
+        now = signal.getsignal(sig)
+        if now != handler:
+            leaks.append(f"the handler of {sig.name}: {handler!r} -> {now!r}")
+            if handler is not None:  # (None: set outside Python, cannot be put back)
+                signal.signal(sig, handler)
+    now_mask = signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if now_mask != mask:
+        leaks.append(f"the signal mask: {sorted(mask)} -> {sorted(now_mask)}")
+    if leaks:
+        pytest.fail("the test left behind (now put back):\n  " + "\n  ".join(leaks))
 
 
 @pytest.hookimpl(tryfirst=True)
