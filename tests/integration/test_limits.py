@@ -56,8 +56,8 @@ def test_the_soft_limit_is_raised_to_the_hard_one_when_that_suffices() -> None:
     done, _ = run_limited(
         """
         import resource
-        from palatine.hosting.limits import check_open_files
-        check_open_files(16, "a mesh of 16 procs")
+        from palatine.hosting.limits import check_open_files, mesh_open_files
+        check_open_files(mesh_open_files(2, 8), "a mesh of 16 procs")
         print("SOFT", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         """,
         64,
@@ -70,8 +70,8 @@ def test_the_soft_limit_is_raised_to_the_hard_one_when_that_suffices() -> None:
             (
                 "import resource\n"
                 "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 4096))\n"
-                "from palatine.hosting.limits import check_open_files\n"
-                "check_open_files(16, 'a mesh of 16 procs')\n"
+                "from palatine.hosting.limits import check_open_files, mesh_open_files\n"
+                "check_open_files(mesh_open_files(2, 8), 'a mesh of 16 procs')\n"
                 "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
             ),
         ],
@@ -131,6 +131,6 @@ def test_a_controller_for_more_workers_than_the_limit_allows_exits_1_at_once() -
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
         "palatine controller: error: too many open files: the limit is 64 (ulimit -n) and a "
-        "controller of 64 workers needs about 320; raise it (ulimit -n 320) or start fewer procs"
+        "controller of 64 workers needs about 298; raise it (ulimit -n 298) or start fewer procs"
     )
     assert time.monotonic() - start < 15
