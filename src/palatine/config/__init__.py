@@ -83,6 +83,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # how many times `local_mesh` starts its system again, at the same address, when it
     # dies (its procs rejoin it); 0: a lost system fails the job at once
     system_restarts: int = 3
+    # how long `local_mesh` waits for its running system to answer a liveness probe (a
+    # token handshake) before it kills it and starts it again, as a dead one; None: a
+    # quarter of system_loss_timeout_s, from 0.5 to 3 s, well inside the procs' bound
+    system_probe_timeout_s: float | None = None
     child_term_grace_s: float = 5.0
     stack_dump_timeout_s: float = 10.0
     spawn_procs_timeout_s: float = 60.0
