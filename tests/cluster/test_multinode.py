@@ -315,3 +315,81 @@ def test_prints_on_other_nodes_reach_the_client_aggregated(
         for r in range(4):
             assert f"[worker {r}] only rank {r} says this" in seen
         assert "[worker[" not in seen  # no host echoed them
+
+
+# ------------------------------------------------------------ recovering from a partition
+
+
+def sleep_on_node_1(rank: object) -> int:
+    """A long call on the ranks of node 1 (2 and 3), a quick one on the others, so that
+    the survivors are free for the calls that follow the recovery."""
+    if int(rank) >= 2:  # type: ignore[call-overload]
+        time.sleep(60)
+    return int(rank)  # type: ignore[call-overload]
+
+
+def _sum_of_ranks(mesh: DeviceMesh) -> list[float]:
+    total = remote(ones_times)(mesh.rank(("host", "proc"))).reduce(("host", "proc"), op="sum")
+    return list(fetch(total, shard={"host": 0, "proc": 0}).result(timeout=60).tolist())
+
+
+@pytest.mark.parametrize("run", range(2))
+def test_healing_a_partition_stops_the_old_incarnations_and_never_the_replacements(
+    bed: TestBed, run: int
+) -> None:
+    with two_node_mesh(bed) as mesh:
+        node0 = inspect(remote(net_namespace)(), shard={"host": 0, "proc": 0})
+        node1 = inspect(remote(net_namespace)(), shard={"host": 1, "proc": 0})
+        pending = fetch(
+            remote(sleep_on_node_1)(mesh.rank(("host", "proc"))), shard={"host": 1, "proc": 0}
+        )
+        bed.cut(1)
+        try:
+            with pytest.raises(DeviceException):
+                pending.result(timeout=30)
+            rec = mesh.recover([2, 3], timeout_s=60)
+            assert rec.ranks == [2, 3]
+            moved = remote(net_namespace)()
+            assert [inspect(moved, shard={"host": 1, "proc": p}) for p in (0, 1)] == [node0] * 2
+        finally:
+            bed.heal(1)
+        healed_at = time.monotonic()
+        # The old incarnations on node 1 heartbeat again: they, and only they, are told
+        # to stop, and their host with them.
+        deadline = healed_at + 30
+        while _palatine_pids_in(node1) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _palatine_pids_in(node1) == []
+        # Well past the heal, the replacements still answer, and collectives span all four.
+        time.sleep(3 * INTERVAL_S + 1.0)
+        again = remote(net_namespace)()
+        assert [inspect(again, shard={"host": 1, "proc": p}) for p in (0, 1)] == [node0] * 2
+        assert _sum_of_ranks(mesh) == [6.0, 6.0]
+
+
+@pytest.mark.parametrize("run", range(2))
+def test_recover_called_at_once_after_a_partition_error_brings_back_every_rank_of_the_node(
+    bed: TestBed, run: int
+) -> None:
+    with two_node_mesh(bed) as mesh:
+        node0 = inspect(remote(net_namespace)(), shard={"host": 0, "proc": 0})
+        pending = fetch(
+            remote(sleep_on_node_1)(mesh.rank(("host", "proc"))), shard={"host": 1, "proc": 1}
+        )
+        bed.cut(1)
+        try:
+            with pytest.raises(DeviceException):
+                pending.result(timeout=30)
+            t0 = time.monotonic()
+            # At once: the system may not yet have declared the node's other rank lost.
+            rec = mesh.recover(timeout_s=60)
+            took = time.monotonic() - t0
+        finally:
+            bed.heal(1)
+        # Every rank of the cut node comes back in this one call, within the liveness
+        # bound, never after the world's eviction.
+        assert rec.ranks == [2, 3], rec
+        assert took < UPDATE_TIMEOUT_S + 5.0, took
+        moved = remote(net_namespace)()
+        assert [inspect(moved, shard={"host": 1, "proc": p}) for p in (0, 1)] == [node0] * 2
+        assert _sum_of_ranks(mesh) == [6.0, 6.0]

@@ -2115,3 +2115,58 @@ def test_a_stimulus_log_line_says_when_what_and_what_it_decided() -> None:
     first, second = log.lines()
     assert first.endswith(".250 health-tick-3")
     assert second.endswith(".500 leave-2 w[0]: Ok; Unbind w[0]")
+
+
+# ------------------------------------------------------------ replaced incarnations (a healed partition)
+
+
+def _replaced(h: Harness) -> None:
+    """w[0] joined at unix:/old as incarnation 1, then was replaced by incarnation 2 at
+    unix:/new (a recovery after its node was cut off)."""
+    h.joined("w[0]", addr="unix:/old", incarnation=1)
+    msg = Join(proc_id=pid("w[0]"), addr="unix:/new", incarnation=2)
+    reply, _ = h.send(msg)
+    assert isinstance(reply, JoinProbeNeeded)
+    reply, _ = h.run(h.reg.complete_join(msg, reply.probe, "timeout"))
+    assert isinstance(reply, Joined)
+
+
+def test_a_heartbeat_of_a_replaced_incarnation_is_answered_by_a_stop_at_its_own_address() -> None:
+    h = Harness()
+    _replaced(h)
+    state = ProcSupervisionState(proc_id=pid("w[0]"), addr="unix:/old", incarnation=1)
+    _, instrs = h.run(h.reg.handle(SupervisionUpdate(state=state)))
+    (stop,) = sends(instrs, ProcStop)
+    # to the old incarnation's address, naming it: never through w[0]'s binding (unix:/new)
+    assert stop.addr == ChannelAddr.parse("unix:/old")
+    assert stop.message.incarnation == 1
+    assert "has joined again since" in stop.message.reason
+    assert h.reg.record(pid("w[0]")).alive  # type: ignore[union-attr]
+
+
+def test_a_late_leave_of_a_replaced_incarnation_leaves_the_replacement_alive() -> None:
+    h = Harness()
+    _replaced(h)
+    assert h.ok(Leave(proc_id=pid("w[0]"), reason="stopped by signal", incarnation=1)) == Ok()
+    rec = h.reg.record(pid("w[0]"))
+    assert rec is not None and rec.alive and not rec.left
+    h.ok(Leave(proc_id=pid("w[0]"), reason="done", incarnation=2))
+    assert not rec.alive and rec.left
+
+
+def test_a_message_returned_from_a_replaced_incarnations_address_does_not_fail_the_replacement() -> (
+    None
+):
+    h = Harness()
+    _replaced(h)
+    lost = ["broken link: delivery timeout: not acknowledged within 30 s of posting"]
+    old = ChannelAddr.parse("unix:/old")
+    h.run(h.reg.handle_returned(agent_of(pid("w[0]")), lost, returned_at=old))
+    rec = h.reg.record(pid("w[0]"))
+    assert rec is not None and rec.alive
+    h.run(
+        h.reg.handle_returned(
+            agent_of(pid("w[0]")), lost, returned_at=ChannelAddr.parse("unix:/new")
+        )
+    )
+    assert not rec.alive and "returned" in rec.reason

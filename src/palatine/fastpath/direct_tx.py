@@ -313,7 +313,9 @@ class DirectTx:
         self._wake_closer()
 
     def _return(self, returned: list[tuple[Envelope, str]]) -> None:
+        at = str(self.addr)
         for env, reason in returned:
+            env.mark_returned_at(at)
             self._on_return(env, f"broken link: {reason}")
 
     async def aclose(self, timeout_s: float) -> None:

@@ -396,6 +396,13 @@ class ProcAgent(Actor):
 
     @handler
     async def on_proc_stop(self, msg: ProcStop) -> None:
+        if msg.incarnation and msg.incarnation != self.incarnation:
+            log.info(
+                "%s: ignoring a stop meant for another incarnation of this proc (%s)",
+                self.proc.proc_id,
+                msg.reason,
+            )
+            return
         if self.mode == DETACHED and msg.reason.startswith("unknown to the system"):
             self._rejoin_soon()  # a client the system lost track of joins it again
             return
@@ -436,7 +443,7 @@ class ProcAgent(Actor):
         self.leaving = True  # no rejoin from now on (a last beat may meet no record)
         try:
             await self.cx.mailbox.ask(
-                SYSTEM_ACTOR, Leave(proc_id=self.proc.proc_id, reason=reason), 1.0
+                SYSTEM_ACTOR, Leave(proc_id=self.proc.proc_id, reason=reason, incarnation=self.incarnation), 1.0
             )
         except Exception as e:  # noqa: BLE001 - best effort
             log.debug("leave failed: %s", e)

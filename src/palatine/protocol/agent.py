@@ -173,10 +173,16 @@ class KilledProcs(Message, kw_only=True):
 class ProcStop(Message, kw_only=True):
     """Stop this proc: hosts first kill their children; replies `ProcStopResult`,
     then the proc stops. Also sent one-way (no ``reply_to``) to zombies and unknown
-    procs."""
+    procs.
+
+    ``incarnation`` (0: whichever) names the incarnation to stop: an agent of another
+    incarnation of the same proc id ignores it, so a stop meant for a rank's old
+    incarnation can never end its replacement.
+    """
 
     timeout_s: float = 5.0
     reason: str = ""
+    incarnation: int = 0
 
 
 class ProcStopResult(Message, kw_only=True):

@@ -326,6 +326,9 @@ class Leave(Message, kw_only=True):
 
     proc_id: ProcId
     reason: str = ""
+    # the leaving incarnation (0: unknown): a replaced incarnation's late Leave is not
+    # taken as its replacement's
+    incarnation: int = 0
 
 
 class UpsertWorld(Message, kw_only=True):

@@ -10,17 +10,18 @@ It also runs the periodic health tick and feeds the mailbox server's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, assert_never
 
 from palatine import config
 from palatine.channel.addr import ChannelAddr
 from palatine.core.actor import Actor, handler
 from palatine.core.proc import Proc
-from palatine.ids import ProcId
+from palatine.ids import ActorId, ProcId
 from palatine.protocol.system import (
     Join,
     Leave,
@@ -152,24 +153,47 @@ class SystemActor(Actor):
         the registry parsed it; None: none that can be dialed), so it hears why at once
         instead of waiting out its join timeout."""
         assert env.reply_to is not None
-        router = Proc.of(self.cx).router
-        actor = env.reply_to.actor
+        reply_to = env.reply_to
         if addr is None:
-            self.cx.reply(env.reply_to, reply, env)  # (routed as usual, if at all)
+            self.cx.reply(reply_to, reply, env)  # (routed as usual, if at all)
             return
+        self._post_at(
+            reply_to.actor,
+            addr,
+            lambda: self.cx.reply(reply_to, reply, env),
+            f"tell {msg.proc_id} that its join was refused",
+        )
+
+    def _send_at(self, ins: Send, addr: ChannelAddr) -> None:
+        """`Send` delivered at ``addr`` alone, whatever its proc is bound to now."""
+        mb = self.cx.mailbox
+        env = mb.envelope(ins.dest, ins.message)
+        proc = Proc.of(self.cx)
+        actor = ins.dest if isinstance(ins.dest, ActorId) else ins.dest.actor
+        what = f"send {type(ins.message).__name__} to {actor}"
+        self._post_at(actor, addr, lambda: proc.post(env), what)
+
+    def _post_at(
+        self, actor: ActorId, addr: ChannelAddr, post: Callable[[], None], what: str
+    ) -> None:
+        """Run ``post`` (which posts one message to ``actor``) with ``actor`` bound to
+        ``addr`` for that one message, whatever the routing table says of it otherwise:
+        posting picks its Tx at once, so the binding is restored right after. A Tx opened
+        for that message alone is closed once it is flushed."""
+        router = Proc.of(self.cx).router
         before, dynamic = router.binding(actor), router.is_dynamic(actor)
         had_tx = router.tx_at(addr) is not None
-        router.bind(actor, addr)  # for this one reply: posting picks its Tx right away
+        router.bind(actor, addr)
         try:
-            self.cx.reply(env.reply_to, reply, env)
-        except Exception as e:  # noqa: BLE001 - the address could not be dialed: the joiner waits
-            log.warning("cannot tell %s at %s that its join was refused: %s", msg.proc_id, addr, e)
+            post()
+        except Exception as e:  # noqa: BLE001 - the address could not be dialed: nobody hears it
+            log.warning("cannot %s at %s: %s", what, addr, e)
         finally:
             if before is None:
                 router.unbind(actor)
             else:
                 router.bind(actor, before, dynamic=dynamic)
-            if not had_tx and not router.serves(addr):  # a Tx opened for this reply alone
+            if not had_tx and not router.serves(addr):  # a Tx opened for this message alone
                 tx = router.drop_tx(addr)
                 if tx is not None:
                     self._spawn(_close_after_reply(tx))
@@ -239,7 +263,12 @@ class SystemActor(Actor):
             dest = returned.dest  # a subscriber port
         else:
             dest = returned.dest.actor
-        self._run(self.reg.handle_returned(dest, returned.errors or ()))
+        at: ChannelAddr | None = None
+        text = returned.returned_at()
+        if text is not None:
+            with contextlib.suppress(ValueError):
+                at = ChannelAddr.parse(text)
+        self._run(self.reg.handle_returned(dest, returned.errors or (), returned_at=at))
 
     # ------------------------------------------------------------ instructions
     def _run(self, result: tuple[Any, list[Instruction]]) -> None:
@@ -264,7 +293,10 @@ class SystemActor(Actor):
         for ins in out:
             match ins:  # the most frequent first; every member of Instruction has a case
                 case Send():
-                    mb.tell(ins.dest, ins.message)
+                    if ins.addr is None:
+                        mb.tell(ins.dest, ins.message)
+                    else:
+                        self._send_at(ins, ins.addr)
                 case Log():
                     if log.isEnabledFor(logging.DEBUG):
                         log.log(ins.level, "[%s] %s", ins.stimulus_id, ins.text)

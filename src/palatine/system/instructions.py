@@ -79,10 +79,16 @@ class Stimulated(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Send(Stimulated, frozen=True):
-    """One-way message from the SystemActor to ``dest``."""
+    """One-way message from the SystemActor to ``dest``.
+
+    ``addr``, when given, is where to deliver it instead of wherever ``dest``'s proc is
+    bound now: a stop for an old incarnation goes to the address its heartbeat came
+    from, never to the rank's replacement.
+    """
 
     dest: ActorId | PortId
     message: Any
+    addr: ChannelAddr | None = None
 
 
 class Ask(Stimulated, frozen=True):

@@ -57,6 +57,7 @@ from palatine.protocol.supervision import (
     PROC_MODES,
     Health,
     ProcRecord,
+    ProcSupervisionState,
     RecordKind,
     clock_text,
     expiry_reason,
@@ -353,7 +354,9 @@ class SystemRegistry:
         self._managing: dict[ProcId, ProcRecord] = {}
         # world name -> subscriber ports (a dict as an insertion-ordered set)
         self._subs: dict[str, dict[PortId, None]] = {}
-        self._unknown_told: dict[ProcId, float] = {}
+        # (proc id, incarnation) of a heartbeat the registry has no live record for -> when
+        # that incarnation was last told to stop (at most once per interval)
+        self._unknown_told: dict[tuple[ProcId, int], float] = {}
         # failures detected, by kind (``signal``, ``exit``, ``Expired``, ``actor``): metrics
         self.detections: collections.Counter[str] = collections.Counter()
         self._generation = 0
@@ -625,13 +628,13 @@ class SystemRegistry:
         rec = self._records.get(pid)
         if rec is None:
             if not self._awaiting_rejoins(now):  # (else its rejoin is on the way)
-                self._tell_unknown(pid, "unknown to the system", now, out)
+                self._tell_unknown(pid, "unknown to the system", now, out, state)
             return
         if rec.kind == "detached":
             return
         if state.incarnation and rec.incarnation and state.incarnation != rec.incarnation:
             self._tell_unknown(
-                pid, f"unknown to the system: {pid} has joined again since", now, out
+                pid, f"unknown to the system: {pid} has joined again since", now, out, state
             )
             return
         if not rec.alive:
@@ -643,13 +646,7 @@ class SystemRegistry:
                 rec.zombie_told_at = now
                 at = clock_text(rec.declared_wall) if rec.declared_wall is not None else "?"
                 reason = f"declared {rec.health} at {at}: {rec.reason}"
-                out.append(
-                    Send(
-                        agent_of(pid),
-                        ProcStop(timeout_s=self.proc_stop_timeout_s, reason=reason),
-                        stimulus_id=self._sid,
-                    )
-                )
+                out.append(self._stop_heartbeater(state, reason))
             return
         lh = rec.last_heartbeat
         if lh is None or now > lh:
@@ -661,25 +658,48 @@ class SystemRegistry:
         if state.failed_actors and rec.add_failed_actors(state.failed_actors):
             self._actor_failed(rec, out)
 
-    def _tell_unknown(self, pid: ProcId, reason: str, now: float, out: list[Instruction]) -> None:
-        told = self._unknown_told.get(pid)
+    def _tell_unknown(
+        self,
+        pid: ProcId,
+        reason: str,
+        now: float,
+        out: list[Instruction],
+        state: ProcSupervisionState,
+    ) -> None:
+        key = (pid, state.incarnation)
+        told = self._unknown_told.get(key)
         if told is not None and now - told < self.unknown_proc_stop_interval_s:
             return
-        self._unknown_told[pid] = now
+        self._unknown_told[key] = now
+        at = f" at {state.addr}" if state.addr else ""
         out.append(
             Log(
                 logging.WARNING,
-                f"heartbeat from {pid}, which is {reason}; telling it to stop",
+                f"heartbeat from {pid}{at}, which is {reason}; telling it to stop",
                 stimulus_id=self._sid,
             )
         )
-        out.append(
-            Send(
-                agent_of(pid),
-                ProcStop(timeout_s=self.proc_stop_timeout_s, reason=reason),
-                stimulus_id=self._sid,
-            )
+        out.append(self._stop_heartbeater(state, reason))
+
+    def _stop_heartbeater(self, state: ProcSupervisionState, reason: str) -> Send:
+        """A one-way `ProcStop` for the incarnation that sent heartbeat ``state``.
+
+        It names that incarnation and goes to the address the heartbeat came from, not to
+        wherever the proc id is bound now: after a recovery the id is bound to the rank's
+        replacement, which a stop meant for the incarnation it replaced must never reach.
+        A heartbeat without a usable address is answered through the binding, and the
+        incarnation in the stop still keeps any other incarnation from obeying it.
+        """
+        addr: ChannelAddr | None = None
+        if state.addr:
+            try:
+                addr = ChannelAddr.parse(state.addr)
+            except ValueError:
+                addr = None
+        stop = ProcStop(
+            timeout_s=self.proc_stop_timeout_s, reason=reason, incarnation=state.incarnation
         )
+        return Send(agent_of(state.proc_id), stop, addr=addr, stimulus_id=self._sid)
 
     def _actor_failed(self, rec: ProcRecord, out: list[Instruction]) -> None:
         now = self._clock()
@@ -790,8 +810,8 @@ class SystemRegistry:
                     break
         if self._unknown_told:
             interval = self.unknown_proc_stop_interval_s
-            for pid in [p for p, t in self._unknown_told.items() if now - t >= interval]:
-                del self._unknown_told[pid]
+            for key in [k for k, t in self._unknown_told.items() if now - t >= interval]:
+                del self._unknown_told[key]
         return None, out
 
     def _end_rejoins(self, now: float, out: list[Instruction]) -> None:
@@ -1031,12 +1051,19 @@ class SystemRegistry:
 
     @_stimulus("returned")
     def handle_returned(
-        self, dest: ActorId | PortId | ProcId, errors: Iterable[str], message: Any = None
+        self,
+        dest: ActorId | PortId | ProcId,
+        errors: Iterable[str],
+        message: Any = None,
+        returned_at: ChannelAddr | None = None,
     ) -> Result:
         """A message the SystemActor sent came back undeliverable (its undeliverable hook).
 
         A returned push ends that subscription; ``broken link`` / ``peer gone`` marks
-        the destination proc ``ConnectionFailure`` if it was Alive.
+        the destination proc ``ConnectionFailure`` if it was Alive, unless it came back
+        from another address than the proc's now (``returned_at``, where the channel
+        failed to deliver it): a message queued for a rank cut off by a partition comes
+        back long after its replacement joined elsewhere, and says nothing about it.
         """
         out: list[Instruction] = []
         errors = list(errors)
@@ -1058,6 +1085,10 @@ class SystemRegistry:
         rec = self._records.get(pid) if pid is not None else None
         if rec is None or not rec.supervised or not rec.joined or not rec.alive:
             return None, out
+        if returned_at is not None and pid is not None:
+            now_at = self._addrs.get(pid)
+            if now_at is not None and now_at != returned_at:
+                return None, out
         cause = next((e for e in errors if e.startswith(("broken link", "peer gone"))), None)
         if cause is None:
             return None, out
@@ -1126,7 +1157,7 @@ class SystemRegistry:
         out: list[Instruction],
     ) -> None:
         rec.stop_sent = True
-        stop = ProcStop(timeout_s=proc_timeout_s, reason=reason)
+        stop = ProcStop(timeout_s=proc_timeout_s, reason=reason, incarnation=rec.incarnation or 0)
         out.append(
             Ask(
                 agent_of(rec.proc_id),
@@ -1174,7 +1205,11 @@ class SystemRegistry:
             elif rec.health == EXPIRED:
                 # Maybe frozen rather than dead: told to stop, but nobody waits for it.
                 rec.stop_sent = True
-                stop = ProcStop(timeout_s=proc_timeout_s, reason="system is shutting down")
+                stop = ProcStop(
+                    timeout_s=proc_timeout_s,
+                    reason="system is shutting down",
+                    incarnation=rec.incarnation or 0,
+                )
                 out.append(Send(agent_of(pid), stop, stimulus_id=self._sid))
         if self._managing_pending:
             fallback = ManagingStopFallback(self._managing_generation)
@@ -1760,7 +1795,7 @@ class SystemRegistry:
         )
         self._set_addr(pid, addr)
         self._records[pid] = rec
-        self._unknown_told.pop(pid, None)
+        self._unknown_told.pop((pid, msg.incarnation), None)
         if addr is not None:  # (a detached client may give none: replies go back on its connection)
             out.append(Bind(pid, addr, stimulus_id=self._sid))
         if kind == "managing":
@@ -1786,6 +1821,9 @@ class SystemRegistry:
         out: list[Instruction] = []
         rec = self._records.get(msg.proc_id)
         if rec is None or not rec.joined:
+            return Ok(), out
+        if msg.incarnation and rec.incarnation and msg.incarnation != rec.incarnation:
+            # an incarnation replaced since (cut off, recovered elsewhere, now stopping)
             return Ok(), out
         if rec.kind == "detached":
             self._forget(rec, f"left: {msg.reason}" if msg.reason else "left the system", out)
@@ -1855,7 +1893,11 @@ class SystemRegistry:
             )
             if rec.joined and rec.alive:
                 rec.stop_sent = True
-                stop = ProcStop(timeout_s=self.proc_stop_timeout_s, reason="rank out of range")
+                stop = ProcStop(
+                    timeout_s=self.proc_stop_timeout_s,
+                    reason="rank out of range",
+                    incarnation=rec.incarnation or 0,
+                )
                 out.append(Send(agent_of(rec.proc_id), stop, stimulus_id=self._sid))
             self._forget(rec, "rank out of range", out)
             out.append(Unbind(rec.proc_id, stimulus_id=self._sid))

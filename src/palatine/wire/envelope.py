@@ -27,11 +27,16 @@ __all__ = [
     "Envelope",
     "ENC_MSGPACK",
     "ENC_PICKLE",
+    "RETURNED_AT",
     "UNKNOWN_SENDER",
 ]
 
 ENC_MSGPACK = 0
 ENC_PICKLE = 1
+
+
+RETURNED_AT = "returned_at"
+"""Header a channel sets on an envelope it returns: the address it failed to reach."""
 
 
 class Envelope(msgspec.Struct, array_like=True, gc=False):
@@ -55,6 +60,17 @@ class Envelope(msgspec.Struct, array_like=True, gc=False):
         else:
             self.errors.append(error)
         return self
+
+    def mark_returned_at(self, addr: str) -> None:
+        """Record the address of the channel that could not deliver this envelope (the
+        `RETURNED_AT` header), so whoever it comes back to can tell a message lost on the
+        way to a proc's old address from one its current address did not take."""
+        self.headers = {**(self.headers or {}), RETURNED_AT: addr}
+
+    def returned_at(self) -> str | None:
+        """The address `mark_returned_at` recorded (None: not returned by a channel)."""
+        at = (self.headers or {}).get(RETURNED_AT)
+        return at if isinstance(at, str) else None
 
 
 UNKNOWN_SENDER = ActorId.parse("unknown[0].unknown[0]")

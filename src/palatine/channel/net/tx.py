@@ -349,6 +349,7 @@ class NetTx(Tx):
             if fut is not None:
                 fut.set_exception(SendError(reason, env))
             elif on_return is not None:
+                env.mark_returned_at(str(self.addr))
                 self._loop.call_soon(on_return, env, reason)
             return
         self._next_seq = seq + 1
@@ -639,6 +640,7 @@ class NetTx(Tx):
                 reason,
                 len(pending),
             )
+        at = str(self.addr)
         for entry in pending:
             env = entry[_ENV]
             fut = entry[_FUT]
@@ -650,6 +652,7 @@ class NetTx(Tx):
             if on_return is None:
                 logger.debug("dropping returned message to %s: %s", self.addr, reason)
                 continue
+            env.mark_returned_at(at)
             try:
                 on_return(env, reason)
             except Exception:
