@@ -196,3 +196,14 @@ def test_generate_token_and_token_env_round_trip(monkeypatch: pytest.MonkeyPatch
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert resolve_token() == token.encode()
+
+
+def test_a_client_resolution_never_creates_the_per_user_file_and_says_where_to_look(
+    _clean: Path,
+) -> None:
+    with pytest.raises(ConfigError, match="a client never creates one") as e:
+        resolve_token(create=False)
+    assert "PALATINE_CLUSTER_TOKEN_FILE=<log dir>/token" in str(e.value)
+    assert not default_token_path().exists() and not _clean.exists()
+    assert resolve_token() != b""  # a role that serves still creates it
+    assert default_token_path().exists()

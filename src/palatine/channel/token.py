@@ -3,7 +3,10 @@
 Resolution, first match wins: ``PALATINE_CLUSTER_TOKEN``; the file named by
 ``PALATINE_CLUSTER_TOKEN_FILE`` (surrounding whitespace stripped); the per-user file
 ``$XDG_CONFIG_HOME/palatine/cluster-token`` (default ``~/.config/palatine/``), created on
-first use with 32 random bytes in hex and mode 0600. A token file that group or others
+first use with 32 random bytes in hex and mode 0600 by a process that serves (a role, a
+script's own cluster). A client command (``palatine top``, ``stacks``, ``snapshot``)
+never creates it (`resolve_token` with ``create=False``): a token made up there could
+never match the job's, so it says where the job's token is instead (`ConfigError`). A token file that group or others
 may read or write is refused, an empty token is refused, and a token under 16 bytes is
 accepted with one WARNING.
 
@@ -136,7 +139,19 @@ def _create_default_file(path: Path) -> None:
             pass
 
 
-def _resolve() -> bytes:
+def _no_token_text(path: Path) -> str:
+    """Where a client finds the job's token, when none is set and the per-user file is
+    missing."""
+    return (
+        f"no cluster token: {TOKEN_ENV} and {TOKEN_FILE_ENV} are unset and {path} does not "
+        f"exist, and a client never creates one. Use the job's token: a job of 'palatine "
+        f"launch' or SlurmJob keeps it in the file 'token' in its log dir "
+        f"(export {TOKEN_FILE_ENV}=<log dir>/token; 'palatine job status JOB' finds the "
+        f"job), and a program 'palatine launch' runs has it in {TOKEN_ENV}"
+    )
+
+
+def _resolve(create: bool) -> bytes:
     env_token = os.environ.get(TOKEN_ENV)
     if env_token is not None:
         return _checked(os.fsencode(env_token), TOKEN_ENV)
@@ -145,12 +160,17 @@ def _resolve() -> bytes:
         return _checked(_read_token_file(Path(file_name), TOKEN_FILE_ENV), str(file_name))
     path = default_token_path()
     if not path.exists():
+        if not create:
+            raise ConfigError(_no_token_text(path))
         _create_default_file(path)
     return _checked(_read_token_file(path, "cluster token"), str(path))
 
 
-def resolve_token() -> bytes:
+def resolve_token(*, create: bool = True) -> bytes:
     """The cluster token of this process (resolved on first use, then cached).
+
+    ``create=False`` (a client command, before it dials): a missing per-user file is a
+    `ConfigError` saying where the job's token is, never a new file.
 
     Raises `ConfigError` for an empty token, an unreadable file, or a token file that
     group or others can read or write (the message names the file and its mode).
@@ -158,7 +178,7 @@ def resolve_token() -> bytes:
     global _cached
     with _lock:
         if _cached is None:
-            _cached = _resolve()
+            _cached = _resolve(create)
         return _cached
 
 

@@ -120,12 +120,14 @@ def _print_stimuli(args: argparse.Namespace) -> int:
 
 
 async def _stimuli(args: argparse.Namespace) -> StimulusLog:
+    from palatine.channel.token import resolve_token
     from palatine.core import runtime
     from palatine.protocol.system import Stimuli, StimulusLog
     from palatine.system.service import System
 
     runtime.adopt_current_loop()
     async with asyncio.timeout(args.timeout_in_sec + 1):
+        resolve_token(create=False)  # a client never makes one up: see token.py
         client = await System(args.system_addr).attach(timeout_s=args.timeout_in_sec)
         try:
             reply = await client.ask(Stimuli(limit=args.last), timeout_s=args.timeout_in_sec)
@@ -137,12 +139,14 @@ async def _stimuli(args: argparse.Namespace) -> StimulusLog:
 
 
 async def _snapshot(args: argparse.Namespace, wl: dict[str, str], pl: dict[str, str]):  # type: ignore[no-untyped-def]
+    from palatine.channel.token import resolve_token
     from palatine.core import runtime
     from palatine.system.service import System
 
     runtime.adopt_current_loop()
     # The outer bound leaves the attach room to fail with its own words first.
     async with asyncio.timeout(args.timeout_in_sec + 1):
+        resolve_token(create=False)  # a client never makes one up: see token.py
         client = await System(args.system_addr).attach(timeout_s=args.timeout_in_sec)
         try:
             return await client.snapshot(args.world, wl, pl)

@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _collect(args: argparse.Namespace) -> dict[str, Any]:
+    from palatine.channel.token import resolve_token
     from palatine.core import runtime
     from palatine.ids import ActorId, ProcId, is_host_world
     from palatine.protocol.agent import StackDump, StackTrace
@@ -117,6 +118,7 @@ async def _collect(args: argparse.Namespace) -> dict[str, Any]:
     runtime.adopt_current_loop()
     timeout = args.timeout_in_sec
     async with asyncio.timeout(timeout + 15):
+        resolve_token(create=False)  # a client never makes one up: see token.py
         client = await System(args.system_addr).attach(timeout_s=10)
         try:
             snap = await client.snapshot(args.world or None)
