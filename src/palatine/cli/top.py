@@ -6,7 +6,14 @@ One frame is a table per world: each proc's health, host, pid, heartbeat age, ev
 lag, failed actors and, for procs on this machine, CPU and RSS (from ``psutil``; ``-``
 for procs elsewhere). It refreshes every ``--interval-in-sec``; ``q`` (or Ctrl-C) quits.
 ``--once`` prints one frame and exits, for scripts and tests. Over ``tcp:`` and ``tls:``
-as every client; a wrong token is refused at once (exit 1).
+as every client; a wrong token is refused at once (exit 1), and a missing one is never
+made up (`palatine.channel.token`).
+
+A proc's CPU figure is its use between two readings, so each proc keeps its sampler
+across refreshes; a proc seen for the first time shows ``-`` until its second reading,
+and ``--once`` reads every proc twice, ``--interval-in-sec`` apart, before it prints.
+Not on a terminal (a pipe, a file), the table is printed whole, however wide: a cell is
+never cut to a terminal's 80 columns.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ __all__ = ["add_arguments", "run", "frame"]
 log = logging.getLogger(__name__)
 
 _ANSWER_S = 10.0
+_PIPE_WIDTH = 100_000  # columns of output that is not a terminal: no table is that wide
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,11 +58,22 @@ def _local_usage(pid: int | None, host: str, cpu: dict[int, Any]) -> tuple[str, 
         proc = cpu.get(pid)
         if proc is None:
             proc = cpu[pid] = psutil.Process(pid)
-            proc.cpu_percent(None)  # the first reading starts the interval
-        return f"{proc.cpu_percent(None):.0f}%", f"{proc.memory_info().rss / 2**20:.0f} MiB"
+            proc.cpu_percent(None)  # the first reading only starts the interval
+            use = "-"
+        else:
+            use = f"{proc.cpu_percent(None):.0f}%"
+        return use, f"{proc.memory_info().rss / 2**20:.0f} MiB"
     except psutil.Error:
         cpu.pop(pid, None)
         return "-", "-"
+
+
+def _start_samplers(snap: Any, cpu: dict[int, Any]) -> None:
+    """Take the first CPU reading of every live proc of ``snap`` on this machine."""
+    for world in snap.worlds.values():
+        for e in world.procs.values():
+            if e.health == "Alive":
+                _local_usage(e.pid, e.host, cpu)
 
 
 def frame(snap: Any, cpu: dict[int, Any]) -> Any:
@@ -117,11 +136,13 @@ async def _main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    from palatine.channel.token import resolve_token
     from palatine.core import runtime
     from palatine.system.service import System
 
     runtime.adopt_current_loop()
     async with asyncio.timeout(_ANSWER_S + 1):
+        resolve_token(create=False)  # a client never makes one up: see token.py
         client = await System(args.system_addr).attach(timeout_s=_ANSWER_S)
     cpu: dict[int, Any] = {}
     try:
@@ -130,8 +151,11 @@ async def _main(args: argparse.Namespace) -> int:
             async with asyncio.timeout(_ANSWER_S):
                 return await client.snapshot(args.world or None)
 
-        console = Console()
+        # Not a terminal: as wide as the table is (rich would cut every cell at 80).
+        console = Console() if sys.stdout.isatty() else Console(width=_PIPE_WIDTH)
         if args.once:
+            _start_samplers(await snapshot(), cpu)
+            await asyncio.sleep(args.interval_in_sec)
             console.print(frame(await snapshot(), cpu))
             return 0
         with _keys() as key_fd, Live(frame(await snapshot(), cpu), console=console,
