@@ -7,8 +7,11 @@ start here and one host per node is submitted with ``sbatch``; `palatine.job.Loc
 for ``--scheduler local``), waits until every host has joined, then runs the program
 with the job in its environment (``PALATINE_SYSTEM_ADDR``, ``PALATINE_WORKER_WORLD``,
 ``PALATINE_JOB_ID``, ``PALATINE_CLUSTER_TOKEN``), where ``palatine.connect()`` finds it.
-When the program ends the job is torn down (``scancel``, then the controller and the
-system), and the launcher exits with the program's status. Inside an allocation (a
+When the program ends, however it ends (SIGKILL included), the launcher stops the job's
+worker and controller worlds through the job's system at once, as the program's own
+shutdown does: the controller never waits to find its client lost, and the workers stop
+before anything is killed. Then the job is torn down (``scancel``, then the controller
+and the system), and the launcher exits with the program's status. Inside an allocation (a
 batch script, ``salloc``) nothing is submitted: the hosts run as a step of that
 allocation, and that step is what ends (``--submit`` submits a job anyway).
 
@@ -19,6 +22,7 @@ the job, or a job that ends before its hosts joined, is one line on stderr and e
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
@@ -27,6 +31,8 @@ import time
 from typing import Any
 
 __all__ = ["add_arguments", "run"]
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -127,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
         )
         if interrupted:
             return 128 + interrupted[0]
-        status = _run_program(command, {**os.environ, **job.client_env()}, interrupted)
+        env = job.client_env()
+        status = _run_program(command, {**os.environ, **env}, interrupted)
+        _end_worlds(env)
     except SchedulerError as e:
         print(f"palatine launch: {e}", file=sys.stderr)
     except (RuntimeError, TimeoutError) as e:
@@ -137,6 +145,42 @@ def run(args: argparse.Namespace) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     return status
+
+
+_END_STOP_S = 1.0  # each worker proc's stop, when the program has ended
+_END_GONE_S = 2.0  # the worlds' procs all gone (a node cut off never answers)
+
+
+def _end_worlds(env: dict[str, str]) -> None:
+    """Stop the job's worker and controller worlds (bounded; a job that does not answer
+    is torn down by the caller anyway). A program that shut its mesh down has stopped
+    them already: then this is one short request."""
+    import asyncio
+
+    from palatine.channel.token import TOKEN_ENV, set_token
+    from palatine.core import runtime
+    from palatine.system.service import System
+    from palatine.tensor.client.shutdown import stop_worlds
+
+    async def end() -> None:
+        runtime.adopt_current_loop()
+        worlds = [env["PALATINE_WORKER_WORLD"], "controller"]
+        async with asyncio.timeout(_END_STOP_S + _END_GONE_S + 2.0):
+            client = await System(env["PALATINE_SYSTEM_ADDR"]).attach(timeout_s=_END_STOP_S)
+            try:
+                client.client.quiet_returns = True
+                await stop_worlds(client, worlds, _END_STOP_S, _END_GONE_S)
+            finally:
+                await client.close()
+
+    set_token(env[TOKEN_ENV])
+    loop = runtime.new_event_loop()
+    try:
+        loop.run_until_complete(end())
+    except Exception as e:  # noqa: BLE001 - the teardown that follows stops the job anyway
+        log.debug("stopping the job's worlds: %s", e)
+    finally:
+        loop.close()
 
 
 def _terminal_signals_group() -> bool:

@@ -4,20 +4,32 @@
 healthy session waits for what it issued, then tells every worker to exit; every session
 then detaches from its controller and asks the system to stop the worker and controller
 worlds, and a local mesh's own processes (`LocalRoles`) are stopped last.
+
+A session the program never shut down (``mesh = palatine.connect()`` without ``with``)
+ends the same way when the interpreter exits (`shutdown_at_exit`): a script that simply
+ends is a clean end, as quiet and as quick as leaving the ``with`` block, not a client
+the controller has to find lost. `stop_worlds` is the one way to stop a job's worlds
+and wait until they are gone, for a session and for ``palatine launch`` alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
-from typing import Protocol
+import sys
+import weakref
+from typing import TYPE_CHECKING, Protocol
 
 from palatine.core import runtime
 from palatine.fastpath.blocking import LinkLost
 from palatine.protocol.worker import Exit, RequestStatus, Slice
 from palatine.tensor.client.session import Session
 
-__all__ = ["LocalRoles", "shutdown_session"]
+if TYPE_CHECKING:
+    from palatine.system.service import SystemClient
+
+__all__ = ["LocalRoles", "shutdown_at_exit", "shutdown_session", "stop_worlds"]
 
 log = logging.getLogger("palatine")
 
@@ -66,7 +78,7 @@ def shutdown_session(
         client = session.system_client
         client.client.quiet_returns = True
 
-        async def stop_worlds() -> None:
+        async def end_worlds() -> None:
             worlds = [session.worker_world, session.controller.proc.world.name]
             direct = session.direct
             if direct is not None:  # Detach and all before it are written: let it go
@@ -81,16 +93,7 @@ def shutdown_session(
                 except Exception as e:  # noqa: BLE001 - the system is gone: nothing to close
                     log.debug("closing the system client: %s", e)
                 return
-            try:
-                await client.stop(worlds, stop_s)
-                end = asyncio.get_running_loop().time() + gone_s
-                while asyncio.get_running_loop().time() < end:
-                    snap = await client.snapshot(worlds=worlds)
-                    if not any(w in snap.worlds and snap.worlds[w].procs for w in worlds):
-                        break
-                    await asyncio.sleep(0.05)
-            except Exception as e:  # noqa: BLE001 - best effort
-                log.debug("stopping worlds: %s", e)
+            await stop_worlds(client, worlds, stop_s, gone_s)
             if local is not None:  # the local system itself: its own process is stopped below
                 try:
                     await client.stop(None, min(2.0, stop_s))
@@ -102,7 +105,7 @@ def shutdown_session(
                 log.debug("closing the system client: %s", e)
 
         try:
-            runtime.submit(stop_worlds).get(30)
+            runtime.submit(end_worlds).get(30)
         except Exception as e:  # noqa: BLE001 - best effort: the session ends either way
             log.debug("shutdown: %s", e)
     finally:
@@ -111,3 +114,51 @@ def shutdown_session(
         session.results.warn_unfetched()
         if local is not None:
             local.stop(stop_s, clean=healthy and error is None)
+
+
+async def stop_worlds(
+    client: SystemClient, worlds: list[str], stop_s: float, gone_s: float
+) -> bool:
+    """Ask the system to stop ``worlds`` (each proc given ``stop_s``) and wait, at most
+    ``gone_s``, until none of their procs is left; whether they are gone. Best effort: a
+    system that does not answer is logged at DEBUG (the caller stops what is left)."""
+    loop = asyncio.get_running_loop()
+    try:
+        await client.stop(worlds, stop_s)
+        end = loop.time() + gone_s
+        while loop.time() < end:
+            snap = await client.snapshot(worlds=worlds)
+            if not any(w in snap.worlds and snap.worlds[w].procs for w in worlds):
+                return True
+            await asyncio.sleep(0.05)
+    except Exception as e:  # noqa: BLE001 - best effort: the caller stops what is left
+        log.debug("stopping worlds %s: %s", worlds, e)
+    return False
+
+
+# The sessions `shutdown_at_exit` ends at interpreter exit, if their program did not.
+_open_at_exit: weakref.WeakKeyDictionary[Session, LocalRoles | None] = weakref.WeakKeyDictionary()
+_registered = False
+
+
+def shutdown_at_exit(session: Session, local: LocalRoles | None) -> None:
+    """End ``session`` (and stop ``local``) when the interpreter exits, unless the
+    program shut it down first. Registered after the palatine loop started, so it runs
+    before the loop stops (``atexit`` runs newest first). An uncaught exception that
+    ends the script is its error, as leaving a ``with`` block on it would be."""
+    global _registered
+    if not _registered:
+        _registered = True
+        atexit.register(_shutdown_open_sessions)
+    _open_at_exit[session] = local
+
+
+def _shutdown_open_sessions() -> None:
+    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    for session, local in list(_open_at_exit.items()):
+        if not session.closed:
+            try:
+                shutdown_session(session, local, 30.0, error)
+            except Exception as e:  # noqa: BLE001 - at exit: nothing left to report to
+                log.debug("shutdown at exit: %s", e)
+    _open_at_exit.clear()
