@@ -2,10 +2,11 @@
 
 ``status`` prints Slurm's state of the job (state, time, nodes) and, where its record is
 readable here (the submitting user, on the submitting machine), the worlds and procs
-its system reports: which rank runs on which host, and how healthy it is. ``cancel``
-runs ``scancel``, waits until Slurm no longer lists the job, and stops the job's system,
-controller and hosts; the program that ran against it gets a `DeviceException` naming
-the lost ranks. A job that palatine runs inside its owner's allocation (a batch script)
+its system reports: which rank runs on which host, and how healthy it is; it leaves no
+trace in the job's output. ``cancel`` runs ``scancel``, waits until Slurm no longer lists
+the job, and asks the job's system to stop, unless the process that applied the job has
+ended (or ends meanwhile): then the job is cancelled, and that is the answer. The
+program that ran against it gets a `DeviceException` naming the lost ranks. A job that palatine runs inside its owner's allocation (a batch script)
 loses only palatine's step there (its launcher then stops the rest): the allocation goes
 on. A job id Slurm does not list is exit 1; ``--json`` prints one document.
 """
@@ -14,6 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
     from palatine.job.slurm import find_job
 
     setup_logging()
+    root = logging.getLogger()
+    if root.getEffectiveLevel() == logging.INFO:  # (unless DEBUG was asked for)
+        root.setLevel(logging.WARNING)  # an observer's own comings and goings are no news
     job = args.job_id.strip()
     if not job.replace("_", "").isdigit():
         print(f"palatine job: {job!r} is not a Slurm job id", file=sys.stderr)
@@ -145,15 +152,49 @@ def _cancel_step(job: str, record: Any) -> int:
 
 
 def _stop_system(record: Any) -> str:
-    """Ask the job's system to stop; what to add to the report."""
-    ack, why = _ask(record, lambda client: client.stop(None, 5.0))
+    """Ask the job's system to stop, unless the process that applied the job (its client
+    or ``palatine launch``) is gone or goes meanwhile: the system went with it, and the
+    job is simply cancelled. What to add to the report."""
+    launcher = _launcher_pidfd(record)
+    if launcher == _GONE:
+        return ""
+    try:
+        ack, why = _ask(record, lambda client: client.stop(None, 5.0), launcher)
+    finally:
+        if launcher is not None:
+            os.close(launcher)
+    if ack is _LAUNCHER_ENDED:
+        return ""
     if ack is not None:
         return f"; its system at {record.system_addr} is stopping"
     return f"; its system did not answer ({why})"
 
 
-def _ask(record: Any, request: Any) -> tuple[Any, str]:
-    """Attach to the job's system with its token and make one request; (answer, why not)."""
+_GONE = -1  # `_launcher_pidfd`: the process has ended already
+_LAUNCHER_ENDED: Any = object()  # `_ask`'s answer when that process ended meanwhile
+
+
+def _launcher_pidfd(record: Any) -> int | None:
+    """A pidfd of the process that applied the job (readable once it has ended), `_GONE`
+    when it has already ended, None when that cannot be watched from here (it runs on
+    another machine, or this kernel has no pidfds)."""
+    if record.machine != socket.gethostname():
+        return None
+    try:
+        return os.pidfd_open(record.pid)
+    except ProcessLookupError:
+        return _GONE
+    except (OSError, AttributeError):
+        return None
+
+
+def _ask(record: Any, request: Any, launcher: int | None = None) -> tuple[Any, str]:
+    """Attach to the job's system with its token and make one request; (answer, why not).
+    With ``launcher`` (a pidfd of the process that applied the job), the answer is
+    `_LAUNCHER_ENDED` as soon as that process ends: its system goes with it.
+
+    The client leaves no trace in the job's output: its heartbeats stop before it
+    leaves, so that none reaches the system after it has gone."""
     from palatine.channel.addr import ChannelAddr
     from palatine.channel.token import set_token
     from palatine.core import runtime
@@ -172,14 +213,39 @@ def _ask(record: Any, request: Any) -> tuple[Any, str]:
             try:
                 return await request(client)
             finally:
+                heartbeat = client.handle.agent.heartbeat
+                if heartbeat is not None:
+                    await asyncio.to_thread(heartbeat.stop, 1.0)
                 try:
                     await client.close()
                 except Exception:  # noqa: BLE001 - a stopping system may be gone already
                     pass
 
+    async def ask_unless_gone() -> Any:
+        if launcher is None:
+            return await ask()
+        loop = asyncio.get_running_loop()
+        gone: asyncio.Future[None] = loop.create_future()
+
+        def ended() -> None:
+            if not gone.done():
+                gone.set_result(None)
+
+        loop.add_reader(launcher, ended)
+        asking = asyncio.ensure_future(ask())
+        try:
+            await asyncio.wait([asking, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            loop.remove_reader(launcher)
+        if asking.done():
+            return asking.result()
+        asking.cancel()
+        await asyncio.wait([asking], timeout=1.0)
+        return _LAUNCHER_ENDED
+
     loop = new_event_loop()
     try:
-        return loop.run_until_complete(ask()), ""
+        return loop.run_until_complete(ask_unless_gone()), ""
     except TimeoutError:
         return None, f"no answer within {_ANSWER_S:g} s"
     except Exception as e:  # noqa: BLE001 - a CLI reports and exits
