@@ -230,14 +230,17 @@ def palatine_job(action: str, job_id: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def submit_batch(tmp_path: Path, nodes: int, lines: list[str]) -> tuple[str, Path]:
+def submit_batch(
+    tmp_path: Path, nodes: int, lines: list[str], *, keep_host_ip: bool = False
+) -> tuple[str, Path]:
     """Submit a batch script of ``nodes`` nodes (one task each) that runs ``lines`` on
-    the first, from this environment less this machine's address; (job id, output file)."""
+    the first, from this environment less this machine's address (unless
+    ``keep_host_ip``: then the script inherits it); (job id, output file)."""
     script = tmp_path / "job.sbatch"
     head = f"#!/bin/bash\n#SBATCH --nodes={nodes}\n#SBATCH --ntasks-per-node=1\n"
     script.write_text(head + f"#SBATCH --partition={PARTITION}\n" + "\n".join(lines) + "\n")
     out = tmp_path / "out.txt"
-    env = {k: v for k, v in os.environ.items() if k != "PALATINE_HOST_IP"}
+    env = {k: v for k, v in os.environ.items() if keep_host_ip or k != "PALATINE_HOST_IP"}
     submitted = subprocess.run(
         ["sbatch", "--parsable", f"--output={out}", str(script)],
         env=env, capture_output=True, text=True, timeout=60, check=True,

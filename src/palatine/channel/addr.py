@@ -22,6 +22,7 @@ import secrets
 import socket
 import stat
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -36,7 +37,10 @@ __all__ = [
     "UNIX_PATH_MAX",
     "ChannelAddr",
     "any_addr",
+    "is_loopback_host",
+    "listen_error",
     "parse",
+    "pick_host",
     "random_abstract_name",
     "require_addr",
     "remove_socket_file",
@@ -412,22 +416,55 @@ def _hostname_ip() -> str | None:
     return None
 
 
-def _pick_host(peer: ChannelAddr | None) -> tuple[str, str]:
-    """(host, why) for a tcp/tls `any_addr`, in the order."""
-    configured = _configured_host()
+def pick_host(peers: Sequence[ChannelAddr] = (), *, use_config: bool = True) -> tuple[str, str]:
+    """(host, why) for a tcp/tls server that ``peers`` dial: the host to listen on, and
+    where it came from, in words for a message (``PALATINE_HOST_IP``, ``the route to
+    10.0.0.5``, ``the local hostname vm``).
+
+    In this order: ``PALATINE_HOST_IP``; a loopback of the first peer's family when that
+    peer is loopback; the local IP of the interface that routes to the first peer that has
+    a route (a connected UDP socket: nothing is sent); the local hostname's first address;
+    ``127.0.0.1``. ``use_config=False`` leaves ``PALATINE_HOST_IP`` out (a caller that
+    found it does not apply here)."""
+    configured = _configured_host() if use_config else None
     if configured is not None:
         return configured, "PALATINE_HOST_IP"
-    if peer is not None and peer.transport in ("tcp", "tls"):
+    for peer in peers:
+        if peer.transport not in ("tcp", "tls"):
+            continue
         if peer.is_loopback:
             loopback = "::1" if peer.family == socket.AF_INET6 else "127.0.0.1"
             return loopback, f"peer {peer} is loopback"
         routed = _route_ip(peer)
         if routed is not None:
-            return routed, f"routes to peer {peer}"
+            return routed, f"the route to {peer.host}"
     named = _hostname_ip()
     if named is not None:
-        return named, "local hostname"
-    return "127.0.0.1", "fallback"
+        return named, f"the local hostname {socket.gethostname()}"
+    return "127.0.0.1", "no route and no address for the local hostname"
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an IP literal or a name) is one that only this machine reaches."""
+    return ChannelAddr.tcp(host).is_loopback
+
+
+def listen_error(host: str) -> str | None:
+    """Why this machine cannot listen on ``host`` (an IP literal or a name), in the OS's
+    words; None when it can. It binds a throwaway socket to a free port there."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        return f"cannot resolve {host}: {e}"
+    why = f"no address for {host}"
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind(sockaddr)
+            return None
+        except OSError as e:
+            why = e.strerror or str(e)
+    return why
 
 
 def any_addr(transport: str, peer: ChannelAddr | None = None) -> ChannelAddr:
@@ -441,7 +478,7 @@ def any_addr(transport: str, peer: ChannelAddr | None = None) -> ChannelAddr:
     if peer is not None:
         require_addr(peer, "any_addr(peer=)")
     if transport in ("tcp", "tls"):
-        host, why = _pick_host(peer)
+        host, why = pick_host([peer] if peer is not None else [])
         addr = ChannelAddr._net(transport, host, 0)
         logger.debug("any_addr(%s) -> %s (%s)", transport, addr, why)
         return addr

@@ -11,8 +11,10 @@ Where things run, and why:
   The client is the one long-lived process of a single-controller job, and the nodes
   only have to reach one address (the system's), which exists before ``sbatch`` is
   called, so the batch script can name it. They listen on ``PALATINE_HOST_IP`` (the
-  address the nodes reach this machine on; else the address of this machine's
-  hostname) on a free port.
+  address the nodes reach this machine on; else this machine's address on the route to
+  the partition's first node, by its ``NodeAddr``) on a free port. Where that leaves only
+  a loopback address, a warning says so at once; an address this machine cannot listen
+  on is a `SchedulerError` at once, naming it and where it came from.
 * **One ``palatine host`` per node**, started by ``srun`` inside the allocation; it takes
   its identity from the scheduler (``--host-rank $SLURM_NODEID``), joins the system over
   TCP or TLS and starts that node's worker procs when the controller's world is placed.
@@ -21,19 +23,26 @@ Where things run, and why:
 ``sbatch``'s refusals arrive as `SchedulerError` with its own words (``sbatch: error:
 invalid partition specified``); a job that fails, is cancelled or times out in the queue
 before its hosts joined is reported by name and state. `cancel` runs ``scancel``, stops
-the controller and the system, and waits until Slurm no longer lists the job.
+the controller and the system, and waits until Slurm no longer lists the job. A job
+that Slurm ends under the program (``scancel``, its time limit, preemption: the state
+``scontrol`` reports) is named (`ended_by_slurm`): a note on the `DeviceException` that
+leaves ``with``, and a warning when the job is torn down.
 
 **Inside an allocation** (a batch script, ``salloc``: ``SLURM_JOB_ID`` is set), nothing
 is submitted: the hosts run as one step of that allocation (``srun``, one task per
 node, rank ``$SLURM_PROCID``), the system and the controller run here, on the batch
 node, and listen on its ``NodeAddr`` (what Slurm itself reaches it at) unless
-``PALATINE_HOST_IP`` says otherwise. `cancel` ends the step, not the allocation: the
+``PALATINE_HOST_IP`` says otherwise; one that is not an address of this node (inherited
+from the shell that submitted the batch script) is ignored, with a warning. `cancel`
+ends the step, not the allocation: the
 batch script goes on. ``use_allocation=False`` submits a job of its own anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import os
 import secrets
 import shlex
@@ -48,10 +57,11 @@ from typing import TYPE_CHECKING, Any, Self
 import msgspec
 
 from palatine import config
+from palatine.channel.addr import ChannelAddr, is_loopback_host, listen_error, pick_host
 from palatine.channel.token import token_env
 from palatine.config import roles
 from palatine.config.roles import ControllerOptions, HostOptions, SystemOptions
-from palatine.errors import SchedulerError
+from palatine.errors import AddrParseError, DeviceException, SchedulerError
 from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import check_open_files
 from palatine.job.jobhosts import JobHosts
@@ -62,6 +72,8 @@ if TYPE_CHECKING:
     from palatine.tensor.client.mesh import DeviceMesh
 
 __all__ = ["JobRecord", "SlurmJob", "cancel_steps", "find_job", "steps_named"]
+
+log = logging.getLogger(__name__)
 
 _COMMENT = "palatine:"  # sbatch --comment=palatine:<log dir>: where the job's record is
 
@@ -155,6 +167,10 @@ class SlurmJob:
         self._mesh: DeviceMesh | None = None
         self._hosts: JobHosts | None = None
         self._deadline = 0.0
+        self._host_scope: contextlib.AbstractContextManager[Any] | None = None
+        self._host = ""  # where the system listens (`_listen_host`)
+        self._ended_by: str | None = None  # `ended_by_slurm` once asked ("": Slurm did not)
+        self._loopback_note = ""  # what a failure to join adds (`_listen_host`)
 
     # ------------------------------------------------------------ submit
     def apply(self) -> str:
@@ -167,6 +183,8 @@ class SlurmJob:
             self.hosts * self.procs_per_host + self.hosts + 2,
             f"a job of {self.hosts * self.procs_per_host} procs",
         )
+        allocation = self._allocation()
+        host = self._host = self._listen_host(allocation)
         logs = LogSession.create("slurm", self.log_dir)
         self._token = secrets.token_hex(32)
         env = {"PALATINE_CLUSTER_TOKEN": self._token, "PALATINE_LOG_DIR": str(logs.path)}
@@ -174,12 +192,7 @@ class SlurmJob:
         self._cluster = cluster
         self._deadline = time.monotonic() + self.startup_timeout_s
         try:
-            allocation = self._allocation()
-            host = (
-                config.get().host_ip
-                or (allocation and _node_addr())
-                or socket.gethostbyname(socket.gethostname())
-            )
+            cluster.env["PALATINE_HOST_IP"] = host  # (the controller listens there too)
             system = cluster.start(
                 [
                     "system",
@@ -211,8 +224,58 @@ class SlurmJob:
         except BaseException:
             self._cluster = None
             cluster.stop(1.0, clean=False)
+            self._leave_host_scope()
             raise
         return self.job_id
+
+    def _listen_host(self, allocation: str | None) -> str:
+        """Where the system and the controller listen (module doc): ``PALATINE_HOST_IP``;
+        inside an allocation, this node's ``NodeAddr``; else the local address on the
+        route to the partition's first node. Warns at once when that is a loopback the
+        nodes cannot reach; `SchedulerError` when this machine cannot listen there,
+        naming the address and where it came from."""
+        configured = config.get().host_ip
+        host, origin = (configured, "PALATINE_HOST_IP") if configured else (None, "")
+        if host is not None and allocation is not None and listen_error(host) is not None:
+            # inherited from the shell that submitted the batch script, most likely
+            log.warning(
+                "PALATINE_HOST_IP=%s is not an address of this node (%s), which runs Slurm "
+                "allocation %s: ignored",
+                host,
+                socket.gethostname(),
+                allocation,
+            )
+            host = None
+        peers: list[ChannelAddr] = []
+        if host is None and allocation is not None:
+            name = os.environ.get("SLURMD_NODENAME")
+            node = _node_addr(name)
+            if node is not None:
+                host, origin = node, f"the NodeAddr of {name} in Slurm"
+        if host is None:
+            peers = [] if allocation is not None else _node_addrs(self.partition)
+            host, origin = pick_host(peers, use_config=False)
+        problem = listen_error(host)
+        if problem is not None:
+            raise SchedulerError(f"cannot listen on {host} ({origin}): {problem}")
+        if configured and host != configured:
+            self._host_scope = config.override(host_ip=host)
+            self._host_scope.__enter__()  # (this process's own client listens there too)
+        chosen = origin not in ("PALATINE_HOST_IP", "") and not origin.startswith("the NodeAddr")
+        if chosen and is_loopback_host(host) and not (peers and peers[0].is_loopback):
+            whom = ", ".join(p.host for p in peers[:3]) or "the nodes"
+            log.warning(
+                "the system listens on %s (%s), a loopback address %s cannot reach: "
+                "set PALATINE_HOST_IP to this machine's address on the cluster network",
+                host,
+                origin,
+                whom,
+            )
+            self._loopback_note = (
+                f"; the system listens on loopback {host} ({origin}), which the nodes "
+                "cannot reach: set PALATINE_HOST_IP"
+            )
+        return host
 
     def _allocation(self) -> str | None:
         """The allocation this process runs in, if the job is to use it (module doc);
@@ -311,6 +374,7 @@ class SlurmJob:
             transport=self.transport,
             log_dir=str(logs.path),
             pid=os.getpid(),
+            machine=socket.gethostname(),
             step_name=self.job_name if self._in_allocation else None,
         )
         Path(logs.file("job.json")).write_bytes(msgspec.json.encode(record))
@@ -332,7 +396,8 @@ class SlurmJob:
         handed = Handoff(
             system_addr=self._cluster.system_addr, worker_world="worker", job_id=self.job_id
         )
-        return handed.to_env() | token_env(self._token)
+        # (it listens where the system does: an inherited PALATINE_HOST_IP may not apply)
+        return handed.to_env() | token_env(self._token) | {"PALATINE_HOST_IP": self._host}
 
     def _job_env(self) -> dict[str, str]:
         """What the hosts inherit: this environment, less what names this machine or process."""
@@ -388,7 +453,7 @@ class SlurmJob:
             try:
                 cluster.wait_ready([controller], left)
             except RuntimeError as e:
-                raise SchedulerError(f"Slurm job {self.job_id}: {e}") from None
+                raise SchedulerError(f"Slurm job {self.job_id}: {e}{self._loopback_note}") from None
         return "Live"
 
     def _ended_text(self, state: str | None) -> str:
@@ -397,7 +462,10 @@ class SlurmJob:
             path = self._cluster.logs.path / f"slurm-{self.job_id}.out"
             if path.exists():
                 out = "\n" + "\n".join(path.read_text(errors="replace").splitlines()[-20:])
-        return f"Slurm job {self.job_id} ended before its hosts joined: {state or 'gone from the queue'}{out}"
+        return (
+            f"Slurm job {self.job_id} ended before its hosts joined: "
+            f"{state or 'gone from the queue'}{self._loopback_note}{out}"
+        )
 
     def _step_ended_text(self, code: int) -> str:
         out = ""
@@ -406,7 +474,10 @@ class SlurmJob:
             if path.exists():
                 out = "\n" + "\n".join(path.read_text(errors="replace").splitlines()[-20:])
         how = f"signal {-code}" if code < 0 else f"exit status {code}"
-        return f"the hosts' step in Slurm allocation {self.job_id} ended before they joined ({how}){out}"
+        return (
+            f"the hosts' step in Slurm allocation {self.job_id} ended before they joined "
+            f"({how}){self._loopback_note}{out}"
+        )
 
     def mesh(self) -> DeviceMesh:
         """The job's `DeviceMesh` (dims ``host`` and ``proc``), once every host joined."""
@@ -434,9 +505,22 @@ class SlurmJob:
         return self._hosts
 
     # ------------------------------------------------------------ teardown
+    def ended_by_slurm(self) -> str | None:
+        """How Slurm itself ended this job, in words (``Slurm job 7 was cancelled
+        (scancel)``), once it reports such a state; None while the job runs or when Slurm
+        does not say (`slurm_ended`). Asked once: the answer is kept."""
+        if self._ended_by is None and self.job_id is not None:
+            self._ended_by = slurm_ended(self.job_id) or ""
+        return self._ended_by or None
+
     def _release(self) -> None:
         """What the job holds from Slurm goes: the hosts' step in an allocation, else the
-        job of our own."""
+        job of our own. A job Slurm ended under us is said to have been (a warning), for
+        the program that lost its ranks to it only saw them go."""
+        told = self._ended_by is not None
+        cause = self.ended_by_slurm()
+        if cause is not None and not told:
+            log.warning("%s while the job ran: Slurm stopped its hosts and workers", cause)
         if self._in_allocation:
             self._end_step()
         else:
@@ -497,12 +581,23 @@ class SlurmJob:
             self._cluster.stop(5.0, clean=clean)
         self._cluster = None
         self._release()
+        self._leave_host_scope()
+
+    def _leave_host_scope(self) -> None:
+        """This process's own choice of address is its configuration's again."""
+        scope, self._host_scope = self._host_scope, None
+        if scope is not None:
+            scope.__exit__(None, None, None)
 
     def __enter__(self) -> Self:
         self.apply()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if isinstance(exc[1], DeviceException):  # lost ranks: say so if Slurm ended the job
+            cause = self.ended_by_slurm()
+            if cause is not None:
+                exc[1].add_note(cause)
         self.cancel(clean=exc[0] is None)
 
 
@@ -527,6 +622,7 @@ class JobRecord(msgspec.Struct, frozen=True, kw_only=True):
     transport: str
     log_dir: str
     pid: int  # the process that applied the job (its client or ``palatine launch``)
+    machine: str = ""  # ... and the machine it runs on (its hostname)
     # Inside an allocation of its own owner's (a batch script): the name of palatine's
     # step there, which is what ``palatine job cancel`` ends; None: the job is palatine's.
     step_name: str | None = None
@@ -568,6 +664,34 @@ def find_job(job_id: str) -> tuple[dict[str, str] | None, JobRecord | None]:
         except (OSError, msgspec.DecodeError):
             record = None
     return info, record
+
+
+# How Slurm itself ends a job, by its state (`slurm_ended`)
+_ENDED_BY_SLURM = {
+    "CANCELLED": "was cancelled (scancel)",
+    "TIMEOUT": "reached its time limit",
+    "DEADLINE": "reached its deadline",
+    "PREEMPTED": "was preempted",
+    "NODE_FAIL": "lost a node (NODE_FAIL)",
+    "BOOT_FAIL": "could not boot its nodes (BOOT_FAIL)",
+    "OUT_OF_MEMORY": "ran out of memory",
+}
+_SETTLE_S = 5.0  # how long Slurm may take to say how it ended a job it is completing
+
+
+def slurm_ended(job_id: str, wait_s: float = _SETTLE_S) -> str | None:
+    """How Slurm itself ended job ``job_id``, in words (``Slurm job 7 was cancelled
+    (scancel)``), once ``scontrol`` reports that state; None while the job runs, when it
+    ended by itself, or when Slurm does not say. While Slurm is still stopping the job's
+    processes it says only ``COMPLETING``: that is waited out for at most ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = _scontrol_field("job", job_id, "JobState")
+        if state in _ENDED_BY_SLURM:
+            return f"Slurm job {job_id} {_ENDED_BY_SLURM[state]}"
+        if state != "COMPLETING" or time.monotonic() >= deadline:
+            return None
+        time.sleep(0.1)
 
 
 def _host_command(rank_var: str, options: HostOptions) -> str:
@@ -614,10 +738,24 @@ def _comment_of(job_id: str) -> str | None:
     return _scontrol_field("job", job_id, "Comment")
 
 
-def _node_addr() -> str | None:
-    """This node's ``NodeAddr`` in Slurm's configuration (None if unknown)."""
-    name = os.environ.get("SLURMD_NODENAME")
+def _node_addr(name: str | None) -> str | None:
+    """Node ``name``'s ``NodeAddr`` in Slurm's configuration (None if unknown)."""
     return _scontrol_field("node", name, "NodeAddr") if name else None
+
+
+def _node_addrs(partition: str | None) -> list[ChannelAddr]:
+    """The ``NodeAddr`` of each node of ``partition`` (else of every partition), as
+    ``sinfo`` lists them; empty when it does not answer."""
+    argv = ["sinfo", "-h", "-N", "-o", "%o"]
+    if partition:
+        argv.append(f"--partition={partition}")
+    addrs = []
+    for word in (_scheduler(argv) or "").split():
+        try:
+            addrs.append(ChannelAddr.tcp(word))
+        except AddrParseError:
+            continue  # (not an address: nothing to route to)
+    return addrs
 
 
 def _scontrol_field(kind: str, name: str, key: str) -> str | None:
