@@ -18,7 +18,7 @@ from palatine.tensor.client.collectives import process_group, reduce
 from palatine.tensor.client.context import activated
 from palatine.tensor.client.remote import remote, restore
 from palatine.tensor.client.session import Handle, Session, Stream
-from palatine.tensor.client.shutdown import LocalRoles, shutdown_session
+from palatine.tensor.client.shutdown import LocalRoles, shutdown_at_exit, shutdown_session
 from palatine.tensor.client.values import RemoteValue
 
 __all__ = ["DeviceMesh"]
@@ -65,6 +65,7 @@ class DeviceMesh:
         self.slice_spec = Slice(offset=offset, sizes=self.sizes, strides=self.strides)
         self.ranks = self.slice_spec.ranks()
         self._local = local
+        shutdown_at_exit(session, local)  # a program that never shuts it down ends cleanly
         self._handle: _MeshHandle | None = None
         self._groups: dict[tuple[str, ...], Any] = {}
 
