@@ -21,7 +21,6 @@ import re
 import secrets
 import socket
 import stat
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -29,6 +28,7 @@ from typing import Any, Final
 import msgspec
 
 from palatine import config
+from palatine.channel.sockets import socket_dir_candidates, socket_file_name
 from palatine.errors import AddrParseError, ConfigError
 
 __all__ = [
@@ -492,19 +492,6 @@ def any_addr(transport: str, peer: ChannelAddr | None = None) -> ChannelAddr:
 # -- the private unix socket directory -------------------------------------------------
 
 
-def _socket_dir_candidates() -> list[Path]:
-    candidates = []
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
-        candidates.append(Path(runtime) / "palatine")
-    candidates.append(Path(tempfile.gettempdir()) / f"palatine-{os.getuid()}")
-    return candidates
-
-
-def _socket_file_name() -> str:
-    return f"{os.getpid()}-{secrets.token_hex(6)}.sock"
-
-
 def _ensure_private_dir(directory: Path) -> None:
     """Create ``directory`` 0700, or check that an existing one is ours and private."""
     try:
@@ -540,14 +527,14 @@ def unix_socket_dir() -> Path:
     ``palatine-<uid>`` in the system temp directory. An existing directory must be
     owned by this user; a looser mode is tightened to 0700. Raises `ConfigError`.
     """
-    directory = _socket_dir_candidates()[0]
+    directory = socket_dir_candidates()[0]
     _ensure_private_dir(directory)
     return directory
 
 
 def _fresh_socket_path() -> str:
-    name = _socket_file_name()
-    for directory in _socket_dir_candidates():
+    name = socket_file_name()
+    for directory in socket_dir_candidates():
         path = directory / name
         if len(os.fsencode(str(path))) <= UNIX_PATH_MAX:
             _ensure_private_dir(directory)
@@ -555,7 +542,7 @@ def _fresh_socket_path() -> str:
         logger.debug("unix socket directory %s is too long for sun_path; trying next", directory)
     raise ConfigError(
         "unix socket path too long: every candidate directory "
-        f"({', '.join(map(str, _socket_dir_candidates()))}) exceeds {UNIX_PATH_MAX} bytes; "
+        f"({', '.join(map(str, socket_dir_candidates()))}) exceeds {UNIX_PATH_MAX} bytes; "
         "set XDG_RUNTIME_DIR or TMPDIR to a shorter directory"
     )
 

@@ -70,7 +70,7 @@ def command_from_args(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from palatine.errors import ConfigError, TooManyOpenFiles
-    from palatine.hosting.limits import check_open_files
+    from palatine.hosting.limits import check_open_files, controller_open_files
     from palatine.tensor.controller.startup import ControllerTimeouts, validate_command
 
     cmd = command_from_args(args)
@@ -81,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"palatine controller: error: {e}", file=sys.stderr)
         return 2
     try:  # every worker connects to the controller: refuse a world it cannot hold open
-        check_open_files(cmd.world_size, f"a controller of {cmd.world_size} workers")
+        check_open_files(
+            controller_open_files(cmd.world_size), f"a controller of {cmd.world_size} workers"
+        )
     except TooManyOpenFiles as e:
         print(f"palatine controller: error: {e}", file=sys.stderr)
         return 1

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self, TextIO
 import msgspec
 
 from palatine import config
+from palatine.channel import sockets
 from palatine.hosting.child_env import describe_exit
 from palatine.hosting.forkserver import (
     ForkedProcess,
@@ -621,6 +622,7 @@ class ChildProcs:
             # Before the reap, the zombie still holds its pid, so the group id cannot
             # have been reused: this signals only processes that child started.
             _killpg(child.pid, signal.SIGKILL)
+        sockets.sweep({child.pid})  # the socket files it left, before its pid can be reused
         self._spawn_task(self._finish(child), f"child-exit-{child.proc_id}")
 
     async def _finish(self, child: Child) -> None:

@@ -17,6 +17,7 @@ import logging
 import math
 import sys
 
+from palatine.channel import sockets
 from palatine.channel import token as token_mod
 from palatine.channel.addr import ChannelAddr, any_addr
 from palatine.core import runtime
@@ -26,7 +27,7 @@ from palatine.hosting.agent import ProcHandle, bootstrap_proc
 from palatine.hosting.child_env import Handoff
 from palatine.hosting.forkserver import ForkServer, fork_server_supported
 from palatine.hosting.host import HostAgent
-from palatine.hosting.limits import check_open_files
+from palatine.hosting.limits import check_open_files, this_host_open_files
 from palatine.hosting.output import flush_output, watch_output
 from palatine.ids import ProcId, WorldId
 from palatine.job.procmesh import ProcMesh, abandon, per_host_dims, wait_live
@@ -85,6 +86,7 @@ async def _get_cluster() -> _Cluster:
                 fork_server = ForkServer()
                 fork_server.start()
             logs = LogSession.create("procs")
+            sockets.sweep()  # what jobs before this one left, where nobody saw them die
             outer = Handoff.from_env()
             if outer.bootstrap_addr and outer.proc_id:  # a proc of a system already
                 me = ProcId.parse(outer.proc_id)
@@ -169,7 +171,7 @@ async def _spawn_procs(dims: list[tuple[str, int]], owner: Context | None = None
     cluster = await _get_cluster()
     # The embedded system and this client hold connections to every proc of every mesh.
     total = n + sum(len(m) for m in cluster.meshes)
-    check_open_files(total, f"{total} procs of this_host()")
+    check_open_files(this_host_open_files(total), f"{total} procs of this_host()")
     k = next(cluster.counter)
     world = WorldId(f"{cluster.prefix}mesh{k}")
     host = await bootstrap_proc(

@@ -63,7 +63,7 @@ from palatine.config import roles
 from palatine.config.roles import ControllerOptions, HostOptions, SystemOptions
 from palatine.errors import AddrParseError, DeviceException, SchedulerError
 from palatine.hosting.child_env import Handoff
-from palatine.hosting.limits import check_open_files
+from palatine.hosting.limits import check_open_files, mesh_open_files
 from palatine.job.jobhosts import JobHosts
 from palatine.output.logs import LogSession
 from palatine.tensor.client.local import LocalCluster, check_shape, connect
@@ -180,7 +180,7 @@ class SlurmJob:
             return self.job_id
         self._in_allocation = False
         check_open_files(
-            self.hosts * self.procs_per_host + self.hosts + 2,
+            mesh_open_files(self.hosts, self.procs_per_host),
             f"a job of {self.hosts * self.procs_per_host} procs",
         )
         allocation = self._allocation()

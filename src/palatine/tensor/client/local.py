@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from palatine import config
+from palatine.channel import sockets
 from palatine.channel.addr import ChannelAddr, require_addr
 from palatine.config import roles
 from palatine.config.roles import ControllerOptions, HostOptions, LocalOptions, SystemOptions
@@ -330,6 +331,7 @@ class LocalCluster:
                 pass
             rp.kill()
         self.procs.clear()
+        sockets.sweep()  # the socket files of its procs that died where nobody alive saw it
         self.console.close(1.0)
         if self.logs.owned and self.logs.path.exists():
             if not clean:
@@ -505,6 +507,7 @@ def start_checked(hosts: int, procs_per_host: int, opts: MeshOptions) -> LocalCl
         mesh_open_files(hosts, procs_per_host), f"a mesh of {hosts * procs_per_host} procs"
     )
     logs = LogSession.create("mesh", opts.local.log_dir)
+    sockets.sweep()  # what jobs before this one left, where nobody saw their procs die
     # Every role and worker writes its logs there (roles: <role>.log; workers: see palatine.output.logs).
     env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(32), "PALATINE_LOG_DIR": str(logs.path)}
     # One execution id for every role, so that a system started again keeps it.
