@@ -373,19 +373,25 @@ def test_recover_called_at_once_after_a_partition_error_brings_back_every_rank_o
 ) -> None:
     with two_node_mesh(bed) as mesh:
         node0 = inspect(remote(net_namespace)(), shard={"host": 0, "proc": 0})
-        pending = fetch(
-            remote(sleep_on_node_1)(mesh.rank(("host", "proc"))), shard={"host": 1, "proc": 1}
-        )
+        rank3 = inspect(remote(os.getpid)(), shard={"host": 1, "proc": 1})
+        # Rank 3 falls silent first, then its node is cut off: the first error names rank
+        # 3 alone, and recover() is called while the system has rank 2 and node 1's host
+        # still alive; they are declared lost a moment later, while it runs.
+        os.kill(rank3, signal.SIGSTOP)
+        time.sleep(1.0)
+        pending = fetch(remote(sleep_on_node_1)(mesh.rank(("host", "proc"))), shard=3)
         bed.cut(1)
         try:
-            with pytest.raises(DeviceException):
+            with pytest.raises(DeviceException) as ei:
                 pending.result(timeout=30)
+            assert "worker[3]" in str(ei.value).splitlines()[0], str(ei.value)
             t0 = time.monotonic()
-            # At once: the system may not yet have declared the node's other rank lost.
             rec = mesh.recover(timeout_s=60)
             took = time.monotonic() - t0
         finally:
             bed.heal(1)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank3, signal.SIGKILL)
         # Every rank of the cut node comes back in this one call, within the liveness
         # bound, never after the world's eviction.
         assert rec.ranks == [2, 3], rec

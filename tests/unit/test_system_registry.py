@@ -2170,3 +2170,44 @@ def test_a_message_returned_from_a_replaced_incarnations_address_does_not_fail_t
         )
     )
     assert not rec.alive and "returned" in rec.reason
+
+
+def test_a_respawn_asked_of_a_host_lost_before_it_answers_moves_to_another_live_host() -> None:
+    from palatine.protocol.system import RespawnProcs
+
+    h = Harness()
+    h.joined("hostw[0]", host="node1")
+    h.joined("hostw[1]", host="node2")
+    h.upsert("w", [4], nph=2, env=Exec(program="palatine worker"))
+    for r in range(4):
+        h.joined(f"w[{r}]", pid_=800 + r, host=f"node{r // 2 + 1}", host_proc=f"hostw[{r // 2}]")
+    # rank 3 is declared first; its host, still alive then, is asked to start it again
+    h.send(ProcExited(proc_id=pid("w[3]"), host_proc=pid("hostw[1]"), pid=803, exit_signal=9))
+    _, instrs = h.send(RespawnProcs(world_id=wid("w"), ranks=[3]))
+    (first,) = asks(instrs, SpawnProc)
+    assert first.dest == agent_of(pid("hostw[1]"))
+    # ... and is lost before it answers: the rank is asked of the other host at once
+    h.clock.advance(10.0)
+    instrs = h.advance(0.25, beat=["w[0]", "w[1]", "hostw[0]"])
+    assert h.health("hostw[1]") == "Expired"
+    (moved,) = asks(instrs, SpawnProc)
+    assert moved.dest == agent_of(pid("hostw[0]"))
+    assert [a.rank for a in moved.message.procs] == [3]
+    # the lost host's late failure to answer changes nothing more
+    _, instrs = h.run(h.reg.handle_reply(first, None, "peer gone: hostw[1]"))
+    assert asks(instrs, SpawnProc) == []
+    h.joined("w[3]", pid_=903, host="node1", host_proc="hostw[0]")
+    assert h.reg.record(pid("w[3]")).alive  # type: ignore[union-attr]
+
+
+def test_a_respawn_whose_host_is_lost_with_no_other_host_left_fails_the_rank_at_once() -> None:
+    from palatine.protocol.system import RespawnProcs
+
+    h = respawnable_world()
+    h.send(ProcExited(proc_id=pid("w[1]"), host_proc=pid("hostw[0]"), pid=813, exit_signal=9))
+    h.send(RespawnProcs(world_id=wid("w"), ranks=[1]))
+    h.clock.advance(10.0)
+    h.advance(0.25, beat=["w[0]"])
+    rec = h.reg.record(pid("w[1]"))
+    assert rec is not None and not rec.alive and not rec.joined
+    assert "was lost before it started" in rec.reason and "no other live host" in rec.reason

@@ -357,6 +357,9 @@ class SystemRegistry:
         # (proc id, incarnation) of a heartbeat the registry has no live record for -> when
         # that incarnation was last told to stop (at most once per interval)
         self._unknown_told: dict[tuple[ProcId, int], float] = {}
+        # host -> the respawns (`RespawnProcs`) asked of it and not answered yet: when the
+        # host is lost meanwhile, their ranks are started on another host
+        self._respawning: dict[ProcId, list[SpawnToken]] = {}
         # failures detected, by kind (``signal``, ``exit``, ``Expired``, ``actor``): metrics
         self.detections: collections.Counter[str] = collections.Counter()
         self._generation = 0
@@ -755,6 +758,8 @@ class SystemRegistry:
         self._report(rec, out)
         if rec.kind == "proc" and world is not None:
             self._evaluate(world, now, out)
+        if rec.kind == "host" and rec.proc_id in self._respawning:
+            self._respawn_elsewhere(rec.proc_id, self._respawning.pop(rec.proc_id), reason, out)
         if rec.kind == "managing":
             self._managing_failed(rec, out)
 
@@ -1393,6 +1398,14 @@ class SystemRegistry:
         token = ask.token
         if not isinstance(token, SpawnToken):
             return
+        pending = self._respawning.get(token.host)
+        if pending is not None and token in pending:
+            pending.remove(token)
+            if not pending:
+                del self._respawning[token.host]
+            if reply is None:  # the host did not answer: start those ranks elsewhere
+                self._respawn_elsewhere(token.host, [token], f"no answer: {error}", out)
+                return
         world = self._worlds.get(token.world)
         if world is None or world.incarnation != token.world_incarnation or world.phase != ACTIVE:
             return
@@ -1958,29 +1971,76 @@ class SystemRegistry:
                     if rec.pid is not None:
                         world.replaced.add((r, rec.pid))
                     self._drop_record(rec, out)  # its resolvers heard of its end already
-            host = world.hosts[host_rank]
-            spawn = SpawnProc(
-                world_id=world.world_id,
-                env=world.env,
-                procs=[
-                    ProcAssignment(proc_id=world.world_id.proc(r), rank=r, local_rank=r % nph)
-                    for r in ranks
-                ],
-                world_size=world.size,
-                local_world_size=len(host_ranks(host_rank, nph, world.size)),
-                **self._spec_fields(world),
-            )
-            token = SpawnToken(
-                world.name, world.incarnation, host.proc_id, host.incarnation, tuple(ranks)
-            )
-            out.append(
-                Ask(agent_of(host.proc_id), spawn, self.rpc_timeout_s, token, stimulus_id=self._sid)
-            )
+            self._ask_respawn(world, world.hosts[host_rank], ranks, out)
         out.append(
             Log(logging.INFO, f"respawning {name} ranks {sorted(msg.ranks)}", stimulus_id=self._sid)
         )
         self._evaluate(world, self._clock(), out)
         return Ok(), out
+
+    def _ask_respawn(
+        self, world: WorldRecord, host: ProcRecord, ranks: list[int], out: list[Instruction]
+    ) -> None:
+        """Ask ``host`` to start ``ranks`` of ``world`` again (`SpawnProc`), remembered
+        until it answers (`_respawning`)."""
+        assert world.size is not None and world.env is not None
+        nph = world.num_procs_per_host
+        spawn = SpawnProc(
+            world_id=world.world_id,
+            env=world.env,
+            procs=[
+                ProcAssignment(proc_id=world.world_id.proc(r), rank=r, local_rank=r % nph)
+                for r in ranks
+            ],
+            world_size=world.size,
+            local_world_size=len(host_ranks(host.proc_id.rank, nph, world.size)),
+            **self._spec_fields(world),
+        )
+        token = SpawnToken(
+            world.name, world.incarnation, host.proc_id, host.incarnation, tuple(ranks)
+        )
+        self._respawning.setdefault(host.proc_id, []).append(token)
+        out.append(
+            Ask(agent_of(host.proc_id), spawn, self.rpc_timeout_s, token, stimulus_id=self._sid)
+        )
+
+    def _respawn_elsewhere(
+        self, host: ProcId, tokens: list[SpawnToken], why: str, out: list[Instruction]
+    ) -> None:
+        """``host`` was lost, or did not answer (``why``), with the respawns ``tokens``
+        asked of it: each of their ranks that has not joined is asked of the world's
+        least loaded other live host instead, or, with none left, fails at once as a rank
+        that died before joining, so that a recovery waiting for it ends with that reason
+        instead of waiting out its bound."""
+        for token in tokens:
+            world = self._worlds.get(token.world)
+            if world is None or world.incarnation != token.world_incarnation:
+                continue
+            if world.phase != ACTIVE or world.env is None:
+                continue
+            ranks = [r for r in token.ranks if world.world_id.proc(r) not in self._records]
+            plan: dict[int, list[int]] = {}
+            for r in ranks:
+                other = self._least_loaded_host(world, plan, exclude=host)
+                if other is None:
+                    reason = (
+                        f"its host {host} was lost before it started ({why}), and world "
+                        f"{world.name} has no other live host"
+                    )
+                    exited = ProcExited(
+                        proc_id=world.world_id.proc(r), host_proc=host, reason=reason
+                    )
+                    self._exit_before_join(exited, out)
+                    continue
+                plan.setdefault(other.proc_id.rank, []).append(r)
+            for host_rank, moved in plan.items():
+                target = world.hosts[host_rank]
+                text = (
+                    f"respawning {world.name} ranks {moved} on {target.proc_id} instead: "
+                    f"{host} was lost before it started them"
+                )
+                out.append(Log(logging.INFO, text, stimulus_id=self._sid))
+                self._ask_respawn(world, target, moved, out)
 
     @staticmethod
     def _spec_fields(world: WorldRecord) -> dict[str, Any]:
@@ -1993,11 +2053,14 @@ class SystemRegistry:
         }
 
     def _least_loaded_host(
-        self, world: WorldRecord, plan: dict[int, list[int]]
+        self, world: WorldRecord, plan: dict[int, list[int]], exclude: ProcId | None = None
     ) -> ProcRecord | None:
-        """The world's live host running (and about to run, ``plan``) the fewest of its
-        procs; the lowest rank among equals. None when no host of the world is alive."""
-        live = [h for h in world.hosts.values() if h.alive and not h.stop_sent]
+        """The world's live host (other than ``exclude``) running (and about to run,
+        ``plan``) the fewest of its procs; the lowest rank among equals. None when no
+        such host is alive."""
+        live = [
+            h for h in world.hosts.values() if h.alive and not h.stop_sent and h.proc_id != exclude
+        ]
         if not live:
             return None
         load = {h.proc_id: len(plan.get(h.proc_id.rank, ())) for h in live}

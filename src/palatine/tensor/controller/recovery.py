@@ -132,7 +132,26 @@ async def recover_ranks(
     for r, res in zip(chosen, spawned, strict=True):
         if isinstance(res, BaseException):
             raise RuntimeError(f"the worker actor of rank {r} did not start: {res}") from res
-    return records
+    if ranks is None:
+        # Ranks declared lost while this ran (the other procs of a cut-off host, which
+        # the system declares one by one as it learns) are taken in by the same call.
+        later = await _await_ended(mailbox, p, (), deadline)
+        more = sorted(later - set(chosen) - set(records))
+        if more:
+            log.info("recovery: ranks %s were lost while it ran; recovering them too", more)
+            records.update(
+                await recover_ranks(
+                    mailbox,
+                    proc,
+                    params,
+                    controller,
+                    supervision,
+                    ranks=more,
+                    stuck=set(),
+                    culprits=(),
+                )
+            )
+    return dict(sorted(records.items()))
 
 
 async def _worker_entries(
