@@ -2211,3 +2211,12 @@ def test_a_respawn_whose_host_is_lost_with_no_other_host_left_fails_the_rank_at_
     rec = h.reg.record(pid("w[1]"))
     assert rec is not None and not rec.alive and not rec.joined
     assert "was lost before it started" in rec.reason and "no other live host" in rec.reason
+
+
+def test_a_beat_that_arrives_after_an_observer_left_leaves_no_trace() -> None:
+    h = Harness()
+    h.joined("user[55]", mode="Detached")
+    h.ok(Leave(proc_id=pid("user[55]"), reason="done", incarnation=h.incarnations[pid("user[55]")]))
+    instrs = h.heartbeat("user[55]")  # on its own connection, sent before the Leave
+    assert not sends(instrs, ProcStop)
+    assert not [i for i in instrs if isinstance(i, Log) and i.level >= logging.WARNING]

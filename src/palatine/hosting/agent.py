@@ -439,12 +439,18 @@ class ProcAgent(Actor):
         self.stopped.set()
 
     async def leave(self, reason: str) -> None:
-        """A self-initiated stop: tell the system why first (best effort, ≤ 1 s)."""
+        """A self-initiated stop: tell the system why first (best effort, ≤ 1 s).
+
+        The heartbeat thread is stopped (and joined, briefly) before the `Leave`, so that
+        no beat in flight on its own connection reaches the system after it and is taken
+        for an unknown proc's (a warning in the job's log, for an observer that left)."""
         self.leaving = True  # no rejoin from now on (a last beat may meet no record)
+        heartbeat = self.heartbeat
+        if heartbeat is not None:
+            await asyncio.to_thread(heartbeat.stop, 0.5)
+        leave = Leave(proc_id=self.proc.proc_id, reason=reason, incarnation=self.incarnation)
         try:
-            await self.cx.mailbox.ask(
-                SYSTEM_ACTOR, Leave(proc_id=self.proc.proc_id, reason=reason, incarnation=self.incarnation), 1.0
-            )
+            await self.cx.mailbox.ask(SYSTEM_ACTOR, leave, 1.0)
         except Exception as e:  # noqa: BLE001 - best effort
             log.debug("leave failed: %s", e)
 

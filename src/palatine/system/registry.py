@@ -1839,6 +1839,9 @@ class SystemRegistry:
             # an incarnation replaced since (cut off, recovered elsewhere, now stopping)
             return Ok(), out
         if rec.kind == "detached":
+            # a beat already on its way when it left is dropped quietly (no warning, no
+            # ProcStop): it is told, as far as `_tell_unknown` knows
+            self._unknown_told[(rec.proc_id, rec.incarnation or 0)] = self._clock()
             self._forget(rec, f"left: {msg.reason}" if msg.reason else "left the system", out)
             out.append(Unbind(rec.proc_id, stimulus_id=self._sid))
             return Ok(), out
