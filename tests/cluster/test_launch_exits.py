@@ -94,3 +94,54 @@ def test_a_program_killed_ends_its_launch_at_once_with_its_status_and_no_supervi
     noise = [line for line in done.stderr.splitlines() if _NOISE.search(line)]
     assert len(noise) == 1 and "the logs of this mesh are kept in" in noise[0], done.stderr
     assert slurm.squeue() == []
+
+
+CUT_THEN_KILLED = (
+    "import os, time, palatine\n"
+    "from palatine import fetch, remote\n"
+    "mesh = palatine.connect()\n"
+    "with mesh.activate():\n"
+    "    print(fetch(remote(len)('abc')).result())\n"
+    "print('ready', os.getpid(), flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_a_program_killed_while_a_node_is_cut_off_ends_its_launch_within_seconds(
+    slurm: SlurmTestCluster,
+) -> None:
+    # Slurm keeps a cancelled job COMPLETING while a node it cannot reach has not
+    # confirmed; the launcher does not wait that out.
+    import os
+    import signal
+
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "palatine", "launch", "--scheduler", "slurm", "--partition",
+         PARTITION, "--start-timeout-in-sec", "120", "--hosts", "2", "--procs-per-host", "1",
+         "--", sys.executable, "-c", CUT_THEN_KILLED],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert launch.stdout is not None
+        program = 0
+        for line in launch.stdout:
+            if line.startswith("ready "):
+                program = int(line.split()[1])
+                break
+        assert program, launch.stderr.read() if launch.stderr else ""
+        slurm.bed.cut(1)
+        killed_at = time.monotonic()
+        os.kill(program, signal.SIGKILL)
+        code = launch.wait(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        slurm.bed.heal(1)
+        if launch.poll() is None:
+            launch.kill()
+            launch.wait(10)
+    assert code == 137, code
+    assert took < 10.0, took
+    deadline = time.monotonic() + 60
+    while slurm.squeue() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert slurm.squeue() == []

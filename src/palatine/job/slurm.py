@@ -80,6 +80,7 @@ _COMMENT = "palatine:"  # sbatch --comment=palatine:<log dir>: where the job's r
 _SCHEDULER_TIMEOUT_S = 60.0  # one sbatch / squeue / scancel / scontrol call
 _STEP_STOP_S = 10.0  # the hosts' step, after SIGTERM, before SIGKILL
 _GONE_TIMEOUT_S = 30.0  # a cancelled job leaving squeue
+_COMPLETING_WAIT_S = 2.0  # ... once it is COMPLETING: ended, its nodes yet to confirm
 _ENDED = (
     "FAILED",
     "CANCELLED",
@@ -552,7 +553,12 @@ class SlurmJob:
             pass
 
     def _scancel(self) -> None:
-        """Cancel the allocation and wait (bounded) until Slurm no longer lists it."""
+        """Cancel the allocation and wait (bounded) until Slurm no longer lists it.
+
+        A job Slurm lists as ``COMPLETING`` has ended: Slurm waits for its nodes to
+        confirm, and a node it cannot reach (cut off) keeps it there for as long as that
+        takes, which palatine cannot shorten; so that state is waited for only
+        `_COMPLETING_WAIT_S` more, not the whole bound."""
         job, self.job_id = self.job_id, None
         if job is None:
             return
@@ -564,7 +570,12 @@ class SlurmJob:
             return
         self.job_id = job
         deadline = time.monotonic() + _GONE_TIMEOUT_S
-        while time.monotonic() < deadline and self.job_state() is not None:
+        while time.monotonic() < deadline:
+            state = self.job_state()
+            if state is None:
+                break
+            if state == "COMPLETING":
+                deadline = min(deadline, time.monotonic() + _COMPLETING_WAIT_S)
             time.sleep(0.1)
         self.job_id = None
 
