@@ -1,5 +1,5 @@
-"""Client commands and the cluster token: ``palatine top``, ``stacks`` and ``snapshot``
-never create the per-user token file. Without a token they exit 1 saying where the
+"""Client commands and the cluster token: ``palatine top``, ``stacks``, ``snapshot`` and
+``stop`` never create the per-user token file. Without a token they exit 1 saying where the
 job's token is; with the job's token file they reach the job's system."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from palatine import local_mesh
 
 pytestmark = pytest.mark.timeout(120)
 
-COMMANDS = [["top", "--once"], ["stacks"], ["snapshot"]]
+COMMANDS = [["top", "--once"], ["stacks"], ["snapshot"], ["stop"]]
 
 
 def client_env(config_home: Path, **extra: str) -> dict[str, str]:
@@ -39,7 +39,15 @@ def test_a_client_command_without_a_token_says_where_the_jobs_token_is_and_creat
     assert not config_home.exists()  # no token file, not even its directory
 
 
-def test_a_client_command_with_the_jobs_token_file_reaches_its_system(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("command", "answer"),
+    [(["snapshot", "--world", "worker"], "worker[0]"),
+     (["stop", "--world", "nothing"], "unknown: ['nothing']")],
+    ids=lambda c: c[0] if isinstance(c, list) else "",
+)  # fmt: skip
+def test_a_client_command_with_the_jobs_token_file_reaches_its_system(
+    tmp_path: Path, command: list[str], answer: str
+) -> None:
     with local_mesh(1, 1) as mesh:
         cluster = mesh._local
         assert cluster is not None
@@ -49,11 +57,11 @@ def test_a_client_command_with_the_jobs_token_file_reaches_its_system(tmp_path: 
         os.close(fd)
         config_home = tmp_path / "config"
         done = subprocess.run(
-            [sys.executable, "-m", "palatine", "snapshot", "--system-addr",
-             str(cluster.system_addr), "--world", "worker"],
+            [sys.executable, "-m", "palatine", command[0], "--system-addr",
+             str(cluster.system_addr), *command[1:]],
             env=client_env(config_home, PALATINE_CLUSTER_TOKEN_FILE=str(token)),
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
-        assert "worker[0]" in done.stdout
+        assert answer in done.stdout
         assert not config_home.exists()

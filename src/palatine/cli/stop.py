@@ -45,11 +45,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _stop(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from palatine.channel.token import resolve_token
     from palatine.core import runtime
     from palatine.system.service import System
 
     runtime.adopt_current_loop()
     async with asyncio.timeout(args.timeout_in_sec + 10):
+        resolve_token(create=False)  # a client never makes one up: see token.py
         client = await System(args.system_addr).attach(timeout_s=10)
         try:
             return await client.stop(args.world or None, args.timeout_in_sec)
