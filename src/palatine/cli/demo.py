@@ -172,17 +172,100 @@ def rebuild(
     return survivor, done
 
 
-def _recover(mesh: Any, state: Any, args: argparse.Namespace, console: Any) -> tuple[Any, int]:
-    """Bring the lost rank back and level it with the others; the step to go on at."""
-    rec = mesh.recover()
-    survivor, done = rebuild(
-        mesh, state, rec.ranks, args.seed, args.hidden, args.lr, args.batch_size
+MAX_RECOVERIES = 5
+"""Recoveries in a row without progress (a fetched step, or a phase done) before the demo
+gives up: a rank lost each time it comes back ends the demo with its last fault, not a
+loop."""
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _fresh_state(mesh: Any, args: argparse.Namespace) -> Any:
+    """The state made on every rank, as at the start (a new process group)."""
+    from palatine import remote
+
+    return remote(init_state)(
+        mesh.process_group(), args.seed, args.hidden, args.lr, args.batch_size
     )
-    console.print(
-        f"recovered rank {', '.join(map(str, rec.ranks))} in {rec.seconds:.2f} s "
-        f"(state from rank {survivor}); going on at step {done + 1}"
-    )
-    return state, done + 1
+
+
+def _kill(mesh: Any, rank: int) -> float:
+    """SIGKILL ``rank``'s worker, a fault as from outside; when it was sent."""
+    from palatine import fetch, remote
+
+    pid = fetch(remote(os.getpid)(), shard=rank).result()
+    os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+class _Faults:
+    """Recovery from any lost rank, in every phase after the mesh is up (the set-up, a
+    training step, the final evaluation, a recovery itself): the lost ranks are brought
+    back (again when one is lost while that runs), made level with the others, and the
+    phase is taken again. At most `MAX_RECOVERIES` in a row without progress."""
+
+    def __init__(self, mesh: Any, args: argparse.Namespace, console: Any) -> None:
+        self.mesh, self.args, self.console = mesh, args, console
+        self.in_a_row = 0
+        self.while_recovering: Any = None  # the demo's own fault inside the next recovery
+
+    def progressed(self) -> None:
+        """A step's result was fetched, or a phase done: the count of recoveries restarts."""
+        self.in_a_row = 0
+
+    def recover(self, error: BaseException, state: Any) -> tuple[Any, int]:
+        """After ``error`` (a lost rank): the state on every rank again, and the step to
+        go on at (past the last step: training is done). ``state`` None (lost during the
+        set-up), or no rank left that kept it: the state is made afresh, from step 1."""
+        from palatine import DeviceException, RecoveryError, fetch, remote
+
+        setup = state is None
+        behind: set[int] = set()  # ranks brought back, not level with the others yet
+        seconds = 0.0
+        while True:
+            self.in_a_row += 1
+            if self.in_a_row > MAX_RECOVERIES:
+                raise RecoveryError(
+                    f"gave up after {MAX_RECOVERIES} recoveries in a row without progress; "
+                    f"the last fault: {_first_line(error)}"
+                )
+            rec = self.mesh.recover()
+            behind.update(rec.ranks)
+            seconds += rec.seconds
+            if self.while_recovering is not None:
+                fault, self.while_recovering = self.while_recovering, None
+                fault()
+            try:
+                survivor: int | None = None
+                if state is None or len(behind) >= len(self.mesh):
+                    state, done = _fresh_state(self.mesh, self.args), 0
+                else:
+                    args = self.args
+                    survivor, done = rebuild(self.mesh, state, sorted(behind), args.seed,
+                                             args.hidden, args.lr, args.batch_size)  # fmt: skip
+                # Every rank level (the resync done) before the phase is taken again.
+                for r in range(len(self.mesh)):
+                    fetch(remote(steps_done)(state), shard=r).result()
+            except DeviceException as e:
+                error = e
+                self.console.print(f"fault during the recovery: {_first_line(e)}")
+                continue
+            break
+        ranks = ", ".join(map(str, sorted(behind)))
+        if survivor is None:
+            how = "the state made afresh"
+        else:
+            how = f"state from rank {survivor}"
+        if setup:
+            then = "setting up again"
+        elif done >= self.args.steps:
+            then = "evaluating again"
+        else:
+            then = f"going on at step {done + 1}"
+        self.console.print(f"recovered rank {ranks} in {seconds:.2f} s ({how}); {then}")
+        return state, done + 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -203,9 +286,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kill-rank",
         type=int,
         default=None,
-        help="SIGKILL this rank's worker at --at-step (a fault), recover it and go on",
+        help="SIGKILL this rank's worker (a fault, when --kill-at says), recover it and go on",
     )
     p.add_argument("--at-step", type=int, default=None, help="the step --kill-rank kills at")
+    p.add_argument(
+        "--kill-at",
+        choices=["step", "recovery", "evaluation"],
+        default="step",
+        help="when --kill-rank kills: at --at-step (step); at --at-step and again while "
+        "the demo recovers from that (recovery); as the final evaluation starts (evaluation)",
+    )
     p.add_argument(
         "--connect",
         action="store_true",
@@ -225,17 +315,16 @@ def run(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from palatine import DeviceException, connect, fetch, local_mesh, remote
+    from palatine import RecoveryError, connect, local_mesh
 
     console = Console(stderr=False)
-    kill = args.kill_rank is not None
-    if kill:
+    if args.kill_rank is not None:
         if args.connect:
             print("demo: --kill-rank kills a local worker; not with --connect", file=sys.stderr)
             return 2
-        if args.at_step is None or not 1 <= args.at_step <= args.steps:
+        at_step = args.kill_at != "evaluation"
+        if at_step and (args.at_step is None or not 1 <= args.at_step <= args.steps):
             print(f"demo: --at-step must be from 1 to {args.steps}", file=sys.stderr)
             return 2
         if not 0 <= args.kill_rank < args.hosts * args.procs_per_host:
@@ -252,49 +341,73 @@ def main(args: argparse.Namespace) -> int:
             operation_timeout_s=args.operation_timeout_s,
             fail_on_worker_timeout=args.fail_on_worker_timeout,
         )
-    with mesh:
-        n = len(mesh)
-        hosts, per_host = mesh.size("host"), mesh.size("proc")
-        console.print(
-            f"mesh: {hosts} host(s) × {per_host} procs = {n} workers "
-            f"(dims {dict(zip(mesh.names, mesh.sizes, strict=True))}), device {args.device}"
-        )
-        state = remote(init_state)(
-            mesh.process_group(), args.seed, args.hidden, args.lr, args.batch_size
-        )
-        first_eval = fetch(remote(evaluate)(state)).result()
-        console.print(f"mesh ready in {time.monotonic() - t0:.1f} s; collectives initialised")
-        step_fn = remote(train_step, mutates=("state",))
-        first_loss: float | None = None
-        last_loss = math.nan
-        t_train = time.monotonic()
-        interactive = console.is_terminal
-        progress = Progress(
-            TextColumn("step {task.completed}/{task.total}"),
-            BarColumn(),
-            TextColumn("loss {task.fields[loss]:.4f}"),
-            TextColumn("{task.fields[rate]:.1f} steps/s"),
-            TimeElapsedColumn(),
-            console=console,
-            disable=not interactive,
-        )
-        pids = [fetch(remote(os.getpid)(), shard=r).result() for r in range(n)] if kill else []
-        killed = False  # the demo's own fault has been injected
-        killed_at: float | None = None  # when, until a recovery from it
-        since, what = 0.0, "the fault"  # what the last recovery was from
-        resumed = False
-        with progress:
-            task = progress.add_task("train", total=args.steps, loss=math.nan, rate=0.0)
-            next_print = 0.1
-            step = 1
+    try:
+        with mesh:
+            return _demo(mesh, args, console, t0)
+    except RecoveryError as e:
+        print(f"demo failed: {e}", file=sys.stderr)
+        return 1
+
+
+def _demo(mesh: Any, args: argparse.Namespace, console: Any, t0: float) -> int:
+    """Set up, train, evaluate; a lost rank in any of them is recovered from (`_Faults`)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from palatine import DeviceException, fetch, remote
+
+    n = len(mesh)
+    hosts, per_host = mesh.size("host"), mesh.size("proc")
+    console.print(
+        f"mesh: {hosts} host(s) × {per_host} procs = {n} workers "
+        f"(dims {dict(zip(mesh.names, mesh.sizes, strict=True))}), device {args.device}"
+    )
+    faults = _Faults(mesh, args, console)
+    state: Any = None
+    while True:  # the set-up
+        try:
+            if state is None:
+                state = _fresh_state(mesh, args)
+            first_eval = fetch(remote(evaluate)(state)).result()
+            break
+        except DeviceException as e:
+            console.print(f"fault: {_first_line(e)}")
+            state, _ = faults.recover(e, None)
+    faults.progressed()
+    console.print(f"mesh ready in {time.monotonic() - t0:.1f} s; collectives initialised")
+    step_fn = remote(train_step, mutates=("state",))
+    first_loss: float | None = None
+    last_loss = math.nan
+    t_train = time.monotonic()
+    interactive = console.is_terminal
+    progress = Progress(
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("{task.fields[rate]:.1f} steps/s"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not interactive,
+    )
+    kill_at = args.kill_at if args.kill_rank is not None else None
+    killed_at: float | None = None  # when the demo's own kill was, until a recovery from it
+    since, what = 0.0, "the fault"  # what the last recovery was from
+    resumed = False
+    with progress:
+        task = progress.add_task("train", total=args.steps, loss=math.nan, rate=0.0)
+        next_print = 0.1
+        step = 1
+        while True:
             while step <= args.steps:
-                if kill and not killed and step == args.at_step:
-                    os.kill(pids[args.kill_rank], signal.SIGKILL)  # a fault, from outside
-                    killed, killed_at = True, time.monotonic()
+                if kill_at in ("step", "recovery") and step == args.at_step:
+                    killed_at = _kill(mesh, args.kill_rank)
+                    if kill_at == "recovery":  # and again while recovering from it
+                        faults.while_recovering = lambda: _kill(mesh, args.kill_rank)
+                    kill_at = None
                 try:
                     loss = step_fn(state)
                     if step == 1 or step % args.log_every == 0 or step == args.steps or resumed:
                         last_loss = fetch(loss).result()
+                        faults.progressed()
                 except DeviceException as e:
                     # Any lost rank is recovered from: the demo's kill, timed from the
                     # kill, or another (killed from outside, out of memory), timed from
@@ -302,8 +415,8 @@ def main(args: argparse.Namespace) -> int:
                     since, what = time.monotonic(), "the fault"
                     if killed_at is not None:
                         since, what, killed_at = killed_at, "the kill", None
-                    console.print(f"fault: {str(e).splitlines()[0]}")
-                    state, step = _recover(mesh, state, args, console)
+                    console.print(f"fault: {_first_line(e)}")
+                    state, step = faults.recover(e, state)
                     resumed = True
                     continue
                 if resumed:
@@ -320,19 +433,28 @@ def main(args: argparse.Namespace) -> int:
                     )
                     next_print += 0.1
                 step += 1
-        train_s = time.monotonic() - t_train
-        results = [fetch(remote(evaluate)(state), shard=r).result() for r in range(n)]
-        held = results[0][0]
-        sums = [c for _, c in results]
-        agree = sum(1 for c in sums if abs(c - sums[0]) <= 1e-6 * max(1.0, abs(sums[0])))
-        console.print(
-            f"loss {first_loss:.3f} → {last_loss:.3f} (held-out {first_eval[0]:.3f} → {held:.3f})"
-        )
-        console.print(
-            f"{args.steps} steps in {train_s:.1f} s ({args.steps / train_s:.1f} steps/s, "
-            f"{train_s / args.steps * 1000:.1f} ms/step); total {time.monotonic() - t0:.1f} s including start-up"
-        )
-        console.print(f"replicas identical on {agree}/{n} ranks")
+            train_s = time.monotonic() - t_train
+            try:  # the final evaluation and the replicas' check
+                if kill_at == "evaluation":
+                    killed_at, kill_at = _kill(mesh, args.kill_rank), None
+                results = [fetch(remote(evaluate)(state), shard=r).result() for r in range(n)]
+                break
+            except DeviceException as e:
+                console.print(f"fault: {_first_line(e)}")
+                # Past the last step, or from step 1 again when no rank kept the model.
+                state, step = faults.recover(e, state)
+                resumed = step <= args.steps
+    held = results[0][0]
+    sums = [c for _, c in results]
+    agree = sum(1 for c in sums if abs(c - sums[0]) <= 1e-6 * max(1.0, abs(sums[0])))
+    console.print(
+        f"loss {first_loss:.3f} → {last_loss:.3f} (held-out {first_eval[0]:.3f} → {held:.3f})"
+    )
+    console.print(
+        f"{args.steps} steps in {train_s:.1f} s ({args.steps / train_s:.1f} steps/s, "
+        f"{train_s / args.steps * 1000:.1f} ms/step); total {time.monotonic() - t0:.1f} s including start-up"
+    )
+    console.print(f"replicas identical on {agree}/{n} ranks")
     if held > first_eval[0] / 2:
         print(
             f"demo failed: held-out loss {held:.4f} did not fall to half of {first_eval[0]:.4f}",
