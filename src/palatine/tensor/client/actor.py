@@ -3,7 +3,10 @@
 `ClientActor` lives on the client's proc (``user[R].client_actor[0]``) and runs on the
 runtime loop. Each ``Result`` goes to the session's result routing, as does a worker's
 direct ``FetchedValue``; ``Log`` goes to the ``palatine`` logger; a ``Failure`` fails
-the session with the user-facing exception `device_exception` makes of it.
+the session with the user-facing exception `device_exception` makes of it. A message to
+the controller that comes back undeliverable fails the session too (``controller_lost``,
+`palatine.tensor.client.liveness`): what it carried is lost, so the session cannot go
+on; that is said once, and what comes back after it is expected, not news.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from palatine.errors import DeviceException, StuckWorkersException
 from palatine.protocol.controller import DeviceFailure, Failure, Log, Result, Results
 from palatine.protocol.worker import FetchedValue
 from palatine.tensor.client import results
-from palatine.tensor.client.state import FailableState
+from palatine.tensor.client.liveness import Watched, controller_unreachable
+from palatine.tensor.client.state import lost_for_good
 
 __all__ = ["Attached", "ClientActor", "device_exception"]
 
@@ -25,8 +29,9 @@ log = logging.getLogger("palatine")
 _LEVELS = {"info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
 
 
-class Attached(FailableState, Protocol):
-    """What the client actor needs of its session: its state, `fail`, and where results go."""
+class Attached(Watched, Protocol):
+    """What the client actor needs of its session: its state, `fail`, its controller, and
+    where results go."""
 
     results: results.Results
 
@@ -80,6 +85,13 @@ class ClientActor(Actor):
 
     def handle_undeliverable(self, returned: Any) -> None:
         s = self.session
-        if s is not None and (s.detached or s.closed or s.failure is not None):
-            return  # the controller going away after Detach (or a failure) is expected
-        super().handle_undeliverable(returned)
+        if s is None:
+            super().handle_undeliverable(returned)
+            return
+        if s.detached or s.closed:
+            return  # the controller going away after Detach is expected
+        if returned.dest.actor.proc == s.controller.proc and not lost_for_good(s.failure):
+            controller_unreachable(s, "; ".join(returned.errors or ()) or "returned")
+            return
+        if s.failure is None:
+            super().handle_undeliverable(returned)

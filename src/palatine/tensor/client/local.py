@@ -42,6 +42,7 @@ from palatine.protocol.controller import Attach, AttachRejected, AttachReply
 from palatine.protocol.supervision import exit_text
 from palatine.system.worlds import execution_id_from_env
 from palatine.tensor.client.actor import ClientActor
+from palatine.tensor.client.liveness import controller_lost
 from palatine.tensor.client.mesh import DeviceMesh
 from palatine.tensor.client.procs import RoleProcess
 from palatine.tensor.client.session import Session
@@ -96,6 +97,11 @@ def mesh_options(caller: str, options: Mapping[str, Any]) -> MeshOptions:
 TENSOR_WARM = "torch,torch._dynamo"
 
 
+#: How long the end of the controller's process waits for the other roles still running
+#: to be seen ended too, when they were killed with it (a few milliseconds if so).
+ROLES_SETTLE_S = 0.1
+
+
 class LocalCluster:
     """The processes a `local_mesh` started, their log directory and console, torn down on `stop`.
 
@@ -117,6 +123,10 @@ class LocalCluster:
     started again as above. That bound is well inside the procs' own
     (``system_loss_timeout``, after which they stop themselves): the restart and their
     rejoining come first, and the job goes on as after a SIGKILL.
+
+    The controller cannot be started again: when its process ends while the job runs,
+    ``on_controller_lost`` is told at once, whatever else ended with it (a lost node, the
+    OOM killer), and both tellings name the roles found ended by then (`ended_roles`).
     """
 
     def __init__(
@@ -146,6 +156,8 @@ class LocalCluster:
         self.system_restarts: list[tuple[int, str, int | None, float]] = []
         #: told (on a launcher thread) why the system is gone for good
         self.on_system_lost: Callable[[str, int, int | None], None] | None = None
+        #: told (on a launcher thread) how the controller's process ended while the job ran
+        self.on_controller_lost: Callable[[str, int, int], None] | None = None
         self._system_args: list[str] = []
         self._startup_s = 60.0
         #: guards `_stopping`, `_ended`, `restarts_left` and a restart's change of `system`
@@ -264,6 +276,44 @@ class LocalCluster:
             log.error("%s", text)
             return
         tell(text, pid, code)
+
+    def controller_ended(self, rp: RoleProcess, code: int) -> None:
+        """The controller's process ended by itself (on its pump's thread): the job
+        cannot go on without it; tell ``on_controller_lost`` at once, unless the mesh is
+        being stopped."""
+        with self._lock:
+            if self._stopping:
+                return
+        tell = self.on_controller_lost
+        if tell is None:
+            return
+        # Roles killed with it (a lost node, the OOM killer) are ending too: let them, so
+        # that the telling names them.
+        deadline = time.monotonic() + ROLES_SETTLE_S
+        while time.monotonic() < deadline and any(
+            other.popen.poll() is None for other in list(self.procs) if other is not rp
+        ):
+            time.sleep(0.01)
+        how = exit_text(None if code < 0 else code, -code if code < 0 else None)
+        tell(f"its process (pid {rp.pid}) {how}", rp.pid, code)
+
+    def ended_roles(self, but: int) -> list[str]:
+        """The roles of this mesh but pid ``but`` found ended now, each with its pid and
+        how it ended (``host-0 (pid 41) killed by signal 9 (SIGKILL)``), and a system's
+        successor when it was started again. It takes no lock (the keeper of the system
+        calls it with `_lock` held): copies of the lists are read."""
+        procs = list(self.procs)
+        restarted = {old: new for old, _, new, _ in list(self.system_restarts) if new}
+        out = []
+        for rp in procs:
+            code = rp.popen.poll()
+            if rp.pid == but or code is None:
+                continue
+            name = os.path.basename(rp.log_path or "role")[: -len(".log")] or "role"
+            how = exit_text(None if code < 0 else code, -code if code < 0 else None)
+            again = f", started again as pid {restarted[rp.pid]}" if rp.pid in restarted else ""
+            out.append(f"{name} (pid {rp.pid}) {how}{again}")
+        return out
 
     def _start_role(
         self,
@@ -579,7 +629,9 @@ def start_checked(hosts: int, procs_per_host: int, opts: MeshOptions) -> LocalCl
         ]
         if not cuda:
             ctl.append("--is-cpu-worker")
-        starting.append(cluster.start(ctl, startup, "controller", wait=False))
+        starting.append(
+            cluster.start(ctl, startup, "controller", wait=False, on_exit=cluster.controller_ended)
+        )
         cluster.wait_ready(starting, startup)
         return cluster
     except BaseException:
@@ -654,6 +706,8 @@ def connect(
     if _local is not None:
         session.controller_log = _local.logs.file("controller.log")
         _local.on_system_lost = _system_lost_to(session, _local)
+        _local.on_controller_lost = _controller_lost_to(session, _local)
+        session.launcher_watches_controller = True
     world = session.world_size
     per = session.per_host if session.per_host and world % session.per_host == 0 else world
     mesh = DeviceMesh(session, ["host", "proc"], [world // per, per], local=_local)
@@ -671,7 +725,7 @@ def _system_lost_to(
     def lost(text: str, pid: int, code: int | None) -> None:
         where = f" (its log: {cluster.logs.file('system.log')})"
         exc = DeviceException(
-            f"{text}; the job can no longer be supervised{where}",
+            f"{text}; the job can no longer be supervised{where}{_also_ended(cluster, pid)}",
             "system_lost",
             proc_id="system[0]",
             pid=pid,
@@ -679,10 +733,41 @@ def _system_lost_to(
             exit_signal=-code if code is not None and code < 0 else None,
             reason=text,
         )
-        with contextlib.suppress(RuntimeError):  # (its loop has ended: nobody to tell)
-            session.loop.call_soon_threadsafe(session.fail, exc)
+        _fail_soon(session, exc)
 
     return lost
+
+
+def _controller_lost_to(session: Session, cluster: LocalCluster) -> Callable[[str, int, int], None]:
+    """What a local mesh's keeper calls when the controller's process ends under a running
+    job: the session fails at once with ``controller_lost``, naming its pid and how it
+    ended (the launcher sees the exit before any heartbeat or the system could)."""
+
+    def lost(text: str, pid: int, code: int) -> None:
+        exc = controller_lost(
+            session,
+            text,
+            also=_also_ended(cluster, pid),
+            pid=pid,
+            exit_code=code if code >= 0 else None,
+            exit_signal=-code if code < 0 else None,
+        )
+        _fail_soon(session, exc)
+
+    return lost
+
+
+def _also_ended(cluster: LocalCluster, pid: int) -> str:
+    """``; also ended: ...``: the mesh's other roles found ended with ``pid``'s (as a
+    lost node or the OOM killer would end them), or nothing."""
+    also = cluster.ended_roles(but=pid)
+    return f"; also ended: {', '.join(also)}" if also else ""
+
+
+def _fail_soon(session: Session, exc: DeviceException) -> None:
+    """Fail ``session`` with ``exc`` on its loop (from a launcher thread)."""
+    with contextlib.suppress(RuntimeError):  # (its loop has ended: nobody to tell)
+        session.loop.call_soon_threadsafe(session.fail, exc)
 
 
 async def _connect(system_addr: ChannelAddr, worker_world: str | None, timeout: float) -> Session:

@@ -45,6 +45,7 @@ from palatine.tensor.client.outbox import Outbox
 from palatine.tensor.client.recovery import RecoveryRecords
 from palatine.tensor.client.results import Pending, Results
 from palatine.tensor.client.sites import IssueSite
+from palatine.tensor.client.state import lost_for_good
 from palatine.wire.codec import Message
 
 if TYPE_CHECKING:
@@ -175,6 +176,8 @@ class Session:
         self.streams: dict[str, int] = {}  # name -> id of every stream made so far
         #: Where the controller's own output goes, when this process started it (local_mesh).
         self.controller_log: str | None = None
+        #: The controller's parent is this process and tells its exit (local_mesh).
+        self.launcher_watches_controller = False
         self.failure: DeviceException | None = None
         self.closed = False
         self.detached = False
@@ -236,7 +239,7 @@ class Session:
         the streams and device meshes the others have. The ranks recovered."""
         if self.closed:
             raise RuntimeError("mesh was shut down")
-        if self.failure is not None and self.failure.kind not in ("proc_failed", "stuck"):
+        if lost_for_good(self.failure):
             raise RecoveryError(f"this failure cannot be recovered from: {self.failure}")
         fut: Future[Any] = runtime.call(
             lambda: self.mailbox.ask(self.controller, Recover(ranks=ranks), timeout_s)
@@ -256,8 +259,12 @@ class Session:
         return back
 
     def fail(self, exc: DeviceException) -> None:
-        """The first Failure marks the session failed: every pending future raises it."""
-        if self.failure is None:
+        """The first Failure marks the session failed: every pending future raises it.
+
+        One that no recovery undoes (the controller or the system lost) replaces a
+        recoverable one (a lost rank) that came first: later calls, and `recover`, raise
+        what ended the job, not what a recovery could have undone."""
+        if self.failure is None or (lost_for_good(exc) and not lost_for_good(self.failure)):
             self.failure = exc
             log.error("%s", exc)
             # What the session sends from now on may come back: expected, not news.

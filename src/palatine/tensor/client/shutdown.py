@@ -53,10 +53,14 @@ def shutdown_session(
     if session.closed:
         return
     interrupted = error is not None and not isinstance(error, Exception)
-    system_gone = getattr(session.failure, "kind", None) == "system_lost"
+    kind = getattr(session.failure, "kind", None)
+    system_gone = kind == "system_lost"
     healthy = session.failure is None and not interrupted
-    # Interrupted, or with no system to leave: nothing stops gracefully, so no long waits.
-    stop_s, gone_s = (0.5, 0.5) if interrupted or system_gone else (5.0, 10.0)
+    # Interrupted, or with no system or controller to leave: nothing stops gracefully
+    # (what is left of the job is stopped, not drained), so no long waits.
+    stop_s, gone_s = (
+        (0.5, 0.5) if interrupted or system_gone or kind == "controller_lost" else (5.0, 10.0)
+    )
     whole = Slice(offset=0, sizes=[session.world_size], strides=[1])
     try:
         if healthy:
@@ -96,7 +100,8 @@ def shutdown_session(
             await stop_worlds(client, worlds, stop_s, gone_s)
             if local is not None:  # the local system itself: its own process is stopped below
                 try:
-                    await client.stop(None, min(2.0, stop_s))
+                    async with asyncio.timeout(min(2.0, stop_s) + 1.0):
+                        await client.stop(None, min(2.0, stop_s))
                 except Exception as e:  # noqa: BLE001 - local.stop ends the system either way
                     log.debug("stopping the local system: %s", e)
             try:
@@ -121,16 +126,20 @@ async def stop_worlds(
 ) -> bool:
     """Ask the system to stop ``worlds`` (each proc given ``stop_s``) and wait, at most
     ``gone_s``, until none of their procs is left; whether they are gone. Best effort: a
-    system that does not answer is logged at DEBUG (the caller stops what is left)."""
+    system that does not answer within ``stop_s`` + 1 s (it acknowledges at once) is
+    logged at DEBUG (the caller stops what is left)."""
     loop = asyncio.get_running_loop()
     try:
-        await client.stop(worlds, stop_s)
+        async with asyncio.timeout(stop_s + 1.0):
+            await client.stop(worlds, stop_s)
         end = loop.time() + gone_s
         while loop.time() < end:
             snap = await client.snapshot(worlds=worlds)
             if not any(w in snap.worlds and snap.worlds[w].procs for w in worlds):
                 return True
             await asyncio.sleep(0.05)
+    except TimeoutError:
+        log.debug("stopping worlds %s: no answer within %g s", worlds, stop_s + 1.0)
     except Exception as e:  # noqa: BLE001 - best effort: the caller stops what is left
         log.debug("stopping worlds %s: %s", worlds, e)
     return False

@@ -11,7 +11,16 @@ from typing import Protocol
 
 from palatine.errors import DeviceException
 
-__all__ = ["FailableState", "SessionState"]
+__all__ = ["RECOVERABLE", "FailableState", "SessionState", "lost_for_good"]
+
+#: The kinds of failure a recovery undoes (`palatine.DeviceMesh.recover`): a lost rank,
+#: stuck workers. Any other (the controller, the system, the worker world gone) ends the job.
+RECOVERABLE = frozenset({"proc_failed", "stuck"})
+
+
+def lost_for_good(failure: DeviceException | None) -> bool:
+    """Whether ``failure`` is one no recovery can undo (`RECOVERABLE`)."""
+    return failure is not None and failure.kind not in RECOVERABLE
 
 
 class SessionState(Protocol):
