@@ -179,6 +179,20 @@ def test_a_slurm_job_scancelled_under_its_client_names_the_cancellation(
     assert slurm.squeue() == []
 
 
+def test_a_launched_program_scancelled_under_it_names_the_cancellation_in_its_own_exception(
+    slurm: SlurmTestCluster,
+) -> None:
+    # The program attached with connect(); what it catches is its own DeviceException,
+    # which must say that Slurm took the ranks, not only that they went.
+    with launched_waiting() as launcher:
+        job_id = attached(launcher, slurm)
+        subprocess.run(["scancel", job_id], check=True, timeout=30)
+        code, out, err = ended(launcher)
+    assert code == 4, out + err
+    assert out.startswith(f"lost: Slurm job {job_id} was cancelled (scancel): "), out + err
+    assert "worker rank " in out, out
+
+
 def test_palatine_job_cancel_of_a_launch_is_quick_and_quiet_and_the_launcher_names_it(
     slurm: SlurmTestCluster,
 ) -> None:
@@ -194,7 +208,8 @@ def test_palatine_job_cancel_of_a_launch_is_quick_and_quiet_and_the_launcher_nam
     assert cancel.stderr == "", cancel.stderr
     assert took < 6, (took, cancel.stdout)
     assert code == 4, out + err
-    assert out.startswith("lost: worker rank "), out
+    assert out.startswith("lost: "), out
+    assert "worker rank " in out, out
     assert f"Slurm job {job_id} was cancelled (scancel)" in err, err
 
 

@@ -67,6 +67,12 @@ from palatine.hosting.limits import check_open_files, mesh_open_files
 from palatine.job.jobhosts import JobHosts
 from palatine.output.logs import LogSession
 from palatine.tensor.client.local import LocalCluster, check_shape, connect
+from palatine.tensor.client.scheduler import (
+    SCHEDULER_TIMEOUT_S,
+    scheduler_output,
+    scontrol_field,
+    slurm_ended,
+)
 
 if TYPE_CHECKING:
     from palatine.tensor.client.mesh import DeviceMesh
@@ -77,7 +83,6 @@ log = logging.getLogger(__name__)
 
 _COMMENT = "palatine:"  # sbatch --comment=palatine:<log dir>: where the job's record is
 
-_SCHEDULER_TIMEOUT_S = 60.0  # one sbatch / squeue / scancel / scontrol call
 _STEP_STOP_S = 10.0  # the hosts' step, after SIGTERM, before SIGKILL
 _GONE_TIMEOUT_S = 30.0  # a cancelled job leaving squeue
 _COMPLETING_WAIT_S = 2.0  # ... once it is COMPLETING: ended, its nodes yet to confirm
@@ -344,14 +349,14 @@ class SlurmJob:
                 env=self._job_env(),
                 capture_output=True,
                 text=True,
-                timeout=_SCHEDULER_TIMEOUT_S,
+                timeout=SCHEDULER_TIMEOUT_S,
                 check=False,
             )
         except FileNotFoundError:
             raise SchedulerError("sbatch not found: is this a Slurm submit host?") from None
         except subprocess.TimeoutExpired:
             raise SchedulerError(
-                f"sbatch did not answer within {_SCHEDULER_TIMEOUT_S:g} s"
+                f"sbatch did not answer within {SCHEDULER_TIMEOUT_S:g} s"
             ) from None
         if done.returncode != 0:
             words = done.stderr.strip() or f"exit status {done.returncode}"
@@ -383,7 +388,7 @@ class SlurmJob:
         # owner left none, and cleared again when the step ends (`_end_step`)
         if self._in_allocation and _comment_of(self.job_id) is None:
             self._commented = (
-                _scheduler(
+                scheduler_output(
                     ["scontrol", "update", f"JobId={self.job_id}", f"Comment={_COMMENT}{logs.path}"]
                 )
                 is not None
@@ -421,7 +426,7 @@ class SlurmJob:
         try:
             done = subprocess.run(
                 ["squeue", "-h", "-j", self.job_id, "-o", "%T"],
-                capture_output=True, text=True, timeout=_SCHEDULER_TIMEOUT_S, check=False,
+                capture_output=True, text=True, timeout=SCHEDULER_TIMEOUT_S, check=False,
             )  # fmt: skip
         except (FileNotFoundError, subprocess.TimeoutExpired):
             return "UNKNOWN"  # squeue did not answer: not evidence that the job ended
@@ -535,7 +540,7 @@ class SlurmJob:
         job, self.job_id = self.job_id, None
         if job is not None and self._commented:
             self._commented = False
-            _scheduler(["scontrol", "update", f"JobId={job}", "Comment="])
+            scheduler_output(["scontrol", "update", f"JobId={job}", "Comment="])
         if step is None or step.poll() is not None:
             return
         step.send_signal(signal.SIGTERM)
@@ -564,7 +569,7 @@ class SlurmJob:
             return
         try:
             subprocess.run(
-                ["scancel", job], capture_output=True, timeout=_SCHEDULER_TIMEOUT_S, check=False
+                ["scancel", job], capture_output=True, timeout=SCHEDULER_TIMEOUT_S, check=False
             )
         except (FileNotFoundError, subprocess.TimeoutExpired):
             return
@@ -607,7 +612,7 @@ class SlurmJob:
     def __exit__(self, *exc: Any) -> None:
         if isinstance(exc[1], DeviceException):  # lost ranks: say so if Slurm ended the job
             cause = self.ended_by_slurm()
-            if cause is not None:
+            if cause is not None and cause not in str(exc[1]):  # (its session may have)
                 exc[1].add_note(cause)
         self.cancel(clean=exc[0] is None)
 
@@ -654,12 +659,12 @@ def find_job(job_id: str) -> tuple[dict[str, str] | None, JobRecord | None]:
     try:
         done = subprocess.run(
             ["squeue", "-h", "-j", job_id, "-o", "%T|%M|%D|%N|%k"],
-            capture_output=True, text=True, timeout=_SCHEDULER_TIMEOUT_S, check=False,
+            capture_output=True, text=True, timeout=SCHEDULER_TIMEOUT_S, check=False,
         )  # fmt: skip
     except FileNotFoundError:
         raise SchedulerError("squeue not found: is this a Slurm submit host?") from None
     except subprocess.TimeoutExpired:
-        raise SchedulerError(f"squeue did not answer within {_SCHEDULER_TIMEOUT_S:g} s") from None
+        raise SchedulerError(f"squeue did not answer within {SCHEDULER_TIMEOUT_S:g} s") from None
     line = done.stdout.strip().splitlines()
     if done.returncode != 0 and "Invalid job id" not in done.stderr:
         raise SchedulerError(f"squeue: {done.stderr.strip() or f'exit status {done.returncode}'}")
@@ -677,34 +682,6 @@ def find_job(job_id: str) -> tuple[dict[str, str] | None, JobRecord | None]:
     return info, record
 
 
-# How Slurm itself ends a job, by its state (`slurm_ended`)
-_ENDED_BY_SLURM = {
-    "CANCELLED": "was cancelled (scancel)",
-    "TIMEOUT": "reached its time limit",
-    "DEADLINE": "reached its deadline",
-    "PREEMPTED": "was preempted",
-    "NODE_FAIL": "lost a node (NODE_FAIL)",
-    "BOOT_FAIL": "could not boot its nodes (BOOT_FAIL)",
-    "OUT_OF_MEMORY": "ran out of memory",
-}
-_SETTLE_S = 5.0  # how long Slurm may take to say how it ended a job it is completing
-
-
-def slurm_ended(job_id: str, wait_s: float = _SETTLE_S) -> str | None:
-    """How Slurm itself ended job ``job_id``, in words (``Slurm job 7 was cancelled
-    (scancel)``), once ``scontrol`` reports that state; None while the job runs, when it
-    ended by itself, or when Slurm does not say. While Slurm is still stopping the job's
-    processes it says only ``COMPLETING``: that is waited out for at most ``wait_s``."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        state = _scontrol_field("job", job_id, "JobState")
-        if state in _ENDED_BY_SLURM:
-            return f"Slurm job {job_id} {_ENDED_BY_SLURM[state]}"
-        if state != "COMPLETING" or time.monotonic() >= deadline:
-            return None
-        time.sleep(0.1)
-
-
 def _host_command(rank_var: str, options: HostOptions) -> str:
     """The ``bash -c`` line each node's task runs (``$0`` the interpreter, ``$1`` the
     system's address), its rank from ``rank_var``, with the hosts' ``options``."""
@@ -715,20 +692,9 @@ def _host_command(rank_var: str, options: HostOptions) -> str:
     )
 
 
-def _scheduler(argv: list[str]) -> str | None:
-    """One Slurm command's standard output; None when it fails or does not answer."""
-    try:
-        done = subprocess.run(
-            argv, capture_output=True, text=True, timeout=_SCHEDULER_TIMEOUT_S, check=False
-        )
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
-
-
 def steps_named(job_id: str, name: str) -> list[str]:
     """The ids (``JOB.STEP``) of job ``job_id``'s running steps named ``name``."""
-    out = _scheduler(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"]) or ""
+    out = scheduler_output(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"]) or ""
     return [
         words[0]
         for words in (line.split() for line in out.splitlines())
@@ -740,18 +706,18 @@ def cancel_steps(job_id: str, name: str) -> list[str]:
     """``scancel`` the steps named ``name`` of job ``job_id`` (not the job); their ids."""
     steps = steps_named(job_id, name)
     for step in steps:
-        _scheduler(["scancel", step])
+        scheduler_output(["scancel", step])
     return steps
 
 
 def _comment_of(job_id: str) -> str | None:
     """The comment of job ``job_id`` (None if it has none, or Slurm does not say)."""
-    return _scontrol_field("job", job_id, "Comment")
+    return scontrol_field("job", job_id, "Comment")
 
 
 def _node_addr(name: str | None) -> str | None:
     """Node ``name``'s ``NodeAddr`` in Slurm's configuration (None if unknown)."""
-    return _scontrol_field("node", name, "NodeAddr") if name else None
+    return scontrol_field("node", name, "NodeAddr") if name else None
 
 
 def _node_addrs(partition: str | None) -> list[ChannelAddr]:
@@ -761,19 +727,9 @@ def _node_addrs(partition: str | None) -> list[ChannelAddr]:
     if partition:
         argv.append(f"--partition={partition}")
     addrs = []
-    for word in (_scheduler(argv) or "").split():
+    for word in (scheduler_output(argv) or "").split():
         try:
             addrs.append(ChannelAddr.tcp(word))
         except AddrParseError:
             continue  # (not an address: nothing to route to)
     return addrs
-
-
-def _scontrol_field(kind: str, name: str, key: str) -> str | None:
-    """``key``'s value in ``scontrol show kind name`` (None if empty, unset or unknown)."""
-    out = _scheduler(["scontrol", "-o", "show", kind, name]) or ""
-    for word in out.split():
-        if word.startswith(f"{key}="):
-            value = word.split("=", 1)[1]
-            return None if value in ("", "(null)") else value
-    return None

@@ -28,7 +28,7 @@ import contextlib
 import contextvars
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from palatine.core import runtime
 from palatine.core.future import Future
@@ -44,6 +44,7 @@ from palatine.tensor.client.liveness import Keepalive, watch_controller
 from palatine.tensor.client.outbox import Outbox
 from palatine.tensor.client.recovery import RecoveryRecords
 from palatine.tensor.client.results import Pending, Results
+from palatine.tensor.client.scheduler import slurm_ended, slurm_job_of
 from palatine.tensor.client.sites import IssueSite
 from palatine.tensor.client.state import lost_for_good
 from palatine.wire.codec import Message
@@ -54,6 +55,9 @@ if TYPE_CHECKING:
 __all__ = ["Handle", "MeshView", "Session", "Stream", "current_stream"]
 
 log = logging.getLogger("palatine")
+
+#: How long a session's first failure waits for Slurm to say whether it ended the job.
+JOB_STATE_WAIT_S: Final = 3.0
 
 
 class Handle:
@@ -178,6 +182,10 @@ class Session:
         self.controller_log: str | None = None
         #: The controller's parent is this process and tells its exit (local_mesh).
         self.launcher_watches_controller = False
+        #: The Slurm job this client runs in, asked how it ended on the first failure.
+        self.slurm_job = slurm_job_of()
+        # Failures that came while Slurm is asked about the first (None: not asking).
+        self._held: list[DeviceException] | None = None
         self.failure: DeviceException | None = None
         self.closed = False
         self.detached = False
@@ -263,7 +271,50 @@ class Session:
 
         One that no recovery undoes (the controller or the system lost) replaces a
         recoverable one (a lost rank) that came first: later calls, and `recover`, raise
-        what ended the job, not what a recovery could have undone."""
+        what ended the job, not what a recovery could have undone.
+
+        In a Slurm job, the first failure waits (at most `JOB_STATE_WAIT_S`) while Slurm
+        is asked, off the loop, whether it ended the job; if it did, the failure says so
+        first (``Slurm job 7 was cancelled (scancel): worker rank 1 ... exited: ...``):
+        ranks that merely went are then known to have been taken by the scheduler."""
+        if self._held is not None:
+            self._held.append(exc)
+            return
+        if self.failure is None and self.slurm_job is not None and exc.kind != "stuck":
+            self._held = []
+            threading.Thread(
+                target=self._ask_slurm, args=(exc,), name="palatine-job-state", daemon=True
+            ).start()
+            return
+        self._fail_now(exc)
+
+    def _ask_slurm(self, exc: DeviceException) -> None:
+        """Name how Slurm ended the job on ``exc``, if it did; then fail the session with
+        it and with what came meanwhile (on a thread of its own: ``scontrol`` blocks)."""
+        assert self.slurm_job is not None
+        try:
+            why = slurm_ended(self.slurm_job, JOB_STATE_WAIT_S / 2, JOB_STATE_WAIT_S)
+        except Exception as e:  # noqa: BLE001 - the failure is raised without the cause
+            log.debug("asking Slurm how job %s ended: %s", self.slurm_job, e)
+            why = None
+        if why is not None:
+            exc.message = f"{why}: {exc.message}"
+            exc.args = (exc.message,)
+            exc.details["ended_by"] = why
+            exc.ended_by = why  # type: ignore[attr-defined]
+
+        def land() -> None:
+            held, self._held = self._held or [], None
+            for e in (exc, *held):
+                self._fail_now(e)
+
+        try:
+            self.loop.call_soon_threadsafe(land)
+        except RuntimeError:  # (its loop has ended: nobody to tell)
+            self._held = None
+
+    def _fail_now(self, exc: DeviceException) -> None:
+        """Fail the session with ``exc`` (`fail`, once Slurm has been asked)."""
         if self.failure is None or (lost_for_good(exc) and not lost_for_good(self.failure)):
             self.failure = exc
             log.error("%s", exc)
