@@ -4,8 +4,8 @@ Resolution, first match wins: ``PALATINE_CLUSTER_TOKEN``; the file named by
 ``PALATINE_CLUSTER_TOKEN_FILE`` (surrounding whitespace stripped); the per-user file
 ``$XDG_CONFIG_HOME/palatine/cluster-token`` (default ``~/.config/palatine/``), created on
 first use with 32 random bytes in hex and mode 0600 by a process that serves (a role, a
-script's own cluster). A client command (``palatine top``, ``stacks``, ``snapshot``)
-never creates it (`resolve_token` with ``create=False``): a token made up there could
+script's own cluster). A client command (``palatine top``, ``stacks``, ``snapshot``,
+``stop``) never creates it (`resolve_token` with ``create=False``): a token made up there could
 never match the job's, so it says where the job's token is instead (`ConfigError`). A token file that group or others
 may read or write is refused, an empty token is refused, and a token under 16 bytes is
 accepted with one WARNING.
