@@ -20,7 +20,7 @@ from palatine.protocol.controller import DeviceFailure, Failure, Log, Result, Re
 from palatine.protocol.worker import FetchedValue
 from palatine.tensor.client import results
 from palatine.tensor.client.liveness import Watched, controller_unreachable
-from palatine.tensor.client.state import lost_for_good
+from palatine.tensor.client.state import job_lost
 
 __all__ = ["Attached", "ClientActor", "device_exception"]
 
@@ -90,7 +90,7 @@ class ClientActor(Actor):
             return
         if s.detached or s.closed:
             return  # the controller going away after Detach is expected
-        if returned.dest.actor.proc == s.controller.proc and not lost_for_good(s.failure):
+        if returned.dest.actor.proc == s.controller.proc and not job_lost(s.failure):
             controller_unreachable(s, "; ".join(returned.errors or ()) or "returned")
             return
         if s.failure is None:

@@ -31,7 +31,7 @@ from palatine.errors import DeviceException
 from palatine.ids import ActorId, ProcId
 from palatine.protocol.controller import KeepAlive
 from palatine.tensor.client.outbox import Outbox
-from palatine.tensor.client.state import FailableState, SessionState, lost_for_good
+from palatine.tensor.client.state import FailableState, SessionState, job_lost
 
 __all__ = [
     "LAUNCHER_GRACE_S",
@@ -65,7 +65,7 @@ class Keepalive:
 
         def beat() -> None:
             state = self._state
-            if state.closed or state.detached or lost_for_good(state.failure):
+            if state.closed or state.detached or job_lost(state.failure):
                 return  # (nobody left to beat to)
             self._outbox.flush_drops()
             self._outbox.tell(KeepAlive())
@@ -149,7 +149,7 @@ def _fail_unless_told(session: Watched, lost: Callable[[], DeviceException]) -> 
     controller and may yet say how it ended (loop thread)."""
 
     def fail() -> None:
-        if not (session.detached or session.closed or lost_for_good(session.failure)):
+        if not (session.detached or session.closed or job_lost(session.failure)):
             session.fail(lost())
 
     if session.launcher_watches_controller:

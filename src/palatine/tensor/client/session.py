@@ -46,7 +46,7 @@ from palatine.tensor.client.recovery import RecoveryRecords
 from palatine.tensor.client.results import Pending, Results
 from palatine.tensor.client.scheduler import slurm_ended, slurm_job_of
 from palatine.tensor.client.sites import IssueSite
-from palatine.tensor.client.state import lost_for_good
+from palatine.tensor.client.state import job_lost
 from palatine.wire.codec import Message
 
 if TYPE_CHECKING:
@@ -247,7 +247,7 @@ class Session:
         the streams and device meshes the others have. The ranks recovered."""
         if self.closed:
             raise RuntimeError("mesh was shut down")
-        if lost_for_good(self.failure):
+        if self.failure is not None and self.failure.kind not in ("proc_failed", "stuck"):
             raise RecoveryError(f"this failure cannot be recovered from: {self.failure}")
         fut: Future[Any] = runtime.call(
             lambda: self.mailbox.ask(self.controller, Recover(ranks=ranks), timeout_s)
@@ -269,9 +269,9 @@ class Session:
     def fail(self, exc: DeviceException) -> None:
         """The first Failure marks the session failed: every pending future raises it.
 
-        One that no recovery undoes (the controller or the system lost) replaces a
-        recoverable one (a lost rank) that came first: later calls, and `recover`, raise
-        what ended the job, not what a recovery could have undone.
+        The controller or the system lost (`state.JOB_LOST`) replaces any other failure that
+        came first (a lost rank): later calls, and `recover`, raise what ended the job,
+        not what a recovery could have undone.
 
         In a Slurm job, the first failure waits (at most `JOB_STATE_WAIT_S`) while Slurm
         is asked, off the loop, whether it ended the job; if it did, the failure says so
@@ -315,7 +315,7 @@ class Session:
 
     def _fail_now(self, exc: DeviceException) -> None:
         """Fail the session with ``exc`` (`fail`, once Slurm has been asked)."""
-        if self.failure is None or (lost_for_good(exc) and not lost_for_good(self.failure)):
+        if self.failure is None or (job_lost(exc) and not job_lost(self.failure)):
             self.failure = exc
             log.error("%s", exc)
             # What the session sends from now on may come back: expected, not news.

@@ -11,16 +11,16 @@ from typing import Protocol
 
 from palatine.errors import DeviceException
 
-__all__ = ["RECOVERABLE", "FailableState", "SessionState", "lost_for_good"]
+__all__ = ["JOB_LOST", "FailableState", "SessionState", "job_lost"]
 
-#: The kinds of failure a recovery undoes (`palatine.DeviceMesh.recover`): a lost rank,
-#: stuck workers. Any other (the controller, the system, the worker world gone) ends the job.
-RECOVERABLE = frozenset({"proc_failed", "stuck"})
+#: The failures after which nothing of the job can be driven: its controller, or the
+#: system that supervises it, is gone (no recovery undoes them).
+JOB_LOST = frozenset({"controller_lost", "system_lost"})
 
 
-def lost_for_good(failure: DeviceException | None) -> bool:
-    """Whether ``failure`` is one no recovery can undo (`RECOVERABLE`)."""
-    return failure is not None and failure.kind not in RECOVERABLE
+def job_lost(failure: DeviceException | None) -> bool:
+    """Whether ``failure`` is one of `JOB_LOST`."""
+    return failure is not None and failure.kind in JOB_LOST
 
 
 class SessionState(Protocol):
