@@ -355,7 +355,8 @@ def test_palatine_job_status_names_where_each_rank_runs_and_cancel_ends_the_laun
         took = time.monotonic() - cancelled_at
         rest = launcher.stdout.read()
         assert code == 4, rest + launcher.stderr.read()
-        assert rest.startswith("lost: worker rank "), rest
+        named = f"lost: Slurm job {job_id} was cancelled (scancel): worker rank "
+        assert rest.startswith(named), rest
         assert took < 30, took
     finally:
         if launcher.poll() is None:
