@@ -29,6 +29,7 @@ __all__ = [
     "SystemRequestError",
     "JoinError",
     "StackDumpError",
+    "CollectivePeerLost",
     "InfrastructureError",
     "TooManyOpenFiles",
     "ValueTooLarge",
@@ -308,6 +309,12 @@ class StackDumpError(PalatineError):
 
     Raised to the host's ``StackDump`` handler, which puts the text in ``StackTrace.error``.
     """
+
+
+class CollectivePeerLost(PalatineError, RuntimeError):
+    """A palatine collective on a worker ended because a member of its group was lost
+    (declared by the supervision, or its connection reset or closed): the group is
+    abandoned; the next collective runs after a recovery, in a new group."""
 
 
 class InfrastructureError(PalatineError):

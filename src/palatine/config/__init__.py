@@ -115,6 +115,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # worker imports before it joins (comma separated, e.g. "torch")
     worker_exit_timeout_s: float = 30.0
     collective_timeout_s: float = 600.0
+    # how long the controller holds an op's error that is a collective losing its
+    # connection to a peer, for the supervision to name the lost peer first (a
+    # DeviceException for the fault, whatever error the collective library raised)
+    peer_loss_grace_s: float = 30.0
     collective_backend: str | None = None
     preload: str | None = None
     # the controller: its worker world Live, its worker actors spawned, one stall report,

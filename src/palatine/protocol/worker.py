@@ -75,6 +75,7 @@ __all__ = [
     "SetRefUnitTestsOnly",
     "GetRefUnitTestsOnly",
     "ProgressQuery",
+    "PeersLost",
     "CastCommand",
     "WorkerMessage",
     # replies
@@ -233,6 +234,10 @@ class WorkerError(msgspec.Struct, frozen=True, kw_only=True):
     message: str
     traceback: str = ""
     exception: bytes | None = None
+    # the error is a collective's connection to a peer failing (reset, closed, a palatine
+    # collective abandoned because a member was lost): its cause is probably a lost peer,
+    # which the controller waits (bounded) to name before it reports the error as its own
+    peer_lost: bool = False
 
 
 class ExecutingOp(msgspec.Struct, frozen=True, kw_only=True):
@@ -425,6 +430,20 @@ class ProgressQuery(Message, kw_only=True, tag=True):
     """Ask (sent directly, not cast) for the per-stream state; replies `WorkerProgress`."""
 
 
+class PeersLost(Message, kw_only=True, tag=True):
+    """Sent directly (not cast) by the controller to every other rank when ``ranks`` are
+    declared lost: palatine's own collectives waiting for one of them end at once with
+    ``reason`` (the supervision's words: proc, pid, host, how it ended), instead of
+    waiting for a peer that will never come (gloo cannot abort a collective; the worker
+    abandons its group). Handled on the worker actor's loop, never behind a stream."""
+
+    ranks: list[int]
+    reason: str
+    # the lost procs' pids, beside ``ranks`` (0: not known): a notice that arrives after
+    # a recovery's new group formed names an old pid and is ignored
+    pids: list[int] = []
+
+
 CastCommand: TypeAlias = (
     CreateStream
     | CreateDeviceMesh
@@ -451,7 +470,9 @@ class CommandGroup(Message, kw_only=True, tag=True):
     commands: list[CastCommand]
 
 
-WorkerMessage: TypeAlias = CastCommand | CommandGroup | GetRefUnitTestsOnly | ProgressQuery
+WorkerMessage: TypeAlias = (
+    CastCommand | CommandGroup | GetRefUnitTestsOnly | ProgressQuery | PeersLost
+)
 """Every command a worker actor handles."""
 
 

@@ -95,7 +95,7 @@ from palatine.protocol.system import (
     WorldState,
     WorldStatusChanged,
 )
-from palatine.protocol.worker import RequestStatus, Slice
+from palatine.protocol.worker import PeersLost, RequestStatus, Slice
 from palatine.tensor.controller.history import History
 from palatine.tensor.controller.progress import ProgressMonitor
 from palatine.tensor.controller.recovery import recover_ranks
@@ -122,6 +122,10 @@ _REQUEST_STATUS_TID = RequestStatus.__palatine_type_id__
 
 class CheckClient(Message, kw_only=True):
     """Timer: is the attached client still sending?"""
+
+
+class ReleaseHeld(Message, kw_only=True):
+    """Timer: report the held collective errors whose wait for a lost peer is over."""
 
 
 def _short_id(actor: ActorId) -> str:
@@ -167,6 +171,12 @@ class ControllerActor(Actor):
         self._node_at = 0.0
         self._deferred: list[SendProbe] = []
         self._batching = False  # inside a Batch: settle once, after its last Send
+        # Errors of a collective losing its connection to a peer (`WorkerError.peer_lost`),
+        # each with the time it is reported after all: held so that the supervision can
+        # name the lost peer first (`_fail` drops them: the failure covers them), and the
+        # same fault surfaces as the same DeviceException whatever the library raised.
+        self._held: list[tuple[float, RemoteFunctionFailed]] = []
+        self._peer_loss_grace_s = config.get().peer_loss_grace_s
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -334,6 +344,35 @@ class ControllerActor(Actor):
             self.pending.push(failure)
         else:
             self._to_client(Failure(failure=failure))
+        if failure.kind == "proc_failed" and failure.rank is not None:
+            self._tell_peers_lost(failure)
+        if self._held:
+            for _at, held in self._held:
+                log.debug("s%d on rank %d: %s (covered by: %s)", held.seq, held.error.rank,
+                          held.error.message, failure.message.splitlines()[0])  # fmt: skip
+            self._held.clear()
+
+    def _tell_peers_lost(self, failure: DeviceFailure) -> None:
+        """Tell every other live rank that ``failure``'s rank is lost, so that palatine's
+        collectives waiting for it end now (`palatine.tensor.worker.peers`)."""
+        assert failure.rank is not None
+        msg = PeersLost(
+            ranks=[failure.rank],
+            reason=failure.message.splitlines()[0],
+            pids=[failure.pid or 0],
+        )
+        dead = self.supervision.dead_ranks if self.supervision is not None else set()
+        for r in range(self.n):
+            if r != failure.rank and r not in dead:
+                self.cx.mailbox.tell(self.gang.actor(r), msg)
+
+    @handler
+    def on_release_held(self, msg: ReleaseHeld) -> None:
+        now = self._now()
+        due = [m for at, m in self._held if at <= now]
+        self._held = [(at, m) for at, m in self._held if at > now]
+        for m in due:
+            self._remote_function_failed(m)
 
     def _cast(self, type_id: int, encoding: int, data: bytes, ranks: RankSet) -> None:
         if not ranks:
@@ -521,6 +560,13 @@ class ControllerActor(Actor):
     def on_remote_function_failed(self, msg: RemoteFunctionFailed) -> None:
         if not self._worker_ok("RemoteFunctionFailed", msg.error.rank):
             return
+        if msg.error.peer_lost and not self.mesh_failed:
+            self._held.append((self._now() + self._peer_loss_grace_s, msg))
+            self._schedule(self._peer_loss_grace_s, ReleaseHeld())
+            return
+        self._remote_function_failed(msg)
+
+    def _remote_function_failed(self, msg: RemoteFunctionFailed) -> None:
         reports = self.history.propagate_exception(msg.seq, msg.error)
         if reports:
             self._results(reports)

@@ -53,6 +53,7 @@ from palatine.protocol.worker import (
     ExecutingOp,
     Exit,
     GetRefUnitTestsOnly,
+    PeersLost,
     ProgressQuery,
     Reduce,
     RefValue,
@@ -549,6 +550,13 @@ class WorkerActor(Actor):
     def on_progress_query(self, msg: ProgressQuery) -> WorkerProgress:
         return self.progress()
 
+    @handler
+    def on_peers_lost(self, msg: PeersLost) -> None:
+        """Ranks were declared lost: palatine's collectives waiting for them end now
+        (here, on the loop: the stream that waits may be the one stuck)."""
+        if self.state is not None:
+            self.state.peers.declare(msg.ranks, msg.reason, msg.pids)
+
 
 def _op_text(s: Stream) -> str:
     cur = s.current
@@ -576,6 +584,7 @@ _COMMAND_TYPES: tuple[type[Any], ...] = (
     SetRefUnitTestsOnly,
     GetRefUnitTestsOnly,
     ProgressQuery,
+    PeersLost,
 )
 
 _ROUTES: dict[type[Any], Callable[[WorkerActor, Any], None]] = {

@@ -30,12 +30,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from palatine import config
-from palatine.errors import InfrastructureError
+from palatine.errors import CollectivePeerLost, InfrastructureError
 from palatine.protocol.worker import (
     BackendNetworkInit,
     CreateProcessGroup,
     Slice,
 )
+from palatine.tensor.worker.peers import abandon, run_abortable
 from palatine.tensor.worker.state import current_stream
 from palatine.tensor.worker.values import SeqError
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CollectiveContext",
     "DeviceMeshView",
+    "abandon_groups",
     "backend_name",
     "collective_timeout_s",
     "destroy",
@@ -247,8 +249,8 @@ def _choose_backend(infos: list[list[str]]) -> str:
     override = config.get().collective_backend
     if override:
         return override
-    if all(kind == "cuda" for _h, kind, _u in infos):
-        devices = {(h, u) for h, _k, u in infos}
+    if all(info[1] == "cuda" for info in infos):
+        devices = {(info[0], info[2]) for info in infos}
         if len(devices) == len(infos):
             return "nccl"
     return "gloo"
@@ -296,6 +298,7 @@ def _backend_network_init(stream: StreamView, cmd: BackendNetworkInit) -> None:
         w.groups.clear()
         w.reduce_groups.clear()
         w.collective = None
+        w.collective_abandoned = None
     elif dist.is_initialized():
         raise RuntimeError(
             f"torch.distributed is already initialised in the process of worker rank {w.rank}"
@@ -306,8 +309,10 @@ def _backend_network_init(stream: StreamView, cmd: BackendNetworkInit) -> None:
         host, port, w.world_size, is_master=False, timeout=timeout, wait_for_workers=False
     )
     kind, uuid = _device_info(w)
-    store.set(f"palatine/device/{w.rank}", json.dumps([socket.gethostname(), kind, uuid]))
+    me = [socket.gethostname(), kind, uuid, os.getpid()]
+    store.set(f"palatine/device/{w.rank}", json.dumps(me))
     infos = [json.loads(store.get(f"palatine/device/{r}")) for r in range(w.world_size)]
+    w.peers.new_generation({r: int(info[3]) for r, info in enumerate(infos)})
     backend = _choose_backend(infos)
     kwargs: dict[str, Any] = {}
     device = torch.device("cpu")
@@ -367,11 +372,13 @@ def _install_group_namer() -> None:
         _patched = True
 
 
-def _new_group(ranks: list[int], what: str) -> Any:
+def _new_group(w: WorkerState, ranks: list[int], what: str) -> Any:
     """A locally synchronised group of ``ranks`` named after the command ``what``.
 
     Sibling subgroups made by one command (the rows of a mesh) differ in their members,
-    so the members are part of the name.
+    so the members are part of the name. Making it is a rendezvous of the members through
+    the store, which nothing interrupts: it runs on a thread of its own, and a member
+    declared lost meanwhile ends the wait at once (`palatine.tensor.worker.peers`).
     """
     import hashlib
 
@@ -381,15 +388,25 @@ def _new_group(ranks: list[int], what: str) -> Any:
     members = "_".join(map(str, ranks))
     if len(members) > 64:
         members = hashlib.blake2b(members.encode(), digest_size=12).hexdigest()
-    _named.name = f"{what}.{members}"
+    name = f"{what}.{members}"
+    timeout_s = collective_timeout_s()
+
+    def make() -> Any:
+        _named.name = name
+        try:
+            return dist.new_group(
+                ranks,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                use_local_synchronization=True,
+            )
+        finally:
+            _named.name = None
+
     try:
-        return dist.new_group(
-            ranks,
-            timeout=datetime.timedelta(seconds=collective_timeout_s()),
-            use_local_synchronization=True,
-        )
-    finally:
-        _named.name = None
+        return run_abortable(w.peers, make, ranks, w.rank, what, timeout_s + 5.0)
+    except CollectivePeerLost as e:
+        abandon_groups(w, str(e), in_flight=True)
+        raise
 
 
 def _context(stream: StreamView) -> CollectiveContext | SeqError:
@@ -398,6 +415,12 @@ def _context(stream: StreamView) -> CollectiveContext | SeqError:
     if pending is not None and not pending.is_set():
         stream.wait_event(pending)
     ctx = stream.worker.collective
+    abandoned = stream.worker.collective_abandoned
+    if ctx is None and abandoned is not None:
+        raise CollectivePeerLost(
+            f"the collective group of worker rank {stream.worker.rank} was left after a "
+            f"lost peer ({abandoned}); collectives run again after a recovery"
+        )
     if ctx is None:
         raise RuntimeError(
             f"collectives are not initialised on worker rank {stream.worker.rank}: "
@@ -415,6 +438,21 @@ def _mesh(stream: StreamView, ref: int, what: str) -> DeviceMeshView:
     return view  # type: ignore[no-any-return]
 
 
+def abandon_groups(w: WorkerState, reason: str, *, in_flight: bool) -> None:
+    """Leave this generation's groups after a lost peer (`palatine.tensor.worker.peers`:
+    ``in_flight``, an operation may still run in them): palatine's next collective fails
+    at once with ``reason`` until a recovery's `BackendNetworkInit` joins a new group."""
+    if w.collective_abandoned is not None:
+        return
+    groups = [g for g in list(w.groups.values()) + list(w.reduce_groups.values())]
+    abandon([g for g in groups if not isinstance(g, CollectiveContext | SeqError)], in_flight)
+    w.groups.clear()
+    w.reduce_groups.clear()
+    w.collective = None
+    w.collective_abandoned = reason
+    log.warning("rank %d left its collective group: %s", w.rank, reason)
+
+
 def _create_process_group(stream: StreamView, cmd: CreateProcessGroup) -> None:
     view = _mesh(stream, cmd.mesh, f"CreateProcessGroup s{cmd.seq}")
     members = sorted(view.members(cmd.dims or None))
@@ -422,7 +460,7 @@ def _create_process_group(stream: StreamView, cmd: CreateProcessGroup) -> None:
     if type(ctx) is SeqError:
         stream.poison_collective(cmd, ctx)
         return
-    pg = _new_group(members, f"palatine.pg.s{cmd.seq}.r{cmd.result}")
+    pg = _new_group(stream.worker, members, f"palatine.pg.s{cmd.seq}.r{cmd.result}")
     stream.worker.groups[cmd.result] = pg
 
 

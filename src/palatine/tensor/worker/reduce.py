@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from palatine.errors import CollectivePeerLost
 from palatine.protocol.worker import REDUCE_OPS, Reduce, WorkerError
-from palatine.tensor.worker.collectives import CollectiveContext, _context, _mesh, _new_group
+from palatine.tensor.worker.collectives import (
+    CollectiveContext,
+    _context,
+    _mesh,
+    _new_group,
+    abandon_groups,
+    collective_timeout_s,
+)
+from palatine.tensor.worker.peers import is_peer_loss, wait_work
 from palatine.tensor.worker.state import MISSING
 from palatine.tensor.worker.values import SeqError
 
@@ -33,6 +42,9 @@ _OK, _DEPENDENT, _BAD_INPUT = 0, 1, 2
 
 
 _unsupported: set[tuple[str, str]] = set()
+
+Wait = Callable[[Any], None]
+"""Waits for an asynchronous collective's work (`palatine.tensor.worker.peers.wait_work`)."""
 
 
 def _is_unsupported(e: BaseException) -> bool:
@@ -88,11 +100,11 @@ def _check_divisible(shape: list[int], n: int, what: str) -> None:
         raise ValueError(f"{what} needs dim 0 divisible by the group size {n}; dim 0 is {d0}")
 
 
-def _all_reduce(dist: Any, ctx: Any, t: Any, op: str, group: Any, n: int) -> None:
+def _all_reduce(dist: Any, ctx: Any, t: Any, op: str, group: Any, n: int, wait: Wait) -> None:
     if op == "avg":
 
         def emulate() -> None:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            wait(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True))
             if t.is_floating_point() or t.is_complex():
                 t.div_(n)
             else:
@@ -101,15 +113,15 @@ def _all_reduce(dist: Any, ctx: Any, t: Any, op: str, group: Any, n: int) -> Non
         _try_native(
             ctx.backend,
             "avg",
-            lambda: dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group),
+            lambda: wait(dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group, async_op=True)),
             emulate,
         )
     else:
-        dist.all_reduce(t, op=_torch_op(dist, op), group=group)
+        wait(dist.all_reduce(t, op=_torch_op(dist, op), group=group, async_op=True))
 
 
 def _collective(
-    torch: Any, dist: Any, ctx: Any, cmd: Reduce, t: Any, group: Any, n: int, me: int
+    torch: Any, dist: Any, ctx: Any, cmd: Reduce, t: Any, group: Any, n: int, me: int, wait: Wait
 ) -> Any:
     """The data collective on ``t`` (already on the communication device)."""
     op = cmd.op
@@ -120,11 +132,11 @@ def _collective(
 
             def a2a_emulated() -> Any:
                 parts = [torch.empty_like(inp) for _ in range(n)]
-                dist.all_gather(parts, inp, group=group)
+                wait(dist.all_gather(parts, inp, group=group, async_op=True))
                 return torch.cat([p.chunk(n)[me] for p in parts])
 
             def a2a() -> Any:
-                dist.all_to_all_single(out, inp, group=group)
+                wait(dist.all_to_all_single(out, inp, group=group, async_op=True))
                 return out
 
             return _try_native(ctx.backend, "all_to_all", a2a, a2a_emulated)
@@ -134,12 +146,12 @@ def _collective(
 
         def gather_emulated() -> Any:
             parts = [torch.empty_like(inp) for _ in range(n)]
-            dist.all_gather(parts, inp, group=group)
+            wait(dist.all_gather(parts, inp, group=group, async_op=True))
             return torch.stack(parts)
 
         def gather() -> Any:
             # The concatenated output form: every backend accepts it.
-            dist.all_gather_into_tensor(gathered, flat, group=group)
+            wait(dist.all_gather_into_tensor(gathered, flat, group=group, async_op=True))
             return gathered.view(n, *inp.shape)
 
         return _try_native(ctx.backend, "all_gather_into_tensor", gather, gather_emulated)
@@ -149,20 +161,18 @@ def _collective(
 
         def rs_emulated() -> Any:
             tmp = inp.clone()
-            _all_reduce(dist, ctx, tmp, op, group, n)
+            _all_reduce(dist, ctx, tmp, op, group, n, wait)
             return tmp.chunk(n)[me].clone()
 
         def rs() -> Any:
-            if op == "avg":
-                dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG, group=group)
-            else:
-                dist.reduce_scatter_tensor(out, inp, op=_torch_op(dist, op), group=group)
+            rop = dist.ReduceOp.AVG if op == "avg" else _torch_op(dist, op)
+            wait(dist.reduce_scatter_tensor(out, inp, op=rop, group=group, async_op=True))
             return out
 
         return _try_native(ctx.backend, f"reduce_scatter.{op}", rs, rs_emulated)
-    work = t if cmd.in_place else t.clone()
-    _all_reduce(dist, ctx, work, op, group, n)
-    return work
+    res = t if cmd.in_place else t.clone()
+    _all_reduce(dist, ctx, res, op, group, n, wait)
+    return res
 
 
 def _local(torch: Any, cmd: Reduce, t: Any) -> Any:
@@ -247,7 +257,6 @@ def _dependent_error(
 
 def _reduce(stream: StreamView, cmd: Reduce) -> None:
     import torch
-    import torch.distributed as dist
 
     w = stream.worker
     view = _mesh(stream, cmd.mesh, f"Reduce s{cmd.seq}")
@@ -307,18 +316,50 @@ def _reduce(stream: StreamView, cmd: Reduce) -> None:
         stream.poison_collective(cmd, ctx)
         return
     assert isinstance(ctx, CollectiveContext)
+    timeout_s = collective_timeout_s()
+
+    def wait(work: Any) -> None:
+        wait_work(w.peers, work, members, w.rank, f"reduce s{cmd.seq}", timeout_s)
+
+    try:
+        _in_group(stream, cmd, ctx, dims, members, me, value, out_t, problem, dep, wait)
+    except BaseException as e:
+        if is_peer_loss(e):
+            abandon_groups(w, str(e), in_flight=isinstance(e, CollectivePeerLost))
+        raise
+
+
+def _in_group(
+    stream: StreamView,
+    cmd: Reduce,
+    ctx: CollectiveContext,
+    dims: tuple[str, ...],
+    members: list[int],
+    me: int,
+    value: Any,
+    out_t: Any,
+    problem: BaseException | None,
+    dep: SeqError | None,
+    wait: Wait,
+) -> None:
+    """The part of a reduce that talks to its group's other members."""
+    import torch
+    import torch.distributed as dist
+
+    w = stream.worker
+    n = len(members)
     key = (cmd.mesh, dims)
     group = w.reduce_groups.get(key)
     if group is None:
         group = w.reduce_groups[key] = _new_group(
-            members, f"palatine.reduce.s{cmd.seq}.r{cmd.mesh}"
+            w, members, f"palatine.reduce.s{cmd.seq}.r{cmd.mesh}"
         )
     comm_device = ctx.device
 
     if cmd.factory is not None:
         # The client knew the metadata: a failed input takes part with zeros.
         t = _fabricate(torch, cmd.factory) if (problem is not None or dep is not None) else value
-        res = _run_data(torch, dist, ctx, cmd, t, group, n, me, comm_device)
+        res = _run_data(torch, dist, ctx, cmd, t, group, n, me, comm_device, wait)
         if problem is not None:
             raise problem
         if dep is not None:
@@ -332,7 +373,7 @@ def _reduce(stream: StreamView, cmd: Reduce) -> None:
     )
     hdr = _header(torch, status, dep.seq if dep is not None else -1, value, comm_device)
     parts = [torch.empty_like(hdr) for _ in range(n)]
-    dist.all_gather(parts, hdr, group=group)
+    wait(dist.all_gather(parts, hdr, group=group, async_op=True))
     heads = [p.tolist() for p in parts]
     bad = [(i, h) for i, h in enumerate(heads) if h[0] != _OK]
     if bad:
@@ -348,7 +389,7 @@ def _reduce(stream: StreamView, cmd: Reduce) -> None:
     if any(h[2:] != heads[0][2:] for h in heads):
         listing = ", ".join(f"rank {members[i]} {_describe(torch, h)}" for i, h in enumerate(heads))
         raise ValueError(f"reduce inputs differ across ranks: {listing}")
-    res = _run_data(torch, dist, ctx, cmd, value, group, n, me, comm_device)
+    res = _run_data(torch, dist, ctx, cmd, value, group, n, me, comm_device, wait)
     _bind(stream, cmd, res, value, out_t)
 
 
@@ -362,12 +403,13 @@ def _run_data(
     n: int,
     me: int,
     comm_device: Any,
+    wait: Wait,
 ) -> Any:
     """Run the collective, staging through the communication device when needed."""
     if t.device == comm_device:
-        return _collective(torch, dist, ctx, cmd, t, group, n, me)
+        return _collective(torch, dist, ctx, cmd, t, group, n, me, wait)
     staged = t.to(comm_device)
-    res = _collective(torch, dist, ctx, cmd, staged, group, n, me)
+    res = _collective(torch, dist, ctx, cmd, staged, group, n, me, wait)
     if cmd.in_place:
         t.copy_(staged)
         return t

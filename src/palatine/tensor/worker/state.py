@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from palatine.errors import InfrastructureError
 from palatine.ids import ActorId, PortId
 from palatine.protocol.worker import BackendNetworkInit, CreateProcessGroup, Reduce, WorkerError
+from palatine.tensor.worker.peers import LostPeers, is_peer_loss
 from palatine.tensor.worker.user_errors import user_error_fields
 from palatine.tensor.worker.values import FunctionCache, SeqError
 from palatine.wire.codec import encode_message_oob
@@ -185,6 +186,11 @@ class WorkerState:
         self.collective: Any = None  # CollectiveContext | SeqError | None
         self.collective_generation = 0  # of the group it joined (`BackendNetworkInit`)
         self.collective_pending: threading.Event | None = None  # set when an init finished
+        # ranks declared lost in this generation (`PeersLost`): they end palatine's
+        # collectives waiting for them (`palatine.tensor.worker.peers`)
+        self.peers = LostPeers()
+        # why this generation's groups were abandoned (a lost peer); None: they were not
+        self.collective_abandoned: str | None = None
         self.borrows: dict[int, Borrow] = {}
         self.functions = _FUNCTIONS
         self._emit = emit
@@ -234,5 +240,6 @@ class WorkerState:
             pid=self.pid,
             stream=stream,
             function=label,
+            peer_lost=is_peer_loss(exc),
             **user_error_fields(exc),
         )

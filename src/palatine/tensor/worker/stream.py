@@ -294,6 +294,11 @@ class Stream:
         self.worker.send(RemoteFunctionFailed(seq=seq, error=werr))
         err = SeqError(seq, werr)
         self.poison(poison, err)
+        if werr.peer_lost and self.worker.collective_abandoned is None:
+            # A collective of the user's that met a lost peer: leave the group now, as a
+            # step should (its connections close, so peers still waiting in the same
+            # collective for this rank fail too instead of waiting out the timeout).
+            collectives.abandon_groups(self.worker, werr.message, in_flight=False)
         return err
 
     def _bind(self, results: Sequence[int | None], ret: Any, label: str) -> None:
