@@ -399,3 +399,32 @@ def test_recover_called_at_once_after_a_partition_error_brings_back_every_rank_o
         moved = remote(net_namespace)()
         assert [inspect(moved, shard={"host": 1, "proc": p}) for p in (0, 1)] == [node0] * 2
         assert _sum_of_ranks(mesh) == [6.0, 6.0]
+
+
+def test_survivors_waiting_in_palatines_reduce_for_a_cut_off_node_fail_at_the_bound_and_go_on(
+    bed: TestBed,
+) -> None:
+    with two_node_mesh(bed) as mesh:
+        ranks = mesh.rank(("host", "proc"))
+        v = remote(ones_times)(ranks)
+        assert _sum_of_ranks(mesh) == [6.0, 6.0]
+        remote(sleep_on_node_1)(ranks)  # node 1's ranks stay busy: the others wait for them
+        total = v.reduce(("host", "proc"), op="sum")
+        futs = [fetch(total, shard={"host": 0, "proc": p}) for p in (0, 1)]
+        time.sleep(0.5)
+        bed.cut(1)
+        cut_at = time.monotonic()
+        try:
+            for f in futs:  # (not the collective timeout: palatine's reduce ends at once)
+                with pytest.raises(DeviceException) as ei:
+                    f.result(timeout=60)
+                assert "worker[2]" in str(ei.value) or "worker[3]" in str(ei.value)
+            took = time.monotonic() - cut_at
+            assert took < UPDATE_TIMEOUT_S + INTERVAL_S + 2.0, took
+            rec = mesh.recover(timeout_s=60)
+        finally:
+            bed.heal(1)
+        assert rec.ranks == [2, 3], rec
+        v.restore(ones_times, mesh.rank(("host", "proc")))
+        total = v.reduce(("host", "proc"), op="sum")
+        assert fetch(total, shard={"host": 0, "proc": 0}).result(timeout=30).tolist() == [6.0, 6.0]
