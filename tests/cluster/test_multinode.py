@@ -147,7 +147,8 @@ def _palatine_pids_in(namespace_inode: int) -> list[int]:
     out = []
     for pid in _pids_in(namespace_inode):
         with contextlib.suppress(OSError):
-            if b"palatine" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"palatine" in cmdline and b"slurm" not in cmdline:  # (not a test bed's slurmd)
                 out.append(pid)
     return out
 
