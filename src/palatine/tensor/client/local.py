@@ -744,6 +744,8 @@ def _controller_lost_to(session: Session, cluster: LocalCluster) -> Callable[[st
     ended (the launcher sees the exit before any heartbeat or the system could)."""
 
     def lost(text: str, pid: int, code: int) -> None:
+        if session.detached or session.closed:
+            return  # the session ended it: leaving stops the controller's world
         exc = controller_lost(
             session,
             text,
