@@ -150,6 +150,9 @@ EXAMPLES: dict[type[Any], list[Any]] = {
     wm.SetRefUnitTestsOnly: [wm.SetRefUnitTestsOnly(ref=1, value=PICKLED, stream=0)],
     wm.GetRefUnitTestsOnly: [wm.GetRefUnitTestsOnly(ref=1, stream=0)],
     wm.ProgressQuery: [wm.ProgressQuery()],
+    wm.PeersLost: [
+        wm.PeersLost(ranks=[2], reason="worker[2] (pid 7) was killed by signal 9", pids=[7])
+    ],
     # worker replies
     wm.Status: [wm.Status(seq=5, rank=1), wm.Status(seq=2, rank=0, controller=True)],
     wm.RemoteFunctionFailed: [wm.RemoteFunctionFailed(seq=5, error=WERR)],

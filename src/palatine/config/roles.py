@@ -101,12 +101,8 @@ class ControllerOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         float, opt("how often the system is polled for failed workers", bound="positive")
     ] = msgspec.field(default=2.0, name="supervision_query_interval_in_sec")
     supervision_update_interval_s: Annotated[
-        float | None,
-        opt(
-            "heartbeat interval of the controller proc (default: the configuration's)",
-            bound="positive",
-        ),
-    ] = msgspec.field(default=None, name="supervision_update_interval_in_sec")
+        float, opt("heartbeat interval of the controller proc", bound="positive")
+    ] = msgspec.field(default=2.0, name="supervision_update_interval_in_sec")
     worker_progress_check_interval_s: Annotated[
         float, opt("how often worker progress is checked (inf: never)", bound="positive")
     ] = msgspec.field(default=10.0, name="worker_progress_check_interval_in_sec")

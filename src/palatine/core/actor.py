@@ -297,7 +297,11 @@ _warned: dict[tuple[Any, Any], list[float]] = {}
 
 
 def _warn_undeliverable(owner: Any, env: Envelope) -> None:
-    """WARNING at most once per destination proc per 10 s, with a suppressed count."""
+    """WARNING at most once per destination proc per 10 s, with a suppressed count; a
+    message to a world that was stopped (the job ending) is routine: DEBUG."""
+    if any("peer gone: removed: " in e for e in env.errors or ()):
+        log.debug("%s: a message to %s was returned: %s", owner, env.dest, env.errors)
+        return
     key = (owner, env.dest.actor.proc)
     now = time.monotonic()
     slot = _warned.get(key)

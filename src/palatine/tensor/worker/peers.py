@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -137,13 +138,20 @@ def wait_work(
 ) -> None:
     """Wait for the asynchronous collective ``work`` of a group of ``members``: its own
     outcome (an error raises), or `CollectivePeerLost` as soon as a member is declared
-    lost, whichever comes first; at most ``timeout_s`` (`TimeoutError`)."""
+    lost, whichever comes first; at most ``timeout_s`` (`TimeoutError`). A work that has
+    no future (gloo's reduce-scatter and all-to-all) is waited for as a blocking call."""
     done = threading.Event()
-    # (the future, not the work: the work counts as completed a moment after its
-    # future, and a wait that looked at the work could miss the only wake-up)
-    fut = work.get_future()
-    fut.add_done_callback(lambda _f: done.set())  # on the library's thread
-    _wait(peers, done, fut.done, members, rank, what, timeout_s)
+    try:
+        # (the future, not the work: the work counts as completed a moment after its
+        # future, and a wait that looked at the work could miss the only wake-up)
+        fut = work.get_future()
+    except RuntimeError:  # a work without a future (gloo's reduce-scatter, all-to-all)
+        lost = peers.among(members)
+        if lost:
+            raise lost_error(rank, lost, what) from None
+    else:
+        fut.add_done_callback(lambda _f: done.set())  # on the library's thread
+        _wait(peers, done, fut.done, members, rank, what, timeout_s)
     work.wait()  # its error, if it failed
 
 
@@ -193,9 +201,11 @@ def _wait(
     if lost:
         raise lost_error(rank, lost, what)
     peers._add(done)
+    deadline = time.monotonic() + timeout_s
     try:
         while not finished():
-            if not done.wait(timeout_s):
+            left = deadline - time.monotonic()
+            if left <= 0 or not done.wait(left):
                 raise TimeoutError(f"{what} on rank {rank}: not done within {timeout_s:g} s")
             if finished():
                 break
