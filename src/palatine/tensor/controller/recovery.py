@@ -95,7 +95,23 @@ async def recover_ranks(
                     "stuck: only a lost or stuck rank is recovered"
                 )
     alive = [r for r in chosen if r not in supervision.dead_ranks]
-    await _end_procs(mailbox, p, supervision, chosen, alive, deadline)
+    unreachable = await _end_procs(mailbox, p, supervision, chosen, alive, deadline)
+    if ranks is None and unreachable:
+        # A host that cannot be reached (cut off, gone) takes its other ranks with it;
+        # the system declares them one by one as it learns: wait for them (bounded) and
+        # bring them back in this call too, instead of leaving them to the next failure.
+        siblings = [
+            r
+            for r in range(p.world_size)
+            if r not in chosen
+            and (rec := supervision.record(r)) is not None
+            and rec.host_proc in unreachable
+        ]
+        if siblings:
+            until = min(deadline, _now() + RECOVER_GRACE_S)
+            ended = await _await_ended(mailbox, p, siblings, until)
+            supervision.mark_ended(ended)
+            chosen = sorted(set(chosen) | (ended & set(siblings)))
     reply = await mailbox.ask(
         SYSTEM_ACTOR, RespawnProcs(world_id=p.worker_world, ranks=chosen), p.spawn_timeout_s
     )
@@ -193,14 +209,16 @@ async def _end_procs(
     ranks: list[int],
     stuck: list[int],
     deadline: float,
-) -> None:
+) -> set[ProcId]:
     """Make sure no process of ``ranks`` still runs before they are respawned: each
     one's host is asked to SIGKILL it (`KillProc`, that pid). That ends a ``stuck``
     rank, and a rank declared dead whose process is still there (expired: stopped, or
     cut off); a host that cannot be reached is logged (its procs are gone with it, or
     cut off with it). Then wait (until ``deadline``) until the system has the stuck
-    ones ended. Errors name the rank's proc, pid and host."""
+    ones ended. Errors name the rank's proc, pid and host. The hosts that could not be
+    reached."""
     procs = {r: params.worker_world.proc(r) for r in ranks}
+    unreachable: set[ProcId] = set()
 
     def who(r: int) -> str:
         rec = supervision.record(r)
@@ -222,6 +240,7 @@ async def _end_procs(
             if r in stuck:
                 raise RuntimeError(f"cannot kill {who(r)}: {error_text(e)}") from e
             log.warning("recovery: could not reach the host of %s: %s", who(r), error_text(e))
+            unreachable.add(record.host_proc)
             return
         if killed.proc_ids:
             log.warning("recovery: killed %s (%s)", who(r), why)
@@ -231,12 +250,13 @@ async def _end_procs(
         if isinstance(res, BaseException):
             raise res
     if not stuck:
-        return
+        return unreachable
     ended = await _await_ended(mailbox, params, stuck, deadline)
     if not ended.issuperset(stuck):
         left = ", ".join(who(r) for r in stuck if r not in ended)
         raise TimeoutError(f"{left}: still running at the recovery's deadline after SIGKILL")
     supervision.mark_ended(stuck)
+    return unreachable
 
 
 async def _await_joined(
