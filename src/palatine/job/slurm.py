@@ -577,7 +577,7 @@ class SlurmJob:
         deadline = time.monotonic() + _GONE_TIMEOUT_S
         while time.monotonic() < deadline:
             state = self.job_state()
-            if state is None:
+            if state is None or state in _ENDED:  # (squeue keeps an ended job for a while)
                 break
             if state == "COMPLETING":
                 deadline = min(deadline, time.monotonic() + _COMPLETING_WAIT_S)
