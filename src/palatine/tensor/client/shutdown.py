@@ -54,7 +54,9 @@ def shutdown_session(
         return
     interrupted = error is not None and not isinstance(error, Exception)
     kind = getattr(session.failure, "kind", None)
-    system_gone = kind == "system_lost"
+    # The system is gone, or the scheduler ended the job (its launcher stops what is
+    # left): there is nobody to ask to stop the worlds.
+    system_gone = kind == "system_lost" or getattr(session.failure, "ended_by", None) is not None
     healthy = session.failure is None and not interrupted
     # Interrupted, or with no system or controller to leave: nothing stops gracefully
     # (what is left of the job is stopped, not drained), so no long waits.
@@ -105,7 +107,8 @@ def shutdown_session(
                 except Exception as e:  # noqa: BLE001 - local.stop ends the system either way
                     log.debug("stopping the local system: %s", e)
             try:
-                await client.close()
+                async with asyncio.timeout(stop_s):  # (a system stopped meanwhile answers nothing)
+                    await client.close()
             except Exception as e:  # noqa: BLE001 - a system that stopped has closed the link
                 log.debug("closing the system client: %s", e)
 
