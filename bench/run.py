@@ -52,6 +52,9 @@ PEER_METRICS = {
     "spawn_4_to_first_call_s",
     "detect_sigkill_s",
 }
+# The tensor engine's program shape (bench/_tensor_shape.py): palatine's
+# bench/tensor_bench.py and Monarch's bench/peers/monarch_tensors.py, the one peer with one.
+TENSOR_METRICS = frozenset({"tensor_ops_per_s", "tensor_fetch_roundtrip_ms"})
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ PROGRAMS = (
             }
         ),
     ),
+    Program("bench/tensor_bench.py", None, TENSOR_METRICS),
     Program("bench/recovery_bench.py", None, frozenset({"recover_after_sigkill_s"})),
     Program(
         "bench/control_plane_bench.py",
@@ -109,6 +113,7 @@ PROGRAMS = (
     Program("bench/peers/monarch_actors.py", "torchmonarch", frozenset(PEER_METRICS)),
     Program("bench/peers/ray_actors.py", "ray", frozenset(PEER_METRICS)),
     Program("bench/peers/dask_actors.py", "distributed", frozenset(PEER_METRICS)),
+    Program("bench/peers/monarch_tensors.py", "torchmonarch", TENSOR_METRICS),
 )
 
 
@@ -143,6 +148,10 @@ METRICS: dict[str, tuple[str, bool, Target]] = {
         Target("≥ 50 % of the silent figure (≥ 10,000/s)", 10_000),
     ),
     "fetch_roundtrip_ms": ("ms", False, Target("≤ 1 ms", 1.0)),
+    # The same round trip with a mesh tensor (bench/tensor_bench.py): inspect(x + i).
+    "tensor_fetch_roundtrip_ms": ("ms", False, Target("≤ 1 ms (as fetch_roundtrip_ms)", 1.0)),
+    # Mesh-tensor operations on a 2-proc CPU mesh, beside torchmonarch's tensor engine.
+    "tensor_ops_per_s": ("ops/s", True, Target("≥ 10× torchmonarch", None, 10)),
     # SIGKILL of 1 of 4 ranks to the first step completed after it (bench/recovery_bench.py)
     "recover_after_sigkill_s": (
         "s",
@@ -782,6 +791,19 @@ def render_markdown(res: dict[str, Any]) -> str:
         "* `detect_sigkill_client_s`: on that fresh mesh, a long call (`time.sleep`) on rank 0 "
         "fetched; rank 2's worker SIGKILLed; time until the pending fetch raises "
         "`palatine.DeviceException` (capped at 30 s).",
+        "",
+        "Mesh tensors, side by side with torchmonarch's tensor engine (one program shape, "
+        "`bench/_tensor_shape.py`; palatine: `bench/tensor_bench.py` on `local_mesh(hosts=1, "
+        "procs_per_host=2)`; torchmonarch: `bench/peers/monarch_tensors.py` on "
+        '`this_host().spawn_procs(per_host={"gpus": 2})`; both on CPU):',
+        "",
+        "* `tensor_ops_per_s`: `with mesh.activate(): x = torch.zeros(64, 64)`, then N times "
+        "`x = x + 1`, then one `inspect(x.sum())`, checked to be 64 · 64 · N; N / (first op "
+        "issued → inspect returned), N sized after a warm-up so a repetition takes ≥ 1 s "
+        "(`ops_per_rep`, `rep_s`).",
+        "* `tensor_fetch_roundtrip_ms`: on the same mesh, `inspect(x + i)` of an 8-element "
+        "mesh tensor one at a time, each value checked (ms per round trip): "
+        "`fetch_roundtrip_ms` with a mesh tensor.",
         "",
         "palatine's fault-detection and transfer metrics (`bench/fault_bench.py`; the same "
         "`local_mesh(hosts=1, procs_per_host=4)`; a detection ends the session, so each "
