@@ -1,23 +1,30 @@
 """`DeviceMesh` and `Stream`: where remote calls run.
 
 A mesh covers worker-world ranks laid out row-major over named dims (``host``,
-``proc``); sub-meshes share the session. ``with mesh.activate():`` makes it the mesh
+``proc``); sub-meshes share the session. As in Monarch, a mesh is reshaped by name:
+``mesh.slice(host=0)`` (or ``mesh(host=0)``), ``mesh.split(host=("dp", "pp"), pp=2)``,
+``mesh.rename(proc="gpu")``, ``mesh.flatten("rank")`` (the arithmetic is
+`palatine.tensor.client.shapes`); each is a mesh remote calls, ranks, process groups and
+reductions work on by its own dim names. ``with mesh.activate():`` makes it the mesh
 remote calls run on (a context variable, so it nests and is per thread/task).
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
-import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from palatine.config import roles
 from palatine.protocol.worker import CreateDeviceMesh, CreateStream, Slice
+from palatine.tensor.client import shapes
 from palatine.tensor.client.collectives import process_group, reduce
 from palatine.tensor.client.context import activated
 from palatine.tensor.client.remote import remote, restore
 from palatine.tensor.client.session import Handle, Session, Stream
+from palatine.tensor.client.shapes import MeshShape
 from palatine.tensor.client.shutdown import LocalRoles, shutdown_at_exit, shutdown_session
 from palatine.tensor.client.values import RemoteValue
 
@@ -44,7 +51,11 @@ class Recovery:
 
 
 class DeviceMesh:
-    """Ranks of the worker world over named dims; a context manager that shuts down."""
+    """Ranks of the worker world over named dims; a context manager that shuts down.
+
+    ``names``, ``sizes``, ``strides`` and ``offset`` place rank ``offset + Σ idx·stride``
+    at each index ``idx`` (row-major); a sub-mesh's are exact, since the workers build
+    their view of it (coordinates, process-group members) from them alone."""
 
     def __init__(
         self,
@@ -60,7 +71,7 @@ class DeviceMesh:
         self.sizes = list(sizes)
         self.offset = offset
         if strides is None:
-            strides = [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
+            strides = list(shapes.row_major_strides(sizes))
         self.strides = list(strides)
         self.slice_spec = Slice(offset=offset, sizes=self.sizes, strides=self.strides)
         self.ranks = self.slice_spec.ranks()
@@ -70,52 +81,70 @@ class DeviceMesh:
         self._groups: dict[tuple[str, ...], Any] = {}
 
     # ------------------------------------------------------------ shape
+    @property
+    def _shape(self) -> MeshShape:
+        return MeshShape(tuple(self.names), tuple(self.sizes), tuple(self.strides), self.offset)
+
+    def _where(self) -> str:
+        return f"mesh of world {self.session.worker_world}"
+
+    def _with_shape(self, shape: MeshShape) -> DeviceMesh:
+        """A sub-mesh of the same session over ``shape`` (its ranks are this mesh's)."""
+        return DeviceMesh(
+            self.session,
+            list(shape.names),
+            list(shape.sizes),
+            shape.offset,
+            list(shape.strides),
+            self._local,
+        )
+
     def __len__(self) -> int:
         return len(self.ranks)
 
-    def size(self, dim: str | None = None) -> int:
-        if dim is None:
-            return len(self)
-        return self.sizes[self._dim(dim)]
+    def size(
+        self, dims: str | Sequence[str] | None = None, *, dim: str | Sequence[str] | None = None
+    ) -> int:
+        """The size of ``dims``: one dim's size, the product of several dims' sizes, or
+        (None) the number of ranks. ``dim`` is another spelling (Monarch's)."""
+        if dim is not None:
+            if dims is not None:
+                raise TypeError("size() got both 'dims' and 'dim', two spellings of one option")
+            dims = dim
+        return shapes.size_of(self._shape, dims, self._where())
 
     def _dim(self, dim: str) -> int:
-        try:
-            return self.names.index(dim)
-        except ValueError:
-            raise ValueError(f"unknown dimension {dim!r}; this mesh has {self.names}") from None
+        return shapes.dim_index(self._shape, dim, self._where())
 
     def __repr__(self) -> str:
-        dims = ", ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes, strict=True))
+        dims = self._shape.describe()[1:-1]
         return f"<DeviceMesh {self.session.worker_world} {dims} ranks {self.ranks}>"
 
-    def slice(self, **dims: int | slice) -> DeviceMesh:
-        """A sub-mesh: an int removes the dim, a Python slice keeps it."""
-        names, sizes, strides, offset = [], [], [], self.offset
-        for name in dims:
-            self._dim(name)
-        for i, name in enumerate(self.names):
-            size, stride = self.sizes[i], self.strides[i]
-            sel = dims.get(name)
-            if sel is None:
-                names.append(name)
-                sizes.append(size)
-                strides.append(stride)
-            elif isinstance(sel, slice):
-                start, stop, step = sel.indices(size)
-                count = len(range(start, stop, step))
-                if count == 0:
-                    raise IndexError(f"empty slice {sel} of dimension {name!r} (size {size})")
-                offset += start * stride
-                names.append(name)
-                sizes.append(count)
-                strides.append(stride * step)
-            else:
-                if not -size <= sel < size:
-                    raise IndexError(
-                        f"index {sel} out of range for dimension {name!r} of size {size}"
-                    )
-                offset += (sel % size) * stride
-        return DeviceMesh(self.session, names, sizes, offset, strides, self._local)
+    def slice(self, **dims: int | builtins.slice) -> DeviceMesh:
+        """A sub-mesh: an int removes the dim, a Python slice keeps it with the ranks it
+        selects (``mesh.slice(host=0, gpu=slice(0, 2))``)."""
+        return self._with_shape(shapes.slice_shape(self._shape, dims, self._where()))
+
+    def __call__(self, **dims: int | builtins.slice) -> DeviceMesh:
+        """`slice` (``mesh(host=0)``, as in Monarch)."""
+        return self.slice(**dims)
+
+    def split(self, **dims: Sequence[str] | int) -> DeviceMesh:
+        """The same ranks with dims split into new dims, row-major (the last new dim
+        varies fastest): on ``host=2, gpu=4``, ``mesh.split(host=("dp", "pp"), pp=2)``
+        has dims ``dp=1, pp=2, gpu=4``. A dim's key names its new dims; any other key
+        sizes a new dim; per split dim one size may be left out (the dim's size divided
+        by the others'). See `palatine.tensor.client.shapes.split`."""
+        return self._with_shape(shapes.split(self._shape, dims, self._where()))
+
+    def rename(self, **names: str) -> DeviceMesh:
+        """The same ranks with dims renamed: ``mesh.rename(host="dp", gpu="tp")``."""
+        return self._with_shape(shapes.rename(self._shape, names, self._where()))
+
+    def flatten(self, name: str) -> DeviceMesh:
+        """The same ranks, in the same order, over one dim ``name``; a ValueError when
+        they are not evenly spaced (e.g. two of four columns of each row)."""
+        return self._with_shape(shapes.flatten(self._shape, name, self._where()))
 
     # ------------------------------------------------------------ activation
     def activate(self) -> contextlib.AbstractContextManager[DeviceMesh]:
@@ -161,17 +190,18 @@ class DeviceMesh:
             s.recovery.device_meshes.append((ref, list(self.names), self.slice_spec))
         return self._handle
 
-    def rank(self, dim: str | tuple[str, ...]) -> RemoteValue:
-        """Each worker's coordinate along ``dim`` (a tuple: row-major index over them)."""
+    def rank(self, dim: str | Sequence[str]) -> RemoteValue:
+        """Each worker's coordinate along ``dim`` (several: the row-major index over them,
+        as in Monarch)."""
         dims = (dim,) if isinstance(dim, str) else tuple(dim)
         for d in dims:
             self._dim(d)
         with self.activate():
             return remote("palatine.tensor.worker.functions.coordinate")(self.handle(), dims)  # type: ignore[no-any-return]
 
-    def process_group(self, dims: str | tuple[str, ...] | None = None) -> Any:
+    def process_group(self, dims: str | Sequence[str] | None = None) -> Any:
         """A remote value that is a torch ProcessGroup over ``dims`` (all dims: the mesh)."""
-        return process_group(self, dims)
+        return process_group(self, dims if dims is None or isinstance(dims, str) else tuple(dims))
 
     # `RemoteValue.reduce` of a value on this mesh (values sit below collectives).
     reduce_value = staticmethod(reduce)
@@ -217,3 +247,11 @@ class DeviceMesh:
         ended the ``with`` block, if anything did (an interrupt drains nothing)."""
         wait_s = roles.renamed("shutdown", "timeout_s", timeout_s, "timeout", timeout)
         shutdown_session(self.session, self._local, 30.0 if wait_s is None else wait_s, error)
+
+    def exit(self, error: BaseException | None = None) -> None:
+        """End the mesh, as Monarch's ``DeviceMesh.exit()`` does: `shutdown` (drain,
+        detach, stop the worlds and a local mesh's processes); ``error``: what ended the
+        program, if anything did. Idempotent. A sub-mesh (`slice`, `split`, `rename`,
+        `flatten`) shares its session: its ``exit()`` ends the whole session, every mesh
+        made from it included; later calls on any of them raise."""
+        self.shutdown(error=error)
