@@ -29,6 +29,9 @@ Wire invariants:
   can put them straight into exception attributes.
 * A request that gets a reply (``ProgressQuery``, ``GetRefUnitTestsOnly``) has no reply
   field: its reply port is the envelope's ``reply_to`` of an ``ask``.
+* A command cast to several slices for one seq (`SendTensor` goes to the union of its
+  source and destination ranks) reaches each rank once: every rank works out its own
+  part from the command's fields.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ __all__ = [
     "BackendNetworkInit",
     "CreateProcessGroup",
     "Reduce",
+    "SendTensor",
     "BorrowCreate",
     "BorrowFirstUse",
     "BorrowLastUse",
@@ -190,7 +194,9 @@ FunctionRef: TypeAlias = FunctionPath | Cloudpickle
 
 
 class Factory(msgspec.Struct, frozen=True, kw_only=True):
-    """Metadata of a reduce input, so a rank whose input failed can fabricate zeros."""
+    """Metadata of a collective's input that the client knows: a `Reduce` rank whose
+    input failed takes part with zeros of it; a `SendTensor` destination receives the
+    data into a buffer of it without waiting for the header first."""
 
     size: list[int]
     dtype: str
@@ -377,6 +383,30 @@ class Reduce(Message, kw_only=True, tag=True):
     stream: int
 
 
+class SendTensor(Message, kw_only=True, tag=True):
+    """Move tensor ``value`` point to point from the ranks ``from_ranks`` to the ranks
+    ``to_ranks`` (a mesh of the same sizes), binding ``result`` on the destination.
+
+    Pairing is by row-major index: the rank at index ``i`` of ``from_ranks.ranks()``
+    sends to the rank at index ``i`` of ``to_ranks.ranks()``. The command is cast to
+    the union of both; each rank works out whether it sends (on ``stream``, where
+    ``value`` lives), receives (on ``to_stream``, ``None``: ``stream``), or both; a rank
+    paired with itself binds a copy. A small header goes first (status, dtype, shape;
+    a failed source sends its error after it, so the destination is poisoned too);
+    ``factory``, the source's metadata when the client knows it, lets the destination
+    post the data's receive together with the header's.
+    """
+
+    seq: int
+    result: int
+    value: int
+    from_ranks: Slice
+    to_ranks: Slice
+    factory: Factory | None = None
+    stream: int
+    to_stream: int | None = None
+
+
 class BorrowCreate(Message, kw_only=True, tag=True):
     """On ``from_stream``: snapshot ``value`` into borrow slot ``borrow``."""
 
@@ -454,6 +484,7 @@ CastCommand: TypeAlias = (
     | BackendNetworkInit
     | CreateProcessGroup
     | Reduce
+    | SendTensor
     | BorrowCreate
     | BorrowFirstUse
     | BorrowLastUse

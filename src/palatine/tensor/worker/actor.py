@@ -58,6 +58,7 @@ from palatine.protocol.worker import (
     Reduce,
     RefValue,
     RequestStatus,
+    SendTensor,
     SendValue,
     SetRefUnitTestsOnly,
     Status,
@@ -70,6 +71,7 @@ from palatine.tensor.worker.outbox import Outbox
 from palatine.tensor.worker.scheduling import batch_scheduling, gil_switching
 from palatine.tensor.worker.state import Borrow, Countdown, WorkerState
 from palatine.tensor.worker.stream import InfrastructureError, Stream
+from palatine.tensor.worker.transfer import parts
 from palatine.tensor.worker.values import import_torch
 from palatine.wire.envelope import Envelope
 
@@ -316,6 +318,16 @@ class WorkerActor(Actor):
             self.state.collective_pending = threading.Event()
         s.post(s.run_collective, cmd)
 
+    def _send_tensor(self, cmd: SendTensor) -> None:
+        """This rank's parts of a move between meshes, each on its stream (`transfer`)."""
+        try:
+            todo = parts(cmd, self.params.rank)
+        except ValueError as e:  # the client checks all this: a protocol disagreement
+            raise InfrastructureError(str(e)) from None
+        posts = [(self._stream(sid, cmd), part) for sid, part in todo]
+        for s, part in posts:
+            s.post(s.run_collective, part)
+
     def _request_status(self, cmd: RequestStatus) -> None:
         assert self.state is not None
         state = self.state
@@ -508,6 +520,10 @@ class WorkerActor(Actor):
         self._route(msg)
 
     @handler
+    def on_send_tensor(self, msg: SendTensor) -> None:
+        self._route(msg)
+
+    @handler
     def on_borrow_create(self, msg: BorrowCreate) -> None:
         self._route(msg)
 
@@ -576,6 +592,7 @@ _COMMAND_TYPES: tuple[type[Any], ...] = (
     BackendNetworkInit,
     CreateProcessGroup,
     Reduce,
+    SendTensor,
     BorrowCreate,
     BorrowFirstUse,
     BorrowLastUse,
@@ -598,6 +615,7 @@ _ROUTES: dict[type[Any], Callable[[WorkerActor, Any], None]] = {
     BackendNetworkInit: WorkerActor._collective,
     CreateProcessGroup: WorkerActor._collective,
     Reduce: WorkerActor._collective,
+    SendTensor: WorkerActor._send_tensor,
     BorrowCreate: WorkerActor._borrow_create,
     BorrowFirstUse: WorkerActor._borrow_first_use,
     BorrowLastUse: WorkerActor._borrow_last_use,

@@ -51,9 +51,10 @@ from palatine.protocol.worker import (
     SendValue,
     SetRefUnitTestsOnly,
 )
-from palatine.tensor.worker import collectives
+from palatine.tensor.worker import collectives, transfer
 from palatine.tensor.worker.reduce import reduce
 from palatine.tensor.worker.state import MISSING, Borrow, Countdown, WorkerState, set_current_stream
+from palatine.tensor.worker.transfer import Transfer
 from palatine.tensor.worker.values import (
     TEST_PANIC_PATH,
     ResolvedFunction,
@@ -452,8 +453,11 @@ class Stream:
                 msg = RefValue(found=True, error=str(e))
         self.worker.reply(port, msg)
 
-    def run_collective(self, cmd: BackendNetworkInit | CreateProcessGroup | Reduce) -> None:
-        """Collective commands; torch is imported by `collectives` only."""
+    def run_collective(
+        self, cmd: BackendNetworkInit | CreateProcessGroup | Reduce | Transfer
+    ) -> None:
+        """Collective commands, and a rank's part of a `SendTensor` (`Transfer`); torch
+        is imported by `collectives`, `reduce` and `transfer` only."""
         seq = cmd.seq
         t0 = time.monotonic()
         label = _COLLECTIVE_LABELS[type(cmd)]
@@ -463,6 +467,8 @@ class Stream:
         try:
             if type(cmd) is Reduce and not (cmd.in_place and cmd.result == cmd.value):
                 self.check_fresh([cmd.result], seq)  # an in-place result may rename the input
+            elif type(cmd) is Transfer and cmd.receives:
+                self.check_fresh([cmd.cmd.result], seq)
             try:
                 if not self.worker.torch_available:
                     raise ModuleNotFoundError(
@@ -470,6 +476,8 @@ class Stream:
                     )
                 if isinstance(cmd, Reduce):
                     reduce(self, cmd)
+                elif isinstance(cmd, Transfer):
+                    transfer.run(self, cmd)
                 else:
                     collectives.run(self, cmd)
             except (InfrastructureError, _Stopped):
@@ -484,7 +492,7 @@ class Stream:
             self.last_completed_seq = seq
 
     def poison_collective(
-        self, cmd: BackendNetworkInit | CreateProcessGroup | Reduce, err: SeqError
+        self, cmd: BackendNetworkInit | CreateProcessGroup | Reduce | Transfer, err: SeqError
     ) -> None:
         """Poison what a failed collective command would have defined or mutated."""
         w = self.worker
@@ -495,6 +503,8 @@ class Stream:
             w.groups[cmd.result] = err
         elif type(cmd) is Reduce:
             self.poison([cmd.result, cmd.value if cmd.in_place else None, cmd.out], err)
+        elif type(cmd) is Transfer and cmd.receives:
+            self.poison([cmd.cmd.result], err)
 
     # ---------------------------------------------------------------- borrows
     def run_borrow_create(self, b: Borrow) -> None:
@@ -543,6 +553,7 @@ _COLLECTIVE_LABELS: dict[type[Any], str] = {
     BackendNetworkInit: "backend_network_init",
     CreateProcessGroup: "process_group",
     Reduce: "reduce",
+    Transfer: transfer.LABEL,
 }
 
 _QUICK = frozenset({Stream.run_marker})
