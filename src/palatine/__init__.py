@@ -74,6 +74,17 @@ __all__ = [
     "resync",
     "LostValue",
     "RecoveryError",
+    "Tensor",
+    "no_mesh",
+    "get_active_mesh",
+    "get_active_stream",
+    "fetch_shard",
+    "show",
+    "call_on_shard_and_fetch",
+    "reduce",
+    "reduce_",
+    "slice_mesh",
+    "to_mesh",
 ]
 
 if TYPE_CHECKING:
@@ -110,10 +121,24 @@ if TYPE_CHECKING:
     from palatine.mesh.actor_mesh import ActorMesh, ActorRef, ValueMesh, send
     from palatine.system.service import System
     from palatine.tensor.client.collectives import resync
+    from palatine.tensor.client.context import (
+        get_active_mesh,
+        get_active_stream,
+        no_mesh,
+    )
     from palatine.tensor.client.local import connect, local_mesh
     from palatine.tensor.client.mesh import DeviceMesh
-    from palatine.tensor.client.remote import fetch, inspect, remote
+    from palatine.tensor.client.propagation import remote
+    from palatine.tensor.client.remote import (
+        call_on_shard_and_fetch,
+        fetch,
+        fetch_shard,
+        inspect,
+        show,
+    )
     from palatine.tensor.client.session import Stream
+    from palatine.tensor.client.tensor import Tensor
+    from palatine.tensor.client.trees import reduce, reduce_, slice_mesh, to_mesh
     from palatine.tensor.client.values import RemoteValue
     from palatine.tensor.worker import worker_info
 
@@ -135,7 +160,7 @@ _WHERE = {
     "System": "palatine.system.service",
     "local_mesh": "palatine.tensor.client",
     "connect": "palatine.tensor.client",
-    "remote": "palatine.tensor.client",
+    "remote": "palatine.tensor.client.propagation",
     "fetch": "palatine.tensor.client",
     "inspect": "palatine.tensor.client",
     "DeviceMesh": "palatine.tensor.client",
@@ -163,6 +188,18 @@ _WHERE = {
     "resync": "palatine.tensor.client",
     "LostValue": "palatine.errors",
     "RecoveryError": "palatine.errors",
+    # mesh tensors: their modules import torch, so they load on first use
+    "Tensor": "palatine.tensor.client.tensor",
+    "no_mesh": "palatine.tensor.client.context",
+    "get_active_mesh": "palatine.tensor.client.context",
+    "get_active_stream": "palatine.tensor.client.context",
+    "fetch_shard": "palatine.tensor.client.remote",
+    "show": "palatine.tensor.client.remote",
+    "call_on_shard_and_fetch": "palatine.tensor.client.remote",
+    "reduce": "palatine.tensor.client.trees",
+    "reduce_": "palatine.tensor.client.trees",
+    "slice_mesh": "palatine.tensor.client.trees",
+    "to_mesh": "palatine.tensor.client.trees",
 }
 
 

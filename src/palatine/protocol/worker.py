@@ -301,6 +301,8 @@ class CallFunction(Message, kw_only=True, tag=True):
 
     ``args`` is one pickle of ``(args, kwargs)`` with refs as persistent ids; results
     bind to ``results`` (``None`` entries discard); ``mutates`` are poisoned on failure.
+    ``flatten``: ``results`` are the tensor leaves of the returned structure (a pytree,
+    in torch's pytree order), not the returned value or sequence itself.
     """
 
     seq: int
@@ -309,6 +311,7 @@ class CallFunction(Message, kw_only=True, tag=True):
     function: FunctionRef
     args: Pickled
     stream: int
+    flatten: bool = False
 
 
 class SendValue(Message, kw_only=True, tag=True):

@@ -10,7 +10,8 @@ from __future__ import annotations
 from palatine.tensor.client.collectives import resync
 from palatine.tensor.client.local import connect, local_mesh
 from palatine.tensor.client.mesh import DeviceMesh, Recovery
-from palatine.tensor.client.remote import fetch, inspect, remote
+from palatine.tensor.client.propagation import remote
+from palatine.tensor.client.remote import fetch, inspect
 from palatine.tensor.client.session import Stream
 from palatine.tensor.client.values import RemoteValue
 

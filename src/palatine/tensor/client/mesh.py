@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import importlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,13 +21,14 @@ from typing import Any
 from palatine.config import roles
 from palatine.protocol.worker import CreateDeviceMesh, CreateStream, Slice
 from palatine.tensor.client import shapes
+from palatine.tensor.client.activation import activate
 from palatine.tensor.client.collectives import process_group, reduce
-from palatine.tensor.client.context import activated
+from palatine.tensor.client.context import get_active_mesh
 from palatine.tensor.client.remote import remote, restore
 from palatine.tensor.client.session import Handle, Session, Stream
 from palatine.tensor.client.shapes import MeshShape
 from palatine.tensor.client.shutdown import LocalRoles, shutdown_at_exit, shutdown_session
-from palatine.tensor.client.values import RemoteValue
+from palatine.tensor.worker.values import import_torch
 
 __all__ = ["DeviceMesh"]
 
@@ -149,7 +151,7 @@ class DeviceMesh:
     # ------------------------------------------------------------ activation
     def activate(self) -> contextlib.AbstractContextManager[DeviceMesh]:
         """Make this the mesh remote calls run on, for a ``with`` block."""
-        return activated(self)
+        return activate(self)
 
     def __enter__(self) -> DeviceMesh:
         self._cm = self.activate()
@@ -164,6 +166,9 @@ class DeviceMesh:
     def stream(self, name: str) -> Stream:
         """The session's stream ``name`` (created on every rank on first use)."""
         s = self.session
+        bound = s.bound_streams.get(name)  # (every op asks: no lock when it exists)
+        if bound is not None:
+            return bound
         with s.lock:
             sid = s.streams.get(name)
             if sid is None:
@@ -171,7 +176,8 @@ class DeviceMesh:
                 s.streams[name] = sid
                 whole = Slice(offset=0, sizes=[s.world_size], strides=[1])
                 s.send_commands([(whole, CreateStream(id=sid, name=name, default=name == "main"))])
-        return Stream(s, name, sid)
+            bound = s.bound_streams[name] = Stream(name, s, sid)
+        return bound
 
     def handle(self) -> _MeshHandle:
         """This mesh's device-mesh ref on its ranks (``CreateDeviceMesh`` on first use)."""
@@ -190,14 +196,22 @@ class DeviceMesh:
             s.recovery.device_meshes.append((ref, list(self.names), self.slice_spec))
         return self._handle
 
-    def rank(self, dim: str | Sequence[str]) -> RemoteValue:
+    def rank(self, dim: str | Sequence[str]) -> Any:
         """Each worker's coordinate along ``dim`` (several: the row-major index over them,
-        as in Monarch)."""
+        as in Monarch): a 0-dim int64 mesh tensor (`palatine.Tensor`), on the active
+        mesh when one is active inside this one (else on this mesh). Where torch is not
+        installed, a `RemoteValue` holding an int."""
         dims = (dim,) if isinstance(dim, str) else tuple(dim)
         for d in dims:
             self._dim(d)
-        with self.activate():
-            return remote("palatine.tensor.worker.functions.coordinate")(self.handle(), dims)  # type: ignore[no-any-return]
+        active = get_active_mesh()
+        on = active if active is not None and set(active.ranks) <= set(self.ranks) else self
+        if import_torch() is None:
+            with on.activate():
+                return remote("palatine.tensor.worker.functions.coordinate")(self.handle(), dims)
+        propagation = importlib.import_module("palatine.tensor.client.propagation")
+        with on.activate():
+            return propagation.rank_tensor(self.handle(), dims)
 
     def process_group(self, dims: str | Sequence[str] | None = None) -> Any:
         """A remote value that is a torch ProcessGroup over ``dims`` (all dims: the mesh)."""

@@ -15,13 +15,22 @@ from typing import Any
 
 from palatine.core import runtime
 from palatine.core.future import Future
-from palatine.protocol.worker import CallFunction, RequestStatus, SendValue, Slice
-from palatine.tensor.client.context import active_mesh, active_stream
-from palatine.tensor.client.session import Handle
+from palatine.protocol.worker import CallFunction, FunctionRef, RequestStatus, SendValue, Slice
+from palatine.tensor.client.context import active_mesh, active_stream, get_active_mesh
+from palatine.tensor.client.session import Handle, Stream
 from palatine.tensor.client.sites import capture_site
 from palatine.tensor.client.values import RemoteValue, ValueMesh, function_ref, pickle_args
 
-__all__ = ["remote", "RemoteFunction", "fetch", "inspect", "restore"]
+__all__ = [
+    "remote",
+    "RemoteFunction",
+    "fetch",
+    "fetch_shard",
+    "inspect",
+    "show",
+    "call_on_shard_and_fetch",
+    "restore",
+]
 
 
 def _checker(
@@ -124,7 +133,14 @@ def remote(fn: Any = None, *, mutates: tuple[str, ...] = (), returns: int = 1) -
     return RemoteFunction(fn, mutates, returns)
 
 
-def _shard_rank(mesh: ValueMesh, shard: Any) -> int:
+def _shard_rank(mesh: ValueMesh, shard: Any, coords: dict[str, int] | None = None) -> int:
+    """The worker-world rank of one shard of ``mesh``: ``shard`` None (the first), an int
+    (an index into the mesh's ranks) or a dict of coordinates; ``coords`` are more
+    coordinates (a dim not named is 0)."""
+    if coords:
+        if shard is not None and not isinstance(shard, dict):
+            raise TypeError("give a shard either as shard= or as coordinates, not both")
+        shard = {**(shard or {}), **coords}
     if shard is None:
         return mesh.ranks[0]
     if isinstance(shard, int):
@@ -144,19 +160,39 @@ def _shard_rank(mesh: ValueMesh, shard: Any) -> int:
     raise TypeError(f"shard must be None, an int or a dict of dims, not {type(shard).__name__}")
 
 
-def fetch(obj: Any, shard: Any = None) -> Future[Any]:
-    """A Future of ``obj`` (remote values inside it substituted) as seen on one rank."""
+def _send_value(
+    label: str,
+    function: FunctionRef | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    mesh: ValueMesh | None,
+    stream: Stream | None,
+    shard: Any,
+    coords: dict[str, int] | None,
+) -> Future[Any]:
+    """Run ``function(*args, **kwargs)`` (None: the single argument itself) on one shard
+    and bring the result back: a Future. The remote values in the arguments must all
+    live on that shard's rank and on one stream; ``mesh``/``stream`` default to theirs."""
     found: list[Handle] = []
-    pickled, refs = pickle_args(((obj,), {}), found.append)
+    pickled, refs = pickle_args((args, kwargs), found.append)
     values = [h for h in found if isinstance(h, RemoteValue)]
     loop = runtime.get_loop()
-    if not values:
+    if not values and mesh is None:
         f: Future[Any] = Future(loop)
-        f.set_result(obj)
+        if function is None:
+            f.set_result(args[0])
+        else:
+            f.set_exception(RuntimeError(f"{label}: no active mesh and no mesh value to run on"))
         return f
-    first = values[0]
-    mesh, session, stream = first.mesh, first.session, first.stream
-    rank = _shard_rank(mesh, shard)
+    first = values[0] if values else None
+    if mesh is None:
+        assert first is not None
+        mesh = first.mesh
+    session = mesh.session
+    session.check_usable()
+    if stream is None:
+        stream = first.stream if first is not None else active_stream(mesh)
+    rank = _shard_rank(mesh, shard, coords)
     for v in values:
         if v.session is not session:
             raise TypeError(f"{v!r} belongs to another session")
@@ -166,11 +202,15 @@ def fetch(obj: Any, shard: Any = None) -> Future[Any]:
             raise TypeError(f"{v!r} does not live on rank {rank}")
         session.recovery.check_not_lost(v, {rank})
         if v.stream.id != stream.id:
-            raise TypeError(f"{v!r} is on stream {v.stream.name!r}, {first!r} on {stream.name!r}")
+            raise TypeError(
+                f"WRONG_STREAM: {v!r} is on stream {v.stream.name!r}, the fetch runs on "
+                f"{stream.name!r}"
+            )
     site = capture_site()
     fut: Future[Any] = Future(loop)
     one = Slice(offset=rank, sizes=[1], strides=[1])
     world = Slice(offset=0, sizes=[session.world_size], strides=[1])
+    sid = stream.id
 
     def commands(seq: int) -> list[tuple[Slice, Any]]:
         return [
@@ -178,22 +218,71 @@ def fetch(obj: Any, shard: Any = None) -> Future[Any]:
                 one,
                 SendValue(
                     seq=seq,
-                    function=None,
+                    function=function,
                     args=pickled,
-                    stream=stream.id,
+                    stream=sid,
                     deliver_to=session.actor.cx.actor_id,
                 ),
             ),
             (world, RequestStatus(seq=seq, controller=False)),
         ]
 
-    session.issue("fetch", [], refs, [], future=fut, site=site, make_commands=commands)
+    session.issue(label, [], refs, [], future=fut, site=site, make_commands=commands)
     return fut
 
 
-def inspect(obj: Any, shard: Any = None) -> Any:
-    """``fetch(obj, shard).result()``."""
-    return fetch(obj, shard).result()
+def fetch_shard(obj: Any, shard: Any = None, **coords: int) -> Future[Any]:
+    """A Future of ``obj`` (its mesh tensors and remote values substituted) as seen on
+    one shard: ``shard`` is None (the first), an int or a dict of coordinates, or give
+    the coordinates as keywords (``fetch_shard(t, host=1)``; a dim not named is 0)."""
+    return _send_value("fetch", None, (obj,), {}, None, None, shard, coords)
+
+
+def fetch(obj: Any, shard: Any = None) -> Future[Any]:
+    """`fetch_shard` (the older name)."""
+    return fetch_shard(obj, shard)
+
+
+def inspect(obj: Any, shard: Any = None, **coords: int) -> Any:
+    """``fetch_shard(obj, shard, **coords).result()``: the value, here."""
+    return fetch_shard(obj, shard, **coords).result()
+
+
+def call_on_shard_and_fetch(fn: Any, *args: Any, shard: Any = None, **kwargs: Any) -> Future[Any]:
+    """Run ``fn(*args, **kwargs)`` on one shard of the active mesh (else of its mesh
+    arguments' mesh) and bring the result back: a Future. ``fn``: a function, a dotted
+    path or a ``remote(...)`` function; ``shard``: as in `fetch_shard`."""
+    target = fn.fn if isinstance(fn, RemoteFunction) else fn
+    fref, label = function_ref(target)
+    return _send_value(label, fref, args, kwargs, get_active_mesh(), None, shard, None)
+
+
+def show(obj: Any, shard: Any = None, **coords: int) -> None:
+    """Print ``obj`` as one shard sees it (`inspect`), or every shard's value with its
+    coordinates when no shard is named."""
+    values: list[Handle] = []
+    pickle_args(((obj,), {}), values.append)
+    meshes = [v.mesh for v in values if isinstance(v, RemoteValue)]
+    if shard is not None or coords or not meshes:
+        print(inspect(obj, shard, **coords))
+        return
+    mesh = meshes[0]
+    futures = []
+    for i in range(len(mesh.ranks)):
+        at = dict(zip(mesh.names, _coords(mesh, i), strict=True))
+        futures.append((at, fetch_shard(obj, at)))
+    for at, f in futures:
+        where = ", ".join(f"{k}={v}" for k, v in at.items())
+        print(f"[{where}] {f.result()}")
+
+
+def _coords(mesh: ValueMesh, index: int) -> list[int]:
+    """The coordinates of the ``index``-th rank of ``mesh`` (row-major)."""
+    out = []
+    for size in reversed(mesh.sizes):
+        out.append(index % size)
+        index //= size
+    return out[::-1]
 
 
 def restore(value: RemoteValue, fn: Any, *args: Any, **kwargs: Any) -> RemoteValue:

@@ -86,18 +86,52 @@ def current_stream() -> Stream | None:
 
 
 class Stream:
-    """A named stream of the session: one worker thread per rank, FIFO."""
+    """A named stream: on every rank, a worker thread that runs its ops in order.
 
-    def __init__(self, session: Session, name: str, sid: int) -> None:
-        self.session = session
+    ``Stream("other")`` names one (as Monarch's ``Stream(name)``): it is made on the
+    workers of a session the first time it is used there. ``mesh.stream(name)`` gives
+    the session's own object for a name (*bound*: it carries the session and the id the
+    workers know it by). ``with stream.activate():`` makes ops, remote calls and
+    factories in the block run on it; ``stream.borrow(t)`` lends it a tensor of another
+    stream.
+    """
+
+    __slots__ = ("name", "session", "_id")
+
+    def __init__(self, name: str, session: Session | None = None, sid: int | None = None) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"Stream(name) takes a str, not {type(name).__name__}")
         self.name = name
-        self.id = sid
+        self.session = session  # None: not bound to a session yet (Stream(name))
+        self._id = sid
+
+    @property
+    def id(self) -> int:
+        """The id the workers know this stream by (a bound stream's only)."""
+        if self._id is None:
+            raise TypeError(f"{self!r} is not bound to a mesh yet: use mesh.stream(name)")
+        return self._id
 
     def __repr__(self) -> str:
-        return f"<Stream {self.name}>"
+        return f"<Stream {self.name!r}>"
+
+    def __eq__(self, other: object) -> bool:
+        """Streams of the same name are the same stream (bound or not)."""
+        return isinstance(other, Stream) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def borrow(self, t: Any, mutable: bool = False) -> Any:
+        """Lend mesh tensor ``t`` (of another stream) to this stream: ``borrowed, borrow
+        = stream.borrow(t)``; see `palatine.tensor.client.tensor.Borrow`."""
+        if not hasattr(t, "_borrow_onto"):
+            raise TypeError(f"stream.borrow() takes a mesh tensor, not {type(t).__name__}")
+        return t._borrow_onto(self, mutable)
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[Stream]:
+        """Make this the stream of ops, remote calls and factories in the block."""
         token = _active_stream.set(self)
         try:
             yield self
@@ -178,6 +212,8 @@ class Session:
         self.lock = threading.RLock()
         self.ids = Ids()
         self.streams: dict[str, int] = {}  # name -> id of every stream made so far
+        #: name -> the session's `Stream` object for it (made with `streams`' entry)
+        self.bound_streams: dict[str, Stream] = {}
         #: Where the controller's own output goes, when this process started it (local_mesh).
         self.controller_log: str | None = None
         #: The controller's parent is this process and tells its exit (local_mesh).

@@ -24,7 +24,7 @@ from palatine.tensor.client.sites import IssueSite, capture_site
 from palatine.tensor.worker.values import dumps_args, function_label
 from palatine.tensor.worker.values import function_ref as worker_function_ref
 
-__all__ = ["RemoteValue", "ValueMesh", "pickle_args", "function_ref"]
+__all__ = ["RemoteValue", "SlicedValue", "ValueMesh", "pickle_args", "function_ref", "value_of"]
 
 
 class ValueMesh(MeshView, Protocol):
@@ -160,6 +160,33 @@ class RemoteValue(Handle):
         return self.mesh.restore_value(self, fn, *args, **kwargs)
 
 
+class SlicedValue(RemoteValue):
+    """A value seen on a sub-mesh of the mesh that holds it (`slice_mesh`): the same ref
+    on fewer ranks. It does not own the ref: the value it slices (kept alive here) does,
+    and frees it when its last handle goes."""
+
+    __slots__ = ("whole",)
+
+    def __init__(self, whole: RemoteValue, mesh: ValueMesh) -> None:
+        super().__init__(whole.session, whole.ref, mesh, whole.stream, whole.seq, whole.label)
+        self.whole = whole
+
+    def drop(self) -> None:
+        self.whole.drop()
+
+    def __del__(self) -> None:
+        pass  # (the whole value frees the ref)
+
+
+def value_of(obj: Any) -> RemoteValue | None:
+    """The `RemoteValue` that ``obj`` is or wraps (a ``palatine.Tensor`` wraps one in
+    ``_value``), else None."""
+    if isinstance(obj, RemoteValue):
+        return obj
+    v = getattr(obj, "_value", None)
+    return v if isinstance(v, RemoteValue) else None
+
+
 _PLAIN = frozenset({int, float, bool, str, bytes, type(None)})
 
 
@@ -178,6 +205,10 @@ def pickle_args(args: Any, check: Callable[[Handle], None]) -> tuple[Pickled, li
     def on_ref(h: Any) -> None:
         if isinstance(h, Handle):
             check(h)
+        else:
+            v = value_of(h)  # a mesh tensor: checked as the value it wraps
+            if v is not None:
+                check(v)
         refs.append(h.__palatine_ref__)
 
     p = dumps_args(a, k, on_ref)

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["coordinate", "identity", "identity_printing", "broadcast_state"]
+__all__ = [
+    "META_TAG",
+    "Leaves",
+    "broadcast_state",
+    "coordinate",
+    "coordinate_tensor",
+    "identity",
+    "identity_printing",
+    "result_meta",
+    "tensor_leaves",
+]
 
 # (The session's TCPStore master is palatine.tensor.worker.collectives.open_store.)
 
@@ -54,3 +64,61 @@ def broadcast_state(value: Any, src: int) -> None:
                 visit(x)
 
     visit(value)
+
+
+class Leaves(list[Any]):
+    """The tensor leaves of a remote function's result, flat (``CallFunction.flatten``):
+    bound one per result ref, even when there is just one."""
+
+
+def tensor_leaves(ret: Any, n: int, label: str) -> Leaves:
+    """The tensor leaves of ``ret`` in torch's pytree order, checked to be ``n``: the
+    client learned the structure from a shape function, and a result that disagrees with
+    it is the function's error, not a silent misbinding."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    found = Leaves(x for x in tree_leaves(ret) if isinstance(x, torch.Tensor))
+    if len(found) != n:
+        raise TypeError(
+            f"{label} returned {len(found)} tensor(s) where its propagation said {n}: "
+            "the shape function (propagate=) does not describe what the function returns"
+        )
+    return found
+
+
+def result_meta(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn`` (a function or a dotted path) and return its result with every tensor
+    replaced by ``("__palatine_meta__", shape, stride, dtype, device)``: what a client
+    learns a remote function's result structure from (``propagate="inspect"``)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    if isinstance(fn, str):
+        fn = _resolve(fn)
+    out = fn(*args, **kwargs)
+
+    def describe(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return (META_TAG, tuple(x.shape), tuple(x.stride()), str(x.dtype), str(x.device))
+        return x
+
+    return tree_map(describe, out)
+
+
+META_TAG = "__palatine_meta__"
+"""First item of a tensor's description in `result_meta`'s answer."""
+
+
+def _resolve(path: str) -> Any:
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def coordinate_tensor(mesh: Any, dims: tuple[str, ...]) -> Any:
+    """`coordinate` as a 0-dim int64 tensor (``mesh.rank(dims)``)."""
+    import torch
+
+    return torch.tensor(coordinate(mesh, dims), dtype=torch.int64)

@@ -151,7 +151,9 @@ def _collective(
 
         def gather() -> Any:
             # The concatenated output form: every backend accepts it.
-            wait(dist.all_gather_into_tensor(gathered, flat, group=group, async_op=True))
+            # (all_gather_single where torch has it: all_gather_into_tensor warns there)
+            native = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+            wait(native(gathered, flat, group=group, async_op=True))
             return gathered.view(n, *inp.shape)
 
         return _try_native(ctx.backend, "all_gather_into_tensor", gather, gather_emulated)

@@ -52,6 +52,8 @@ from palatine.protocol.worker import (
     SetRefUnitTestsOnly,
 )
 from palatine.tensor.worker import collectives, transfer
+from palatine.tensor.worker.functions import Leaves as _Leaves
+from palatine.tensor.worker.functions import tensor_leaves
 from palatine.tensor.worker.reduce import reduce
 from palatine.tensor.worker.state import MISSING, Borrow, Countdown, WorkerState, set_current_stream
 from palatine.tensor.worker.transfer import Transfer
@@ -306,7 +308,7 @@ class Stream:
         n = len(results)
         if n == 0:
             return
-        if n == 1:
+        if n == 1 and type(ret) is not _Leaves:
             r = results[0]
             if r is not None:
                 self.refs[r] = ret
@@ -345,6 +347,8 @@ class Stream:
                     self.poison(cmd.mutates, dep)
                     return
                 ret = rf.fn(*args, **kwargs)
+                if cmd.flatten:
+                    ret = tensor_leaves(ret, len(results), label)
                 self._bind(results, ret, label)
             except (InfrastructureError, _Stopped):
                 raise
