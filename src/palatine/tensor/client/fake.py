@@ -216,8 +216,27 @@ def _run_fake(
     versions = [t._version for t in inputs]
     with _environment_kept(), mode:
         out = func(*fargs, **fkwargs)
-    written = [i for i, t in enumerate(inputs) if t._version != versions[i]]
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        # An aten op says what it writes (``Tensor(a!)``); version counters would not
+        # tell inside __torch_dispatch__, below the key that bumps them.
+        ids = {id(t) for t in _written_by_schema(schema, fargs, fkwargs)}
+        written = [i for i, t in enumerate(inputs) if id(t) in ids]
+    else:
+        written = [i for i, t in enumerate(inputs) if t._version != versions[i]]
     return out, inputs, written
+
+
+def _written_by_schema(schema: Any, args: Any, kwargs: dict[str, Any]) -> list[Any]:
+    """The argument values an op's schema marks as written in place."""
+    out: list[Any] = []
+    for i, a in enumerate(schema.arguments):
+        info = a.alias_info
+        if info is None or not info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        out.extend(v if isinstance(v, list | tuple) else [v])
+    return out
 
 
 def spec_of(out: Any, inputs: list[torch.Tensor], written: list[int]) -> OpSpec:

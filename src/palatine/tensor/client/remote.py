@@ -273,7 +273,7 @@ def show(obj: Any, shard: Any = None, **coords: int) -> None:
         futures.append((at, fetch_shard(obj, at)))
     for at, f in futures:
         where = ", ".join(f"{k}={v}" for k, v in at.items())
-        print(f"[{where}] {f.result()}")
+        print(f"[{where}] {f.result()!s}")
 
 
 def _coords(mesh: ValueMesh, index: int) -> list[int]:

@@ -89,10 +89,17 @@ class RemoteValue(Handle):
             )
 
     def drop(self) -> None:
-        """Free the worker-side value now (later use raises `TypeError`)."""
+        """Free the worker-side value now (later use raises `TypeError`).
+
+        A borrowed handle's release leaves at once, after what is queued: the source
+        stream waits for it (``BorrowDrop``) before it may write the value again, so it
+        must come before any command issued after this drop (queued drops leave after
+        the next batch's own commands)."""
         if self.dropped_at is None:
             self.dropped_at = capture_site() or IssueSite([])
             self.session.drops.add(self.ref, self.mesh.slice_spec, self.borrow)
+            if self.borrow is not None and not self.session.closed:
+                self.session.outbox.send()
 
     def __del__(self) -> None:
         try:
