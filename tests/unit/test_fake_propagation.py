@@ -69,7 +69,13 @@ def test_answers_are_cached_by_op_and_input_metadata_with_scalar_types_apart() -
     fake._cache.clear()
     first = propagate(aten.add.Tensor, (Handle(8), 1), {}, meta)
     assert propagate(aten.add.Tensor, (Handle(8), 1), {}, meta) is first
-    assert propagate(aten.add.Tensor, (Handle(8), 2), {}, meta) is not first
+    # a number taken as a tensor or scalar counts by its type: x + i is learned once
+    assert propagate(aten.add.Tensor, (Handle(8), 2), {}, meta) is first
+    assert propagate(aten.add.Tensor, (Handle(8), 2), {"alpha": 3}, meta) is not first
+    # numbers that are sizes count by value
+    wide = propagate(aten.view.default, (Handle(8), [2, 4]), {}, meta)
+    tall = propagate(aten.view.default, (Handle(8), [4, 2]), {}, meta)
+    assert wide.outs[0].meta.shape == (2, 4) and tall.outs[0].meta.shape == (4, 2)
     as_float = propagate(aten.add.Tensor, (Handle(8, dtype=torch.int32), 1.0), {}, meta)
     as_int = propagate(aten.add.Tensor, (Handle(8, dtype=torch.int32), 1), {}, meta)
     assert as_float.outs[0].meta.dtype == torch.float32

@@ -122,19 +122,56 @@ def _key(x: Any, meta: Callable[[Any], Meta | None]) -> Any:
         return m.key()
     if t is tuple or t is list:
         return (t, tuple(_key(v, meta) for v in x))
-    if isinstance(x, _ATOMS):
+    if isinstance(x, _ATOMS) or t is type:
         return x
     if t is dict:
         return (dict, tuple((k, _key(v, meta)) for k, v in x.items()))
     raise _Unhashable
 
 
+_NUMBERS: Final = frozenset({int, float, bool, complex})
+_BY_TYPE: Final = frozenset({"Tensor", "Scalar", "Tensor?", "Scalar?"})
+
+# op -> (positions, keyword names) of the arguments whose Python numbers count by type
+_numbers_by_type: dict[Any, tuple[frozenset[int], frozenset[str]]] = {}
+
+
+def _by_type(func: Any) -> tuple[frozenset[int], frozenset[str]]:
+    """Where an aten op takes a number as a ``Tensor`` or ``Scalar``: the number's value
+    cannot change the result's metadata there (its type can: promotion), so the cache
+    keys it by type, and ``x + i`` in a loop is learned once. Numbers elsewhere (sizes,
+    dims, indices) are keyed by value."""
+    hit = _numbers_by_type.get(func)
+    if hit is None:
+        schema = getattr(func, "_schema", None)
+        pos: set[int] = set()
+        names: set[str] = set()
+        if schema is not None:
+            for i, a in enumerate(schema.arguments):
+                if str(a.type) in _BY_TYPE:
+                    names.add(a.name)
+                    if not a.kwarg_only:
+                        pos.add(i)
+        hit = _numbers_by_type[func] = (frozenset(pos), frozenset(names))
+    return hit
+
+
 def op_key(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], meta: Callable[[Any], Meta | None]
 ) -> Any:
     """The cache key of ``func`` on these arguments (mesh tensors by their metadata,
-    through ``meta``), or None when an argument cannot be keyed."""
+    through ``meta``; numbers by type where the op takes them as tensors or scalars), or
+    None when an argument cannot be keyed."""
     try:
+        pos, names = _by_type(func)
+        if pos:
+            args = tuple(
+                type(a) if i in pos and type(a) in _NUMBERS else a for i, a in enumerate(args)
+            )
+        if kwargs and names:
+            kwargs = {
+                k: type(v) if k in names and type(v) in _NUMBERS else v for k, v in kwargs.items()
+            }
         return (func, _key(args, meta), _key(kwargs, meta) if kwargs else None)
     except _Unhashable:
         return None
