@@ -178,6 +178,8 @@ def test_the_three_argument_errors_name_the_problem(mesh: DeviceMesh) -> None:
             scalar.item()
         with pytest.raises(TypeError, match=r"palatine\.inspect"):
             bool(scalar)
+        with pytest.raises(TypeError, match=r"palatine\.inspect"):
+            scalar.tolist()
         assert inspect(scalar).item() == 1.0  # the session goes on
 
 
@@ -195,6 +197,7 @@ def test_a_failing_op_fails_its_dependents_with_the_op_and_line_while_others_fet
             inspect(dependent)
         e = info.value
         assert "aten.index.Tensor" in (e.function or "")
+        assert "op 'aten.index.Tensor' failed" in str(e)
         assert "bad = x[index]" in e.client_traceback
         assert inspect(x * 3, host=1).tolist() == [0.0, 3.0, 6.0, 9.0]
 

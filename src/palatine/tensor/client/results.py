@@ -182,8 +182,14 @@ class Results:
         """What a fetch of ``seq`` raises for the worker error ``err`` (caused by its root)."""
         w = err.error
         root_site, _root_label = self.root_sites.get(err.caused_by, (entry.site, entry.label))
+        # an op on mesh tensors runs as its aten overload: name it as torch users know it
+        what = (
+            f"op '{w.function.removeprefix('torch.ops.')}'"
+            if w.function.startswith("torch.ops.")
+            else f"remote function '{w.function}'"
+        )
         head = (
-            f"remote function '{w.function}' failed at s{err.caused_by} on rank {w.rank} of "
+            f"{what} failed at s{err.caused_by} on rank {w.rank} of "
             f"world {w.world} ({w.proc_id}, pid {w.pid}, host {w.host})"
         )
         original: BaseException | None = None

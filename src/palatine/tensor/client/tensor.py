@@ -197,6 +197,12 @@ class Tensor(torch.Tensor):
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(_needs_data("numpy conversion"))
 
+    def tolist(self) -> Any:
+        raise TypeError(_needs_data("tolist()"))
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_needs_data("numpy()"))
+
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
