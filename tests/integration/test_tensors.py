@@ -410,3 +410,20 @@ def test_a_tensors_ref_is_freed_on_the_workers_when_the_client_object_dies(
         gc.collect()
         wait_freed(mesh, view_ref)
         wait_freed(mesh, base_ref)
+
+
+# ------------------------------------------------------------------ CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mesh_tensors_on_cuda_workers_compute_there_and_fetch_to_the_client() -> None:
+    with palatine.local_mesh(hosts=1, procs_per_host=1, device="cuda", startup_timeout_s=120) as m:
+        x = torch.ones(1024, device="cuda") * (m.rank("proc") + 2)
+        assert x.device.type == "cuda"
+        total = x.reduce("proc").sum()  # a collective over NCCL
+        assert inspect(total).item() == 2048
+        here = inspect(x)
+        assert here.device.type == "cpu" and here[0].item() == 2
+        moved = x.cpu()
+        assert moved.device.type == "cpu" and inspect(moved.sum()).item() == 2048
