@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from palatine.protocol.worker import SendTensor, Slice
-from palatine.tensor.client.transfer import casts
+from palatine.tensor.client.transfer import by_names, casts
 from palatine.tensor.worker.transfer import Pairing, pairing, parts
 
 # A 2x2 mesh (dp, pp) over ranks 0-3: dp varies slowest.
@@ -125,3 +125,12 @@ def test_dtype_codes_name_every_torch_dtype_once() -> None:
     dtypes = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
     assert len({_dtype_code(d) for d in dtypes}) == len(dtypes)
     assert all(_dtype_of(torch, _dtype_code(d)) is d for d in dtypes)
+
+
+def test_meshes_naming_the_same_dims_in_another_order_pair_by_name() -> None:
+    # ranks 0-3 as (dp=2, pp=2); the destination names them (pp, dp)
+    src = Slice(offset=0, sizes=[2, 2], strides=[2, 1])
+    turned = by_names(src, ["dp", "pp"], ["pp", "dp"])
+    assert turned.ranks() == [0, 2, 1, 3]  # dest index i = (pp, dp) row-major
+    assert by_names(src, ["dp", "pp"], ["dp", "pp"]) is src
+    assert by_names(src, ["host", "proc"], ["dp", "pp"]) is src  # other names: by index

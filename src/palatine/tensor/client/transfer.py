@@ -19,7 +19,7 @@ from palatine.tensor.client.session import Stream
 from palatine.tensor.client.sites import capture_site
 from palatine.tensor.client.values import RemoteValue, ValueMesh
 
-__all__ = ["to_mesh", "casts"]
+__all__ = ["by_names", "casts", "to_mesh"]
 
 
 def _shape(mesh: ValueMesh) -> str:
@@ -40,12 +40,29 @@ def casts(source: Slice, dest: Slice) -> list[Slice]:
     return [source] + [Slice(offset=r, sizes=[1], strides=[1]) for r in dst if r not in src]
 
 
+def by_names(source: Slice, names: list[str], dest_names: list[str]) -> Slice:
+    """``source`` with its dims in the order of ``dest_names`` when both meshes name the
+    same dims (in another order): ranks then pair by coordinate *name*, as in Monarch
+    (a tensor on ``(dp, pp)`` moved to a ``(pp, dp)`` mesh lands at the same ``dp`` and
+    ``pp``); otherwise unchanged (ranks pair by row-major index)."""
+    if names == dest_names or sorted(names) != sorted(dest_names):
+        return source
+    order = [names.index(n) for n in dest_names]
+    return Slice(
+        offset=source.offset,
+        sizes=[source.sizes[i] for i in order],
+        strides=[source.strides[i] for i in order],
+    )
+
+
 def to_mesh(
     value: RemoteValue, mesh: ValueMesh, stream: Stream | None = None, like: Any = None
 ) -> RemoteValue:
     """``value`` (a tensor on each rank of its mesh) moved to ``mesh``, whose sizes must
-    be those of the value's mesh (dim names may differ): the rank at row-major index
-    ``i`` of the value's mesh sends its tensor to the rank at index ``i`` of ``mesh``.
+    be those of the value's mesh: the rank at row-major index ``i`` of the value's mesh
+    sends its tensor to the rank at index ``i`` of ``mesh``; when both meshes name the
+    same dims in another order, ranks pair by the coordinates of those names instead
+    (`by_names`).
 
     The result lives on ``stream`` (default: the value's) and is a new tensor on every
     rank, a copy where a rank is paired with itself, so in-place changes to either side
@@ -66,7 +83,8 @@ def to_mesh(
         raise TypeError(f"to_mesh(): {mesh!r} is not a mesh of the session of {value!r}")
     if value.dropped_at is not None:
         raise TypeError(f"{value!r} was dropped at {value.dropped_at.short()}")
-    if list(mesh.sizes) != list(source.sizes):
+    src_slice = by_names(source.slice_spec, list(source.names), list(mesh.names))
+    if list(mesh.sizes) != list(src_slice.sizes):
         raise ValueError(
             f"to_mesh() needs a mesh of the value's shape: {value!r} is on a mesh of shape "
             f"{_shape(source)}, the destination has shape {_shape(mesh)}"
@@ -77,7 +95,7 @@ def to_mesh(
         raise TypeError(f"to_mesh(): {stream!r} is not a stream of the session of {value!r}")
     session.check_usable()
     session.recovery.check_not_lost(value, set(source.ranks))
-    pairs = list(zip(source.ranks, mesh.ranks, strict=True))
+    pairs = list(zip(src_slice.ranks(), mesh.ranks, strict=True))
     itself = [a for a, b in pairs if a == b]
     if itself and stream.id != value.stream.id:
         raise ValueError(
@@ -99,7 +117,7 @@ def to_mesh(
             seq=seq,
             result=result,
             value=value.ref,
-            from_ranks=source.slice_spec,
+            from_ranks=src_slice,
             to_ranks=mesh.slice_spec,
             factory=factory,
             stream=from_stream,
