@@ -1,4 +1,4 @@
-"""The actor examples in ``examples/`` run as a user runs them, and print what they say."""
+"""The examples in ``examples/`` run as a user runs them, and print what they say."""
 
 from __future__ import annotations
 
@@ -49,6 +49,16 @@ def test_the_basic_actor_example() -> None:
     lines = run_example("actors.py")
     assert lines[0] == "call: [1, 1, 1, 1]"
     assert lines[-1] == "stopped"
+
+
+def test_mesh_tensors_reduce_over_dp_and_hand_activations_to_the_next_pipeline_stage() -> None:
+    assert run_example("mesh_tensors.py") == [
+        "x at dp=1, pp=0: [20.0, 21.0, 22.0, 23.0]",
+        "sum over dp at pp=0: [20.0, 22.0, 24.0, 26.0]",
+        "sum over dp at pp=1: [40.0, 42.0, 44.0, 46.0]",
+        "stage 1 output at dp=0: [0.0, 0.0, 0.0, 0.0]",
+        "stage 1 output at dp=1: [18.0, 20.0, 22.0, 24.0]",
+    ]
 
 
 def test_the_demos_console_shows_its_own_lines_and_nothing_internal() -> None:
