@@ -129,6 +129,14 @@ def test_ops_run_on_the_workers_in_issue_order(mesh: DeviceMesh) -> None:
         assert inspect(out).tolist() == [[20.0, 22.0, 24.0], [26.0, 28.0, 30.0]]
         parts = torch.split(torch.arange(5), 2)
         assert [inspect(p).tolist() for p in parts] == [[0, 1], [2, 3], [4]]
+        w = torch.zeros(4)
+        w[1] = 5  # torch makes the 5 a 0-dim local tensor: it travels as the number
+        with no_mesh.activate():
+            two = torch.tensor(2.0)
+        assert inspect(w * two).tolist() == [0.0, 10.0, 0.0, 0.0]
+        as_double = w.to(torch.float64)
+        assert as_double.dtype == torch.float64 and w.to(torch.float32) is w
+        assert inspect(as_double).dtype == torch.float64
 
 
 def test_mesh_rank_is_a_tensor_of_coordinates(mesh: DeviceMesh) -> None:
@@ -160,6 +168,8 @@ def test_the_three_argument_errors_name_the_problem(mesh: DeviceMesh) -> None:
             local * x
         with pytest.raises(TypeError, match="LOCAL_TENSOR"):
             x.add(local)
+        with pytest.raises(RuntimeError, match="broadcast"):
+            x + torch.ones(3)  # caught on the client, before anything is sent
         assert (local + local).tolist() == [2.0, 2.0]  # local only: runs here
         with mesh(host=0).activate():
             y = torch.ones(2)
@@ -268,6 +278,8 @@ def test_remote_functions_propagate_results_as_mesh_tensors(mesh: DeviceMesh) ->
         y = torch.zeros(3)
         out = remote(bump_in_place, propagate=bump_in_place)(y)
         assert out is None and inspect(y).tolist() == [1.0, 1.0, 1.0]
+        with pytest.raises(TypeError, match="process group"):
+            remote(with_group, propagate="inspect")(x, mesh.process_group("host"))
         plain = remote(lambda t: t.shape)(x)  # without propagate: a RemoteValue, as before
         assert isinstance(plain, palatine.RemoteValue) and inspect(plain) == torch.Size([2, 2])
 

@@ -17,6 +17,7 @@ tensor module turns into mutations and alias groups.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -124,6 +125,8 @@ def _key(x: Any, meta: Callable[[Any], Meta | None]) -> Any:
         return (t, tuple(_key(v, meta) for v in x))
     if isinstance(x, _ATOMS) or t is type:
         return x
+    if isinstance(x, torch.Tensor):  # a 0-dim local tensor: its value cannot matter
+        return ("local", x.dtype, tuple(x.shape))
     if t is dict:
         return (dict, tuple((k, _key(v, meta)) for k, v in x.items()))
     raise _Unhashable
@@ -181,6 +184,17 @@ def op_key(
 
 # FakeTensorMode instances are not thread-safe; one per thread that propagates.
 _local = threading.local()
+
+
+class _Quiet(logging.Filter):
+    """Drops the traceback torch's fake tensors log when an op fails on fakes during a
+    propagation here: the op's error is raised to the caller, who sees it once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(_local, "propagating", False)
+
+
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_Quiet())
 
 
 def _mode() -> FakeTensorMode:
@@ -243,6 +257,9 @@ def _run_fake(
     def fake(x: Any) -> Any:
         m = meta(x)
         if m is None:
+            if isinstance(x, torch.Tensor):  # a 0-dim local tensor: a number, as a value
+                with _environment_kept():
+                    return mode.from_tensor(x)
             return x
         f = _fake(mode, m)
         inputs.append(f)
@@ -251,8 +268,12 @@ def _run_fake(
     fargs = _map(args, fake)
     fkwargs = _map(kwargs, fake)
     versions = [t._version for t in inputs]
-    with _environment_kept(), mode:
-        out = func(*fargs, **fkwargs)
+    _local.propagating = True
+    try:
+        with _environment_kept(), mode:
+            out = func(*fargs, **fkwargs)
+    finally:
+        _local.propagating = False
     schema = getattr(func, "_schema", None)
     if schema is not None:
         # An aten op says what it writes (``Tensor(a!)``); version counters would not

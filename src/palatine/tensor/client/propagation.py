@@ -45,6 +45,16 @@ PROPAGATORS: Final = ("inspect", "cached", "mocked")
 """The named ways of learning a remote function's result (or pass a callable)."""
 
 
+def _leaves(x: Any) -> list[Any]:
+    """The leaves of ``x``'s tuples, lists and dicts."""
+    t = type(x)
+    if t is tuple or t is list:
+        return [leaf for v in x for leaf in _leaves(v)]
+    if t is dict:
+        return [leaf for v in x.values() for leaf in _leaves(v)]
+    return [x]
+
+
 def _meta(x: Any) -> Meta | None:
     return getattr(x, "_meta", None) if hasattr(x, "_value") else None
 
@@ -117,6 +127,13 @@ class TensorFunction(RemoteFunction):
             return fake.fake_call(p, args, kwargs, _meta)  # type: ignore[no-any-return]
         if p == "mocked":
             return fake.fake_call(self.fn, args, kwargs, _meta)  # type: ignore[no-any-return]
+        if any(getattr(v, "label", None) == "process_group" for v in _leaves((args, kwargs))):
+            # (the one real run could not complete a collective alone: refuse, not hang)
+            raise TypeError(
+                f"remote function {self._function()[1]} takes a process group: its "
+                f"propagate={p!r} would run it on one rank alone, where a collective "
+                "never completes; give a shape function (propagate=callable) instead"
+            )
         key = fake.op_key(self.fn, args, kwargs, _meta) if p == "cached" else None
         if key is not None:
             hit = self._cache.get(key)

@@ -116,7 +116,7 @@ class Results:
             elif err.caused_by == msg.seq:
                 w = err.error
                 self.unfetched[msg.seq] = (
-                    f"remote function {w.function} failed at s{msg.seq} on rank {w.rank} "
+                    f"{_what(w.function)} failed at s{msg.seq} on rank {w.rank} "
                     f"(not fetched): {w.exc_type.rsplit('.', 1)[-1]}: {w.message}"
                 )
                 while len(self.unfetched) > _UNFETCHED_KEPT:
@@ -182,14 +182,8 @@ class Results:
         """What a fetch of ``seq`` raises for the worker error ``err`` (caused by its root)."""
         w = err.error
         root_site, _root_label = self.root_sites.get(err.caused_by, (entry.site, entry.label))
-        # an op on mesh tensors runs as its aten overload: name it as torch users know it
-        what = (
-            f"op '{w.function.removeprefix('torch.ops.')}'"
-            if w.function.startswith("torch.ops.")
-            else f"remote function '{w.function}'"
-        )
         head = (
-            f"{what} failed at s{err.caused_by} on rank {w.rank} of "
+            f"{_what(w.function)} failed at s{err.caused_by} on rank {w.rank} of "
             f"world {w.world} ({w.proc_id}, pid {w.pid}, host {w.host})"
         )
         original: BaseException | None = None
@@ -263,3 +257,12 @@ class Results:
         """One WARNING per root error that no fetch raised during the session."""
         while self.unfetched:
             log.warning("%s", self.unfetched.popitem(last=False)[1])
+
+
+def _what(function: str) -> str:
+    """How an error names what failed: an op on mesh tensors runs as its aten overload
+    (``torch.ops.aten.add.Tensor``), named as torch users know it (``op
+    'aten.add.Tensor'``); anything else is a remote function."""
+    if function.startswith("torch.ops."):
+        return f"op '{function.removeprefix('torch.ops.')}'"
+    return f"remote function '{function}'"

@@ -77,8 +77,9 @@ LOCAL_TENSOR: Final = (
     "remote function), or compute with local tensors only inside palatine.no_mesh()"
 )
 WRONG_MESH: Final = (
-    "WRONG_MESH: a tensor of another mesh was used; an op runs on one mesh (the active "
-    "one, else its tensors'): move the tensor with tensor.to_mesh(mesh)"
+    "WRONG_MESH: tensors of two meshes were used together; an op runs on one mesh (its "
+    "first mesh tensor's; the active one for an op without tensors): move the tensor "
+    "with tensor.to_mesh(mesh)"
 )
 WRONG_STREAM: Final = (
     "WRONG_STREAM: a tensor was used on a stream that does not own it; borrow it with "
@@ -185,7 +186,8 @@ class Tensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
         v = self._value
         ranks = v.mesh.ranks
-        span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"
+        contiguous = ranks == list(range(ranks[0], ranks[0] + len(ranks)))
+        span = f"{ranks[0]}-{ranks[-1]}" if contiguous and len(ranks) > 1 else f"{ranks}"
         dims = ", ".join(f"{n}={s}" for n, s in zip(v.mesh.names, v.mesh.sizes, strict=True))
         dtype = str(self._meta.dtype).removeprefix("torch.")
         return (
@@ -206,6 +208,39 @@ class Tensor(torch.Tensor):
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(_needs_data("numpy conversion"))
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """A copy on another device or dtype (or this tensor when nothing changes), as
+        an op of the workers: the client's torch need not have the device (a CPU-only
+        client drives CUDA workers)."""
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        copy = kwargs.get("copy", False)
+        same_device = device is None or device == self.device
+        if not copy and same_device and dtype in (None, self.dtype) and memory_format is None:
+            return self
+        options: dict[str, Any] = {"non_blocking": non_blocking}
+        if dtype is not None:
+            options["dtype"] = dtype
+        if device is not None:
+            options["device"] = device
+        if memory_format is not None:
+            options["memory_format"] = memory_format
+        return torch.ops.aten._to_copy.default(self, **options)
+
+    def cuda(self, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:  # type: ignore[override]
+        """``to("cuda")`` (each worker's own device, or index ``device``)."""
+        where = (
+            torch.device("cuda")
+            if device is None
+            else torch.device("cuda", device)
+            if isinstance(device, int)
+            else torch.device(device)
+        )
+        return self.to(where, non_blocking=non_blocking)
+
+    def cpu(self, **kwargs: Any) -> Any:  # type: ignore[override]
+        """``to("cpu")``: on the workers' CPUs (``palatine.inspect`` brings values here)."""
+        return self.to("cpu")
 
     def tolist(self) -> Any:
         raise TypeError(_needs_data("tolist()"))
@@ -373,7 +408,10 @@ def _collect(x: Any, found: list[Tensor]) -> bool:
     if isinstance(x, Tensor):
         found.append(x)
         return False
-    return isinstance(x, torch.Tensor)
+    # A local tensor is an error, except a 0-dim one on the CPU: a number that torch made
+    # a tensor of (``x[0] = 5``, ``x * torch.tensor(2.0)`` made under no_mesh), which
+    # travels by value as the number would.
+    return isinstance(x, torch.Tensor) and not (x.dim() == 0 and x.device.type == "cpu")
 
 
 def mesh_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:

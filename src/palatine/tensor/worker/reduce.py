@@ -168,7 +168,8 @@ def _collective(
 
         def rs() -> Any:
             rop = dist.ReduceOp.AVG if op == "avg" else _torch_op(dist, op)
-            wait(dist.reduce_scatter_tensor(out, inp, op=rop, group=group, async_op=True))
+            native = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+            wait(native(out, inp, op=rop, group=group, async_op=True))
             return out
 
         return _try_native(ctx.backend, f"reduce_scatter.{op}", rs, rs_emulated)
