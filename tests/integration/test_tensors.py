@@ -377,6 +377,25 @@ def test_streams_by_name_borrows_and_their_errors(mesh: DeviceMesh) -> None:
         assert inspect(x).tolist() == [10.0] * 4
 
 
+# ------------------------------------------------------------------ autograd
+
+
+def test_autograd_runs_on_the_client_and_a_no_grad_step_updates_the_workers(
+    mesh: DeviceMesh,
+) -> None:
+    with mesh.activate():
+        w = torch.ones(3, requires_grad=True)
+        loss = (w * (mesh.rank("proc") + 1)).sum()
+        assert loss.requires_grad and loss.grad_fn is not None
+        loss.backward()
+        assert isinstance(w.grad, Tensor)
+        assert inspect(w.grad, proc=1).tolist() == [2.0, 2.0, 2.0]
+        with torch.no_grad():
+            w -= 0.5 * w.grad
+        assert inspect(w, proc=0).tolist() == [0.5, 0.5, 0.5]
+        assert inspect(w, proc=1).tolist() == [0.0, 0.0, 0.0]
+
+
 # ------------------------------------------------------------------ lifetime
 
 

@@ -75,11 +75,15 @@ def make(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mesh: ValueMe
     else:
         from_fake = propagate(func, args, kwargs, _no_meta)
     stream = active_stream(mesh)
+    # Autograd runs on the client (the mesh tensor requires grad); the workers' tensors
+    # never do, so their in-place updates (an optimizer step under no_grad here) are
+    # plain writes there.
+    sent = {k: v for k, v in kwargs.items() if k != "requires_grad"}
     return issue(
         FunctionPath(path=f"torch.{name}"),
         f"torch.{name}",
         args,
-        kwargs,
+        sent,
         mesh,
         stream,
         from_fake,
