@@ -6,16 +6,18 @@ Run: python examples/errors.py
 import os
 import signal
 import time
+from typing import SupportsFloat, SupportsInt
 
 from palatine import DeviceException, RemoteException, fetch, inspect, local_mesh, remote
 
 
-def risky(rank: int) -> float:
-    return 1 / (rank - 1)  # rank 1 divides by zero
+def risky(rank: SupportsInt) -> float:
+    # mesh.rank is a 0-dim tensor on the worker: as a tensor, 1 / 0 would be inf
+    return 1 / (int(rank) - 1)  # rank 1 divides by zero
 
 
-def plus(x: float, y: float) -> float:
-    return x + y
+def plus(x: SupportsFloat, y: float) -> float:
+    return float(x) + y
 
 
 def nap(seconds: float) -> float:

@@ -8,7 +8,8 @@ import torch
 from palatine import fetch, local_mesh, remote
 
 
-def make(rank: int) -> torch.Tensor:
+def make(rank: torch.Tensor) -> torch.Tensor:
+    """``rank`` is this worker's ``mesh.rank("proc")``: a 0-dim int64 tensor."""
     return torch.arange(4.0) + 10 * rank
 
 

@@ -20,7 +20,7 @@ def split(x: int) -> tuple[int, int]:
 def main() -> None:
     with local_mesh(hosts=1, procs_per_host=4) as mesh:
         pids = remote(os.getpid)()  # a value on every worker, returned at once
-        r = mesh.rank("proc")  # each worker's index along "proc"
+        r = mesh.rank("proc")  # each worker's index along "proc": a 0-dim int64 tensor
         sq = remote(square)(r)  # worker-side values as arguments: no data moves
         half, odd = split(sq)  # several results
         for p in range(4):

@@ -291,7 +291,8 @@ def test_a_thread_waiting_on_a_lane_to_a_cut_off_node_fails_within_the_heartbeat
             hosts.close()
 
 
-def say_where(rank: object) -> object:
+def say_where(rank: object) -> int:
+    rank = int(rank)  # type: ignore[call-overload]  # (mesh.rank: a 0-dim tensor here)
     print("hello from a node", flush=True)
     print(f"only rank {rank} says this", flush=True)
     return rank
@@ -303,8 +304,12 @@ def test_prints_on_other_nodes_reach_the_client_aggregated(
     # The hosts run in other namespaces; what their workers print comes to this client
     # over the network (not through any host's console), identical lines shown once.
     with two_node_mesh(bed) as mesh:
+        ranks = mesh.rank(("host", "proc"))
+        # A fetch waits for every rank: all have made their rank tensor (torch imported),
+        # so they print together, within the half second that merges identical lines.
+        inspect(ranks, shard=0)
         capfd.readouterr()
-        inspect(remote(say_where)(mesh.rank(("host", "proc"))), shard={"host": 1, "proc": 1})
+        inspect(remote(say_where)(ranks), shard={"host": 1, "proc": 1})
         seen = ""
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

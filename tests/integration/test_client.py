@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from typing import SupportsInt
 
 import cloudpickle
 import pytest
@@ -56,16 +57,18 @@ def all_reduce_sum(t: object, pg: object) -> object:
     return t
 
 
-def seeded_tensor(rank: int, n: int) -> object:
+def seeded_tensor(rank: SupportsInt, n: int) -> object:
+    """Seeded by ``rank`` (an int, or ``mesh.rank``'s 0-dim tensor on a worker)."""
     import torch
 
-    return torch.rand(n, generator=torch.Generator().manual_seed(rank))
+    return torch.rand(n, generator=torch.Generator().manual_seed(int(rank)))
 
 
-def seeded_array(rank: int, n: int) -> object:
+def seeded_array(rank: SupportsInt, n: int) -> object:
+    """Seeded by ``rank`` (an int, or ``mesh.rank``'s 0-dim tensor on a worker)."""
     import numpy as np
 
-    return np.random.default_rng(rank).standard_normal(n)
+    return np.random.default_rng(int(rank)).standard_normal(n)
 
 
 def add_in_place(t: object, v: float) -> None:
@@ -77,6 +80,11 @@ def spin(seconds: float) -> str:
     while time.monotonic() < end:
         pass
     return "done"
+
+
+def spin_on_world_rank(rank: int, seconds: float) -> str:
+    """`spin` on world rank ``rank`` (its ``RANK`` variable), "ok" at once elsewhere."""
+    return spin(seconds) if os.environ["RANK"] == str(rank) else "ok"
 
 
 @pytest.fixture(scope="module")
@@ -287,9 +295,10 @@ def test_stuck_worker_fails_with_rank_op_and_stack(caplog: pytest.LogCaptureFixt
         worker_progress_check_interval_s=0.3,
         fail_on_worker_timeout=True,
         startup_timeout_s=60,
-    ) as m:
-        ranks = m.rank("proc")
-        stuck = remote(lambda r: spin(60.0) if r == 3 else "ok")(ranks)
+    ):
+        # The world rank from the worker's RANK variable, not mesh.rank: that is a tensor,
+        # and the workers' first torch import would itself outlast the 1 s timeout.
+        stuck = remote(spin_on_world_rank)(3, 60.0)
         with (
             caplog.at_level(logging.WARNING, logger="palatine"),
             pytest.raises(StuckWorkersException) as ei,

@@ -122,6 +122,7 @@ def test_one_rank_printing_50_mb_finishes_its_log_has_all_of_it_and_the_client_s
         from palatine import local_mesh, remote, fetch
 
         def flood(rank):
+            rank = int(rank)  # (mesh.rank: a 0-dim tensor on the worker)
             if rank == 0:
                 block = ("x" * 99 + "\\n") * 10_000  # 1 MB
                 for _ in range(50):
@@ -131,9 +132,10 @@ def test_one_rank_printing_50_mb_finishes_its_log_has_all_of_it_and_the_client_s
 
         import resource
         with local_mesh(hosts=1, procs_per_host=4) as mesh:
+            ranks = mesh.rank("proc")  # a mesh tensor: loads torch in the client, before
             fetch(remote(flood)(1)).result()  # (everything warmed up, nothing printed)
             before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-            r = remote(flood)(mesh.rank("proc"))
+            r = remote(flood)(ranks)
             print("DONE", fetch(r, shard={"host": 0, "proc": 0}).result())
             logs = mesh._local.logs.path
             # The host writes each proc's log as the lines come: wait (bounded) for the last.
@@ -177,6 +179,7 @@ def test_a_role_writing_10_mb_to_stderr_never_stalls_and_its_warnings_reach_the_
         from palatine import DeviceException, local_mesh, remote, fetch
 
         def noisy(rank):
+            rank = int(rank)  # (mesh.rank: a 0-dim tensor on the worker)
             if rank == 1:
                 block = ("e" * 99 + "\\n") * 10_000
                 for _ in range(10):
@@ -188,6 +191,7 @@ def test_a_role_writing_10_mb_to_stderr_never_stalls_and_its_warnings_reach_the_
             return rank
 
         def leave(rank):
+            rank = int(rank)  # (mesh.rank: a 0-dim tensor on the worker)
             if rank == 1:
                 os._exit(3)
             return rank
