@@ -235,7 +235,7 @@ def _map(x: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 def _fake(mode: FakeTensorMode, m: Meta) -> torch.Tensor:
-    with _environment_kept(), mode:
+    with _environment_kept(), torch._C.DisableTorchFunction(), mode:
         t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device)
     if m.requires_grad:
         t.requires_grad_(True)
@@ -270,7 +270,9 @@ def _run_fake(
     versions = [t._version for t in inputs]
     _local.propagating = True
     try:
-        with _environment_kept(), mode:
+        # No torch-function mode: a shape function's torch.zeros must make a fake here,
+        # not a mesh tensor (an active mesh's factories are a torch-function mode).
+        with _environment_kept(), torch._C.DisableTorchFunction(), mode:
             out = func(*fargs, **fkwargs)
     finally:
         _local.propagating = False
