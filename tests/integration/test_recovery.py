@@ -190,10 +190,15 @@ def test_an_expired_rank_is_killed_before_it_is_respawned() -> None:
         PRELUDE
         + """
     import psutil
+    # a worker is declared after 1 s without heartbeats; the system itself is given the
+    # usual 10 s (5 x the 0.2 s interval would be 1 s too: four processes importing torch
+    # on a machine of two cores can keep the system from answering for that long)
+    os.environ["PALATINE_SYSTEM_LOSS_TIMEOUT"] = "10"
     opts = dict(supervision_update_timeout_s=1.0, supervision_update_interval_s=0.2)
     with local_mesh(1, 3, **opts) as mesh:
         with mesh.activate():
             before = pids_of(mesh)
+            fetch(mesh.rank("proc")).result(timeout=60)  # torch loaded everywhere first
             os.kill(before[1], signal.SIGSTOP)
             e = until_failed(mesh)
             print("EXPIRED", "stopped sending heartbeats" in str(e), str(e).splitlines()[0])
