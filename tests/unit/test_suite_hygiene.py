@@ -97,3 +97,12 @@ def test_a_test_that_leaves_a_signal_ignored_fails_by_name(tmp_path: Path) -> No
     assert "ERROR test_probe.py::test_ignores_sigterm_for_good" in report, report
     assert "the handler of SIGTERM: <Handlers.SIG_DFL: 0> -> <Handlers.SIG_IGN: 1>" in report
     assert "2 passed, 1 error" in report, report
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    # the test folders are not packages: pytest imports each module by its base name, and
+    # a second module of the same name stops the whole collection ("import file mismatch")
+    seen: dict[str, Path] = {}
+    for path in sorted(TESTS.rglob("test_*.py")):
+        other = seen.setdefault(path.name, path)
+        assert other == path, f"{path.relative_to(TESTS)} and {other.relative_to(TESTS)}"
