@@ -36,6 +36,7 @@ SCRIPT = """
         return [t, {"twice": t * 2}]
 
     N = 1 << 22  # 16 MiB: over the 1 MiB from which values go directly
+    want = torch.arange(N, dtype=torch.float32)  # here: under activate it would be a mesh tensor
 
     with local_mesh(1, 2) as mesh:
         with mesh.activate():
@@ -43,7 +44,6 @@ SCRIPT = """
             first = fetch(t, shard=1)
             remote(bump, mutates=("t",))(t)  # on the same stream, after the fetch
             second = fetch(t, shard=1)
-            want = torch.arange(N, dtype=torch.float32)
             print("FIRST", bool(torch.equal(first.result(60), want)))
             print("SECOND", bool(torch.equal(second.result(60), want + 1)))
             nested = fetch(remote(as_list)(t), shard=0).result(60)
