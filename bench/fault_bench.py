@@ -122,7 +122,12 @@ def spin_loop(seconds: float) -> int:
     return n
 
 
-def stuck_on_rank(rank: int, victim: int, seconds: float) -> int:
+def stuck_on_rank(victim: int, seconds: float) -> int:
+    # the worker's own rank, not mesh.rank(): a mesh tensor would make each worker load
+    # torch inside the measured 1 s operation timeout
+    from palatine import worker_info
+
+    rank = int(worker_info()["rank"])
     if rank == victim:
         return spin_loop(seconds)
     return rank
@@ -256,14 +261,13 @@ def measure_hang(args: Any) -> tuple[list[float], dict[str, Any]]:
         )
         try:
             with mesh.activate():
-                ranks = mesh.rank("proc")
                 fn = remote(stuck_on_rank)
                 # Warm-up: the same function on every rank, nobody stuck.
-                got = fetch(fn(ranks, -1, 0.0), shard=HANG_VICTIM).result(timeout=FETCH_TIMEOUT_S)
+                got = fetch(fn(-1, 0.0), shard=HANG_VICTIM).result(timeout=FETCH_TIMEOUT_S)
                 if got != HANG_VICTIM:
                     raise AssertionError(f"warm-up returned {got!r}, expected {HANG_VICTIM}")
                 t0 = time.perf_counter()
-                pending = fetch(fn(ranks, HANG_VICTIM, HANG_SPIN_S), shard=0)
+                pending = fetch(fn(HANG_VICTIM, HANG_SPIN_S), shard=0)
                 try:
                     value = pending.result(timeout=DETECT_CAP_S)
                 except StuckWorkersException as exc:

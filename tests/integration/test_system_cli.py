@@ -148,6 +148,14 @@ def cluster() -> Iterator[Cluster]:
         token.reset_token_cache()
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie); it may go meanwhile."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def live(world: str) -> Callable[[dict[str, Any]], bool]:
     return lambda s: s["worlds"].get(world, {}).get("status") == "Live"
 
@@ -188,16 +196,9 @@ def test_world_of_four_on_two_hosts_then_sigkill_and_eviction(cluster: Cluster) 
         "world w evicted",
     )
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(
-        psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        for p in pids.values()
-    ):
+    while time.monotonic() < deadline and any(running(p) for p in pids.values()):
         time.sleep(0.05)
-    assert not [
-        p
-        for p in pids.values()
-        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-    ]
+    assert not [p for p in pids.values() if running(p)]
     assert all(h.popen.poll() is None for h in cluster.hosts)
 
 
@@ -236,11 +237,7 @@ def test_palatine_stop_stops_everything(cluster: Cluster) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.05)
-    alive = [
-        p
-        for p in pids
-        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-    ]
+    alive = [p for p in pids if running(p)]
     assert not alive
 
 
