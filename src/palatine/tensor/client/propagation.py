@@ -45,16 +45,6 @@ PROPAGATORS: Final = ("inspect", "cached", "mocked")
 """The named ways of learning a remote function's result (or pass a callable)."""
 
 
-def _leaves(x: Any) -> list[Any]:
-    """The leaves of ``x``'s tuples, lists and dicts."""
-    t = type(x)
-    if t is tuple or t is list:
-        return [leaf for v in x for leaf in _leaves(v)]
-    if t is dict:
-        return [leaf for v in x.values() for leaf in _leaves(v)]
-    return [x]
-
-
 def _meta(x: Any) -> Meta | None:
     return getattr(x, "_meta", None) if hasattr(x, "_value") else None
 
@@ -127,7 +117,9 @@ class TensorFunction(RemoteFunction):
             return fake.fake_call(p, args, kwargs, _meta)  # type: ignore[no-any-return]
         if p == "mocked":
             return fake.fake_call(self.fn, args, kwargs, _meta)  # type: ignore[no-any-return]
-        if any(getattr(v, "label", None) == "process_group" for v in _leaves((args, kwargs))):
+        from torch.utils._pytree import tree_leaves  # (torch is loaded: see _engine)
+
+        if any(getattr(v, "label", None) == "process_group" for v in tree_leaves((args, kwargs))):
             # (the one real run could not complete a collective alone: refuse, not hang)
             raise TypeError(
                 f"remote function {self._function()[1]} takes a process group: its "

@@ -18,6 +18,7 @@ from palatine.core.future import Future
 from palatine.protocol.worker import CallFunction, FunctionRef, RequestStatus, SendValue, Slice
 from palatine.tensor.client.context import active_mesh, active_stream, get_active_mesh
 from palatine.tensor.client.session import Handle, Stream
+from palatine.tensor.client.shapes import MeshShape, slice_shape
 from palatine.tensor.client.sites import capture_site
 from palatine.tensor.client.values import RemoteValue, ValueMesh, function_ref, pickle_args
 
@@ -145,18 +146,9 @@ def _shard_rank(mesh: ValueMesh, shard: Any, coords: dict[str, int] | None = Non
         return mesh.ranks[0]
     if isinstance(shard, int):
         return mesh.ranks[shard]
-    if isinstance(shard, dict):
-        offset = mesh.offset
-        for name in shard:
-            mesh._dim(name)
-        for i, name in enumerate(mesh.names):
-            idx = shard.get(name, 0)
-            if not 0 <= idx < mesh.sizes[i]:
-                raise IndexError(
-                    f"index {idx} out of range for dimension {name!r} of size {mesh.sizes[i]}"
-                )
-            offset += idx * mesh.strides[i]
-        return offset
+    if isinstance(shard, dict):  # the rank at those coordinates (a dim not named: 0)
+        whole = MeshShape(tuple(mesh.names), tuple(mesh.sizes), tuple(mesh.strides), mesh.offset)
+        return slice_shape(whole, {**dict.fromkeys(mesh.names, 0), **shard}).offset
     raise TypeError(f"shard must be None, an int or a dict of dims, not {type(shard).__name__}")
 
 
