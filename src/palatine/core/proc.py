@@ -309,9 +309,15 @@ class Proc:
         """Return ``env`` to its sender with ``error`` appended; never loops."""
         env.returned(error)
         if env.type_id == UNDELIVERABLE_TID:
-            # A return to an actor that stopped, or to a proc the system removed (its world
-            # was stopped, as every job's are at its end), has nobody left to tell: routine.
-            routine = self.stopping or "peer gone: removed: " in error or " is stopped" in error
+            # A return to an actor that stopped or is stopping, or to a proc the system
+            # removed (its world was stopped, as every job's are at its end), has nobody left
+            # to tell: routine.
+            routine = (
+                self.stopping
+                or "peer gone: removed: " in error
+                or " is stopped" in error
+                or " is stopping" in error
+            )
             level = logging.DEBUG if routine else logging.WARNING
             log.log(
                 level,
