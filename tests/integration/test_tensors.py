@@ -21,6 +21,7 @@ from palatine import (
     Stream,
     Tensor,
     call_on_shard_and_fetch,
+    config,
     fetch_shard,
     get_active_mesh,
     get_active_stream,
@@ -443,6 +444,31 @@ def test_a_tensors_ref_is_freed_on_the_workers_when_the_client_object_dies(
         gc.collect()
         wait_freed(mesh, view_ref)
         wait_freed(mesh, base_ref)
+
+
+# ------------------------------------------------------------------ backpressure
+
+
+def slow_step(x: Any) -> Any:
+    time.sleep(0.002)
+    return x + 1
+
+
+def test_a_loop_that_never_fetches_waits_for_the_workers_at_the_in_flight_limit() -> None:
+    with config.override(client_in_flight_limit=100):
+        m = palatine.local_mesh(hosts=1, procs_per_host=1, startup_timeout_s=90)
+    try:
+        step = remote(slow_step, propagate=lambda x: x)
+        most = 0
+        with m.activate():
+            x = torch.zeros(2)
+            for _ in range(600):  # the workers need >= 1.2 s; issuing takes far less
+                x = step(x)
+                most = max(most, len(m.session.results.pending))
+            assert most <= 100, f"{most} calls were in flight past the limit of 100"
+            assert inspect(x).tolist() == [600.0, 600.0]
+    finally:
+        m.shutdown()
 
 
 # ------------------------------------------------------------------ CUDA

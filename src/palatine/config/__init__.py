@@ -130,6 +130,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     controller_worker_actor_type: str | None = None
     # the client records where each call was issued, for its errors
     client_tracebacks: bool = True
+    # issued tensor ops and remote calls not yet completed at which the client's next
+    # call waits for the workers (backpressure; it resumes at three quarters)
+    client_in_flight_limit: int = 20_000
     # the py-spy executable for stack dumps from outside (None: py-spy on PATH)
     pyspy: str | None = None
     # log directories of jobs started here (palatine.output.logs) kept after they end, newest first

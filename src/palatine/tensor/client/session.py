@@ -28,15 +28,17 @@ import contextlib
 import contextvars
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from palatine import config
 from palatine.core import runtime
 from palatine.core.future import Future
 from palatine.errors import DeviceException, RecoveryError
 from palatine.fastpath.direct_tx import DirectTx
 from palatine.ids import ActorId, ProcId
 from palatine.protocol.controller import Detach, Node, Recover
-from palatine.protocol.worker import Slice
+from palatine.protocol.worker import RequestStatus, Slice
 from palatine.tensor.client.actor import ClientActor
 from palatine.tensor.client.allocation import Ids
 from palatine.tensor.client.drops import Drops
@@ -210,6 +212,12 @@ class Session:
         # the recovery records' changes. It may be held while waiting for the loop
         # (`ensure_collectives`), so the loop thread never takes it.
         self.lock = threading.RLock()
+        #: Completions outstanding at which `issue` waits (`_wait_in_flight`).
+        self._in_flight_limit = config.get().client_in_flight_limit
+        #: The seq at which `issue` next asks every rank for its Status (every quarter
+        #: of the limit), so that completions come back even when nothing is fetched.
+        self._next_status_mark = self._in_flight_limit // 4
+        self._whole = Slice(offset=0, sizes=[world_size], strides=[1])
         self.ids = Ids()
         self.streams: dict[str, int] = {}  # name -> id of every stream made so far
         #: name -> the session's `Stream` object for it (made with `streams`' entry)
@@ -261,15 +269,40 @@ class Session:
         make_commands: Any = None,
     ) -> int:
         """Allocate a seq and queue its Node and commands, in seq order (any thread)."""
+        if len(self.results.pending) >= self._in_flight_limit:
+            self._wait_in_flight()
         with self.lock:
             self.check_usable()
             seq = self.ids.next_seq()
             cmds = make_commands(seq) if make_commands is not None else commands
+            if seq >= self._next_status_mark:
+                # Completions come with Status; a loop that never fetches asks for none.
+                cmds = [*cmds, (self._whole, RequestStatus(seq=seq, controller=False))]
+                self._next_status_mark = seq + max(1, self._in_flight_limit // 4)
             self.results.pending[seq] = Pending(future, site, label)
             self.outbox.put(
                 Node(seq=seq, defs=defs, uses=uses, label=label), cmds, future is not None
             )
             return seq
+
+    def _wait_in_flight(self) -> None:
+        """Backpressure (`Config.client_in_flight_limit`): send what is queued and wait,
+        off the GIL, until the workers have completed a quarter of the limit (known from
+        the Status `issue` asks for every quarter).
+
+        A loop that issues faster than the workers run (a training loop that never
+        fetches) would otherwise queue without bound everywhere, and its thread would
+        keep the client's own event loop, which answers for the session's liveness, from
+        running. Bounded by the session itself: ops that stop completing are a stall the
+        controller reports, which fails the session and ends this wait with the failure.
+        """
+        self.outbox.send()
+        resume = self._in_flight_limit * 3 // 4
+        pause = 0.0005
+        while len(self.results.pending) > resume:
+            self.check_usable()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
     def send_commands(self, commands: list[tuple[Slice, Message]]) -> None:
         """Commands without a seq of their own (CreateStream, DeleteRefs, Exit): sent now."""
