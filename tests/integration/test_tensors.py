@@ -186,14 +186,14 @@ def test_the_three_argument_errors_name_the_problem(mesh: DeviceMesh) -> None:
         x.drop()
         with pytest.raises(TypeError, match="DROPPED"):
             x * 2
-        scalar = torch.ones(())
+        scalar = torch.ones(()) + mesh.rank("proc")  # not known here (made from a rank)
         with pytest.raises(TypeError, match=r"palatine\.inspect"):
             scalar.item()
         with pytest.raises(TypeError, match=r"palatine\.inspect"):
             bool(scalar)
         with pytest.raises(TypeError, match=r"palatine\.inspect"):
             scalar.tolist()
-        assert inspect(scalar).item() == 1.0  # the session goes on
+        assert inspect(scalar, proc=1).item() == 2.0  # the session goes on
 
 
 def test_a_failing_op_fails_its_dependents_with_the_op_and_line_while_others_fetch(

@@ -23,6 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from palatine.protocol.worker import FunctionPath
+from palatine.tensor.client import known
 from palatine.tensor.client.context import active_stream, mesh_disabled
 from palatine.tensor.client.fake import propagate
 from palatine.tensor.client.tensor import issue
@@ -79,7 +80,7 @@ def make(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mesh: ValueMe
     # never do, so their in-place updates (an optimizer step under no_grad here) are
     # plain writes there.
     sent = {k: v for k, v in kwargs.items() if k != "requires_grad"}
-    return issue(
+    made = issue(
         FunctionPath(path=f"torch.{name}"),
         f"torch.{name}",
         args,
@@ -89,6 +90,8 @@ def make(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mesh: ValueMe
         from_fake,
         [],
     )
+    made._known = known.factory_value(name, args, sent, made.shape)
+    return made
 
 
 class FactoryMode(TorchFunctionMode):

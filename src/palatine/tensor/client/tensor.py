@@ -41,6 +41,7 @@ from palatine.protocol.worker import (
     Pickled,
     Slice,
 )
+from palatine.tensor.client import known
 from palatine.tensor.client.collectives import reduce
 from palatine.tensor.client.context import active_stream, get_active_mesh
 from palatine.tensor.client.drops import slice_key
@@ -129,6 +130,8 @@ class Tensor(torch.Tensor):
     _value: RemoteValue
     _meta: Meta
     _storage: Storage
+    #: The value every rank holds, when the client knows it (`palatine.tensor.client.known`).
+    _known: torch.Tensor | None
 
     @staticmethod
     def __new__(cls, value: RemoteValue, meta: Meta, storage: Storage | None = None) -> Tensor:
@@ -142,6 +145,7 @@ class Tensor(torch.Tensor):
         )
         t._value = value
         t._meta = meta
+        t._known = None
         s = storage if storage is not None else Storage()
         t._storage = s
         s.members.add(t)
@@ -204,6 +208,8 @@ class Tensor(torch.Tensor):
         )
 
     def __bool__(self) -> bool:
+        if self._known is not None:
+            return bool(self._known)
         raise TypeError(_needs_data("bool()"))
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
@@ -243,6 +249,8 @@ class Tensor(torch.Tensor):
         return self.to("cpu")
 
     def tolist(self) -> Any:
+        if self._known is not None:
+            return self._known.tolist()
         raise TypeError(_needs_data("tolist()"))
 
     def numpy(self, *args: Any, **kwargs: Any) -> Any:
@@ -472,6 +480,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise TypeError(f"{func} has no mesh tensor argument and no mesh is active")
     stream = active_stream(mesh)
     check_tensors(tensors, mesh, stream)
+    if func in _LOCAL_SCALAR and tensors[0]._known is not None:
+        return tensors[0]._known.item()  # ``t.item()`` of a value the client knows
     fpath, label = _path(func)
     try:
         spec = propagate(func, args, kwargs, _meta)
@@ -481,7 +491,40 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             f"workers ({type(e).__name__}): bring them back with palatine.inspect(t), or "
             "compute it inside a remote function"
         ) from None
-    return issue(fpath, label, args, kwargs, mesh, stream, spec, tensors)
+    if not any(t._known is not None for t in tensors):
+        return issue(fpath, label, args, kwargs, mesh, stream, spec, tensors)
+    # Known inputs (`palatine.tensor.client.known`): the op runs on them here too, after
+    # it was issued; what it writes is known again if it could, forgotten otherwise.
+    written = [m for i in spec.mutated for m in inputs_group(tensors[i])]
+    before = [(m, m._known) for m in written]
+    out = issue(fpath, label, args, kwargs, mesh, stream, spec, tensors)
+    if any(k is None for _, k in before):
+        return out  # a partly known group stays forgotten (`issue` forgot it)
+    for m, k in before:
+        m._known = k
+    local = known.op_value(func, args, kwargs, tensors, _known_of)
+    pairs = None if local is known.UNKNOWN else known.results_known(out, local)
+    if pairs is None:
+        known.forget(written)
+        return out
+    for o, v in pairs:
+        if o._known is None or o._known is not v:
+            o._known = v
+    return out
+
+
+_LOCAL_SCALAR: Final = frozenset(
+    {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+)
+
+
+def _known_of(t: Tensor) -> torch.Tensor | None:
+    return t._known
+
+
+def inputs_group(t: Tensor) -> list[Tensor]:
+    """The live members of ``t``'s alias group (``t`` among them)."""
+    return list(t._storage.members)
 
 
 def issue(
@@ -509,7 +552,10 @@ def issue(
         st = t._storage
         if st.read_only or st.borrowed:
             raise _argument_error(f"{MUTATING_BORROW}: {label} would write {t!r}")
-        for m in st.members:
+    for i in spec.mutated:
+        members = list(inputs[i]._storage.members)
+        known.forget(members)  # `dispatch` mirrors the write where it can
+        for m in members:
             mutated.append(m._value.ref)
     if flatten:  # a remote function's arguments may hold any handle: the general path
         pickled, uses = pickle_args((args, kwargs), _no_check)
@@ -657,6 +703,7 @@ def reduce_tensor(
         like,
     )
     if in_place:
+        known.forget(t._storage.members)
         return t
     if squeeze:
         kept = Meta(
@@ -679,7 +726,9 @@ def slice_tensor(t: Tensor, **coords: int | slice) -> Tensor:
     if v.dropped_at is not None:
         raise TypeError(f"{t!r} was dropped at {v.dropped_at.short()}")
     sub = v.mesh.slice(**coords)
-    return Tensor(SlicedValue(v, cast(ValueMesh, sub)), t._meta, t._storage)
+    part = Tensor(SlicedValue(v, cast(ValueMesh, sub)), t._meta, t._storage)
+    part._known = t._known  # the same storage: a write through either is seen by both
+    return part
 
 
 def move_tensor(t: Tensor, mesh: Any, stream: Stream | None = None) -> Tensor:
@@ -723,6 +772,7 @@ class Borrow:
         self.tensor = Tensor(v.to_stream(bound), origin._meta, Storage(read_only=not mutable))
         if mutable:
             st.lent = True
+            known.forget(st.members)
         else:
             st.borrowed += 1
         self._open = True

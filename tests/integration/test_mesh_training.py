@@ -1,0 +1,126 @@
+"""Training with plain PyTorch on real workers: modules built under ``mesh.activate()``,
+``loss.backward()``, torch's optimizers (both of their code paths), and the small values
+the client knows (an optimizer's step counter read with ``.item()``).
+
+One 1 × 2 local mesh (dims ``host`` and ``proc``) serves every test. Each compares what the workers
+computed with the same program run by local torch from the same starting weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cloudpickle
+import pytest
+import torch
+from torch import nn
+
+import palatine
+from palatine import inspect, no_mesh, remote
+from palatine.tensor.client.mesh import DeviceMesh
+
+pytestmark = pytest.mark.timeout(180)
+
+cloudpickle.register_pickle_by_value(__import__("sys").modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[DeviceMesh]:
+    m = palatine.local_mesh(hosts=1, procs_per_host=2, startup_timeout_s=90)
+    try:
+        yield m
+    finally:
+        m.shutdown()
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def local_copy(model: nn.Module, rank: int) -> nn.Module:
+    """A local model with the weights rank ``rank`` holds."""
+    with no_mesh():
+        local = make_model()
+    with torch.no_grad():
+        for mine, theirs in zip(local.parameters(), model.parameters(), strict=True):
+            mine.copy_(inspect(theirs, proc=rank))
+    return local
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd-momentum-per-parameter": lambda p: torch.optim.SGD(
+        p, lr=0.1, momentum=0.9, foreach=False
+    ),
+    "sgd-momentum-foreach": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
+    "adam-per-parameter": lambda p: torch.optim.Adam(p, lr=0.01, foreach=False),
+    "adam-foreach": lambda p: torch.optim.Adam(p, lr=0.01, foreach=True),
+    "adamw-per-parameter": lambda p: torch.optim.AdamW(p, lr=0.01, foreach=False),
+    "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=0.01, foreach=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_an_optimizer_trains_a_module_built_under_activate_as_local_torch_does(
+    mesh: DeviceMesh, name: str
+) -> None:
+    make_opt = OPTIMIZERS[name]
+    gen = torch.Generator().manual_seed(1)
+    xs = torch.randn(16, 4, generator=gen)
+    ys = torch.randn(16, 1, generator=gen)
+    with mesh.activate():
+        model = make_model()
+        assert all(isinstance(p, palatine.Tensor) for p in model.parameters())
+        locals_ = [local_copy(model, r) for r in (0, 1)]
+        x = torch.tensor(xs.tolist())
+        y = torch.tensor(ys.tolist())
+        opt = make_opt(model.parameters())
+        for _ in range(3):
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+        for r, local in enumerate(locals_):
+            lopt = make_opt(local.parameters())
+            for _ in range(3):
+                lopt.zero_grad()
+                lloss = ((local(xs) - ys) ** 2).mean()
+                lloss.backward()
+                lopt.step()
+            for mine, theirs in zip(local.parameters(), model.parameters(), strict=True):
+                torch.testing.assert_close(inspect(theirs, proc=r), mine.detach())
+
+
+def add_to(t: Any, n: float) -> None:
+    t.add_(n)
+
+
+def test_small_values_made_from_constants_are_known_to_the_client(mesh: DeviceMesh) -> None:
+    with mesh.activate():
+        step = torch.tensor(0.0)
+        step += 1
+        step = step * 3
+        assert step.item() == 3.0
+        assert bool(step) and step.tolist() == 3.0
+        counts = torch.arange(4)
+        view = counts[1:3]
+        view.mul_(10)  # a write through a view is seen by the base, as on the workers
+        assert counts.tolist() == [0, 10, 20, 3]
+        assert inspect(counts, proc=1).tolist() == [0, 10, 20, 3]
+        # random, large or worker-written values are not known: they need a fetch
+        with pytest.raises(TypeError, match=r"palatine\.inspect"):
+            torch.rand(()).item()
+        with pytest.raises(TypeError, match=r"palatine\.inspect"):
+            torch.zeros(1000).sum().item()
+        with pytest.raises(TypeError, match=r"palatine\.inspect"):
+            (step + mesh.rank("proc")).item()
+        written = torch.tensor(1.0)
+        remote(add_to, propagate=lambda t, n: None, mutates=("t",))(written, 2.0)
+        with pytest.raises(TypeError, match=r"palatine\.inspect"):
+            written.item()
+        assert inspect(written, proc=0).item() == 3.0
+        summed = torch.tensor(1.0)
+        summed.reduce_("proc", "sum")
+        with pytest.raises(TypeError, match=r"palatine\.inspect"):
+            summed.item()
+        assert inspect(summed, proc=0).item() == 2.0
