@@ -61,6 +61,10 @@ def test_mesh_tensors_reduce_over_dp_and_hand_activations_to_the_next_pipeline_s
     ]
 
 
+def test_a_two_stage_pipeline_trains_with_gradients_coming_back_across_meshes() -> None:
+    assert run_example("pipeline.py") == ["loss fell: True", "replicas identical: True"]
+
+
 def test_the_demos_console_shows_its_own_lines_and_nothing_internal() -> None:
     env = dict(os.environ)
     env.pop("PALATINE_CLUSTER_TOKEN", None)

@@ -49,9 +49,7 @@ def local_copy(model: nn.Module, rank: int) -> nn.Module:
 
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "sgd-momentum-per-parameter": lambda p: torch.optim.SGD(
-        p, lr=0.1, momentum=0.9, foreach=False
-    ),
+    "sgd-momentum-per-parameter": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False),
     "sgd-momentum-foreach": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
     "adam-per-parameter": lambda p: torch.optim.Adam(p, lr=0.01, foreach=False),
     "adam-foreach": lambda p: torch.optim.Adam(p, lr=0.01, foreach=True),
@@ -124,3 +122,26 @@ def test_small_values_made_from_constants_are_known_to_the_client(mesh: DeviceMe
         with pytest.raises(TypeError, match=r"palatine\.inspect"):
             summed.item()
         assert inspect(summed, proc=0).item() == 2.0
+
+
+def test_a_pipeline_sends_activations_forward_and_gradients_back_across_meshes(
+    mesh: DeviceMesh,
+) -> None:
+    gen = torch.Generator().manual_seed(2)
+    w1, w2, xs = (torch.randn(*s, generator=gen) for s in ((4, 3), (3, 1), (5, 4)))
+    first, second = mesh(proc=0), mesh(proc=1)
+    with first.activate():
+        a = torch.tensor(w1.tolist(), requires_grad=True)
+        x = torch.tensor(xs.tolist())
+        h = (x @ a).tanh()
+    with second.activate():
+        b = torch.tensor(w2.tolist(), requires_grad=True)
+        out = h.to_mesh(second) @ b  # the activations go forward to the second stage
+        loss = (out**2).mean()
+    loss.backward()  # the gradient of h comes back to the first stage
+    assert a.grad is not None and a.grad.mesh is first
+    assert b.grad is not None and b.grad.mesh is second
+    la, lb = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    (((xs @ la).tanh() @ lb) ** 2).mean().backward()
+    torch.testing.assert_close(inspect(a.grad), la.grad)
+    torch.testing.assert_close(inspect(b.grad), lb.grad)

@@ -734,7 +734,30 @@ def slice_tensor(t: Tensor, **coords: int | slice) -> Tensor:
 def move_tensor(t: Tensor, mesh: Any, stream: Stream | None = None) -> Tensor:
     """``t`` copied to ``mesh`` (of the same sizes: the rank at index i of ``t``'s mesh
     sends its shard to the rank at index i of ``mesh``), on ``stream`` (default: ``t``'s).
-    A new tensor, contiguous, with no autograd history."""
+    A new tensor, contiguous. When ``t`` requires grad (and grad mode is on), the copy is
+    part of the graph: its gradient moves back to ``t``'s mesh in the backward, so a
+    pipeline's stages on two meshes train as one program."""
+    if t.requires_grad and torch.is_grad_enabled():
+        return cast(Tensor, _MoveToMesh.apply(t, mesh, stream))  # type: ignore[no-untyped-call]
+    return _move(t, mesh, stream)
+
+
+class _MoveToMesh(torch.autograd.Function):
+    """`move_tensor` in autograd: forward moves the tensor, backward moves its gradient
+    back to the source mesh and stream."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, mesh: Any, stream: Stream | None) -> Tensor:
+        ctx.source = (t.mesh, t.stream)
+        return _move(t, mesh, stream)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        mesh, stream = ctx.source
+        return _move(grad, mesh, stream), None, None
+
+
+def _move(t: Tensor, mesh: Any, stream: Stream | None) -> Tensor:
     mesh = getattr(mesh, "_device_mesh", mesh)
     m = t._meta
     if stream is not None and not isinstance(stream, Stream):
