@@ -112,7 +112,7 @@ TRAIN = textwrap.dedent(
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     torch.manual_seed(0)  # demo.init_state, with torch's rank instead of palatine's
-    model, teacher = demo._mlp(128), demo._mlp(32)
+    model, teacher = demo.mlp(128), demo.mlp(32)
     for p in teacher.parameters():
         p.requires_grad_(False)
     state = {

@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any
 
+from palatine.cli import demo_torch
+from palatine.cli.demo_common import HELD_OUT, IN_FEATURES, data_seed, header, mlp, report
 from palatine.config import roles
 from palatine.config.roles import ControllerOptions
 
@@ -31,22 +33,7 @@ __all__ = [
     "run",
 ]
 
-IN_FEATURES = 16
-
-
 # --------------------------------------------------------------------------- worker side
-
-
-def _mlp(hidden: int) -> Any:
-    import torch
-
-    return torch.nn.Sequential(
-        torch.nn.Linear(IN_FEATURES, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 1),
-    )
 
 
 def init_state(pg: Any, seed: int, hidden: int, lr: float, batch_size: int) -> dict[str, Any]:
@@ -58,13 +45,13 @@ def init_state(pg: Any, seed: int, hidden: int, lr: float, batch_size: int) -> d
 
     rank = worker_info()["rank"]
     torch.manual_seed(seed)
-    model = _mlp(hidden)
-    teacher = _mlp(32)
+    model = mlp(hidden)
+    teacher = mlp(32)
     for p in teacher.parameters():
         p.requires_grad_(False)
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    held = torch.Generator().manual_seed(seed * 1000 + 999_999)
-    x_held = torch.randn(512, IN_FEATURES, generator=held)
+    gen = torch.Generator().manual_seed(data_seed(seed, rank))
+    held = torch.Generator().manual_seed(data_seed(seed, None))
+    x_held = torch.randn(HELD_OUT, IN_FEATURES, generator=held)
     return {
         "model": model,
         "teacher": teacher,
@@ -278,6 +265,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument(
+        "--style",
+        choices=["function", "torch"],
+        default="function",
+        help="function: each step is one remote function on every rank (recovers lost "
+        "ranks); torch: the same training as a plain torch program on mesh tensors",
+    )
     # the controller's, as `palatine controller` declares them
     roles.add_arguments(
         p, ControllerOptions, only=("operation_timeout_s", "fail_on_worker_timeout")
@@ -320,6 +314,9 @@ def main(args: argparse.Namespace) -> int:
 
     console = Console(stderr=False)
     if args.kill_rank is not None:
+        if args.style == "torch":
+            print("demo: --kill-rank needs --style function", file=sys.stderr)
+            return 2
         if args.connect:
             print("demo: --kill-rank kills a local worker; not with --connect", file=sys.stderr)
             return 2
@@ -343,6 +340,9 @@ def main(args: argparse.Namespace) -> int:
         )
     try:
         with mesh:
+            header(mesh, args, console)
+            if args.style == "torch":
+                return demo_torch.run(mesh, args, console, t0)
             return _demo(mesh, args, console, t0)
     except RecoveryError as e:
         print(f"demo failed: {e}", file=sys.stderr)
@@ -356,11 +356,6 @@ def _demo(mesh: Any, args: argparse.Namespace, console: Any, t0: float) -> int:
     from palatine import DeviceException, fetch, remote
 
     n = len(mesh)
-    hosts, per_host = mesh.size("host"), mesh.size("proc")
-    console.print(
-        f"mesh: {hosts} host(s) × {per_host} procs = {n} workers "
-        f"(dims {dict(zip(mesh.names, mesh.sizes, strict=True))}), device {args.device}"
-    )
     faults = _Faults(mesh, args, console)
     state: Any = None
     while True:  # the set-up
@@ -444,24 +439,4 @@ def _demo(mesh: Any, args: argparse.Namespace, console: Any, t0: float) -> int:
                 # Past the last step, or from step 1 again when no rank kept the model.
                 state, step = faults.recover(e, state)
                 resumed = step <= args.steps
-    held = results[0][0]
-    sums = [c for _, c in results]
-    agree = sum(1 for c in sums if abs(c - sums[0]) <= 1e-6 * max(1.0, abs(sums[0])))
-    console.print(
-        f"loss {first_loss:.3f} → {last_loss:.3f} (held-out {first_eval[0]:.3f} → {held:.3f})"
-    )
-    console.print(
-        f"{args.steps} steps in {train_s:.1f} s ({args.steps / train_s:.1f} steps/s, "
-        f"{train_s / args.steps * 1000:.1f} ms/step); total {time.monotonic() - t0:.1f} s including start-up"
-    )
-    console.print(f"replicas identical on {agree}/{n} ranks")
-    if held > first_eval[0] / 2:
-        print(
-            f"demo failed: held-out loss {held:.4f} did not fall to half of {first_eval[0]:.4f}",
-            file=sys.stderr,
-        )
-        return 1
-    if agree != n:
-        print(f"demo failed: parameter checksums differ across ranks: {sums}", file=sys.stderr)
-        return 1
-    return 0
+    return report(console, args, (first_loss, last_loss), first_eval[0], results, train_s, t0)
