@@ -145,3 +145,29 @@ def test_a_pipeline_sends_activations_forward_and_gradients_back_across_meshes(
     (((xs @ la).tanh() @ lb) ** 2).mean().backward()
     torch.testing.assert_close(inspect(a.grad), la.grad)
     torch.testing.assert_close(inspect(b.grad), lb.grad)
+
+
+def test_a_local_module_and_local_tensors_move_onto_the_mesh_and_train_there(
+    mesh: DeviceMesh,
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    xs, ys = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+    with no_mesh():
+        model = make_model()
+        reference = make_model()
+    reference.load_state_dict(model.state_dict())
+    assert palatine.to_mesh(model, mesh) is model  # in place, as module.to() is
+    assert all(isinstance(p, nn.Parameter) and isinstance(p, palatine.Tensor)
+               for p in model.parameters())  # fmt: skip
+    data = palatine.to_mesh({"x": xs, "y": ys, "n": 8}, mesh)
+    assert data["n"] == 8 and data["x"].mesh is mesh
+    with mesh.activate():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ((model(data["x"]) - data["y"]) ** 2).mean().backward()
+        opt.step()
+    ropt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ((reference(xs) - ys) ** 2).mean().backward()
+    ropt.step()
+    for mine, theirs in zip(reference.parameters(), model.parameters(), strict=True):
+        for r in (0, 1):
+            torch.testing.assert_close(inspect(theirs, proc=r), mine.detach())

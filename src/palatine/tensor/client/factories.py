@@ -29,7 +29,7 @@ from palatine.tensor.client.fake import propagate
 from palatine.tensor.client.tensor import issue
 from palatine.tensor.client.values import ValueMesh
 
-__all__ = ["FACTORIES", "FactoryMode", "factory_mode"]
+__all__ = ["FACTORIES", "FactoryMode", "factory_mode", "from_local"]
 
 FACTORIES: Final = frozenset(
     getattr(torch, name)
@@ -91,6 +91,21 @@ def make(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mesh: ValueMe
         [],
     )
     made._known = known.factory_value(name, args, sent, made.shape)
+    return made
+
+
+def from_local(t: torch.Tensor, mesh: ValueMesh, stream: Any = None) -> Any:
+    """A mesh tensor of ``mesh`` whose every rank holds a copy of local tensor ``t`` (sent
+    with the op, by value), on ``stream`` (default: the active one): how local weights
+    and data move onto a mesh (`palatine.to_mesh`). It requires grad as ``t`` does."""
+    stream = active_stream(mesh) if stream is None else mesh.stream(stream.name)
+    data = t.detach()
+    spec = propagate(torch.clone, (data,), {}, _no_meta)
+    made = issue(FunctionPath(path="torch.clone"), "to_mesh", (data,), {}, mesh, stream, spec, [])
+    if data.numel() <= known.KNOWN_MAX_NUMEL and data.device.type == "cpu":
+        made._known = data.clone()
+    if t.requires_grad:
+        made.requires_grad_(True)
     return made
 
 

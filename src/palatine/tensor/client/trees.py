@@ -1,4 +1,5 @@
-"""Pytree forms of the tensor methods: `reduce`, `reduce_`, `slice_mesh`, `to_mesh`.
+"""Pytree forms of the tensor methods: `reduce`, `reduce_`, `slice_mesh`, `to_mesh`
+(which also moves local tensors and modules onto a mesh).
 
 ``palatine.reduce(tree, dims, ...)`` reduces every mesh tensor of a structure of
 tensors (a dict of gradients, a list of parameters) and returns the same structure;
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.utils._pytree import tree_map
 
+from palatine.tensor.client.factories import from_local
 from palatine.tensor.client.session import Stream
 from palatine.tensor.client.tensor import Tensor, move_tensor, reduce_tensor, slice_tensor
 
@@ -50,5 +53,33 @@ def slice_mesh(tree: Any, **coords: int | slice) -> Any:
 
 
 def to_mesh(tree: Any, mesh: Any, stream: Stream | None = None) -> Any:
-    """`move_tensor` of every mesh tensor in ``tree``."""
-    return _each(tree, lambda t: move_tensor(t, mesh, stream))
+    """``tree`` on ``mesh``: every mesh tensor in it moved there (`move_tensor`), every
+    local tensor copied to each of its ranks (`from_local`); the same structure back.
+
+    An ``nn.Module`` is moved in place, as ``module.to(device)`` is: its parameters
+    become mesh parameters (requiring grad as before) and its buffers mesh tensors; the
+    module itself is returned."""
+    if isinstance(tree, torch.nn.Module):
+        return _module_to_mesh(tree, mesh, stream)
+    return tree_map(lambda x: _leaf_to_mesh(x, mesh, stream), tree)
+
+
+def _leaf_to_mesh(x: Any, mesh: Any, stream: Stream | None) -> Any:
+    if isinstance(x, Tensor):
+        return move_tensor(x, mesh, stream)
+    if isinstance(x, torch.Tensor):
+        return from_local(x, getattr(mesh, "_device_mesh", mesh), stream)
+    return x
+
+
+def _module_to_mesh(module: torch.nn.Module, mesh: Any, stream: Stream | None) -> Any:
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                m._parameters[name] = torch.nn.Parameter(
+                    _leaf_to_mesh(p.detach(), mesh, stream), requires_grad=p.requires_grad
+                )
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = _leaf_to_mesh(b, mesh, stream)
+    return module
