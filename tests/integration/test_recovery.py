@@ -76,6 +76,52 @@ def test_values_on_survivors_stay_valid_lost_ones_say_so_and_can_be_made_again()
     assert lines["RESYNCED"] == "[0.0, 0.0, 0.0, 0.0]"
 
 
+def test_mesh_tensors_lost_with_a_rank_say_so_and_are_restored_and_resynced() -> None:
+    lines, _ = run_script(
+        PRELUDE
+        + """
+    import torch
+    from palatine import inspect
+    with local_mesh(1, 2) as mesh:
+        with mesh.activate():
+            before = pids_of(mesh)
+            model = torch.nn.Linear(3, 2)
+            params = list(model.parameters())
+            x = torch.ones(3) * (mesh.rank("proc") + 1)
+            kill(before[1])
+            e = until_failed(mesh)
+            print("FAILED", e.kind)
+            mesh.recover()
+            print("SURVIVOR", inspect(x, proc=0).tolist())
+            try:
+                x + 1
+            except LostValue as lost:
+                print("LOST_USE", lost.ranks, "t.restore()" in str(lost), "Tensor" in str(lost))
+            try:
+                inspect(x, proc=1)
+            except LostValue as lost:
+                print("LOST_FETCH", lost.ranks)
+            x.restore(torch.full, (3,), 7.0)
+            print("RESTORED", inspect(x, proc=1).tolist(), inspect(x, proc=0).tolist())
+            for p in params:
+                p.restore()  # a placeholder on rank 1, filled by the resync
+            resync(params)
+            same = all(torch.equal(inspect(p, proc=0), inspect(p, proc=1)) for p in params)
+            print("RESYNCED", same)
+            loss = model(x).sum()
+            loss.backward()
+            print("TRAINS", params[0].grad is not None, inspect(loss, proc=1).item() != 0)
+    """
+    )
+    assert lines["FAILED"] == "proc_failed"
+    assert lines["SURVIVOR"] == "[1.0, 1.0, 1.0]"
+    assert lines["LOST_USE"] == "[1] True True"
+    assert lines["LOST_FETCH"] == "[1]"
+    assert lines["RESTORED"] == "[7.0, 7.0, 7.0] [1.0, 1.0, 1.0]"
+    assert lines["RESYNCED"] == "True"
+    assert lines["TRAINS"] == "True True"
+
+
 def test_two_ranks_lost_at_once_and_a_rank_lost_twice() -> None:
     lines, _ = run_script(
         PRELUDE

@@ -22,7 +22,7 @@ from palatine.protocol.worker import (
 from palatine.tensor.client.context import active_stream
 from palatine.tensor.client.remote import fetch, remote
 from palatine.tensor.client.sites import capture_site
-from palatine.tensor.client.values import RemoteValue, ValueMesh
+from palatine.tensor.client.values import RemoteValue, ValueMesh, value_of
 from palatine.tensor.worker.functions import broadcast_state
 
 __all__ = ["ensure_collectives", "process_group", "reduce", "resync"]
@@ -179,13 +179,34 @@ def reduce(
     return RemoteValue(session, result, mesh, value.stream, seq, f"reduce {op}")
 
 
-def resync(value: RemoteValue, src: int | None = None) -> None:
+def resync(value: Any, src: int | None = None) -> None:
     """After a recovery, make ``value`` on every rank of its mesh what it is on rank
     ``src`` (by default the first rank the last recovery did not bring back): a model's
     parameters and buffers, an optimizer's state, tensors, and dicts or lists of them
     (`palatine.tensor.worker.functions.broadcast_state`), over the new collective group,
     so data-parallel replicas are identical again. The lost ranks need a value of the
-    same structure first (``value.restore(make)``)."""
+    same structure first (``value.restore(make)``; a mesh tensor's ``t.restore()``).
+
+    ``value`` is a remote value, a mesh tensor, or a list, tuple or dict of them (a
+    model's ``list(model.parameters())``): each is resynced in turn."""
+    if isinstance(value, list | tuple):
+        for v in value:
+            resync(v, src)
+        return
+    if isinstance(value, dict):
+        for v in value.values():
+            resync(v, src)
+        return
+    handle = value_of(value)
+    if handle is None:
+        raise TypeError(
+            f"resync takes remote values, mesh tensors, or lists and dicts of them; "
+            f"not {type(value).__name__}"
+        )
+    _resync_one(handle, src)
+
+
+def _resync_one(value: RemoteValue, src: int | None) -> None:
     session = value.session
     session.check_usable()
     ranks = value.mesh.ranks

@@ -63,7 +63,8 @@ class RecoveryRecords:
             raise LostValue(
                 f"{value!r} was lost with rank {where}: the rank died and was started again "
                 "by a recovery; it is still valid on the other ranks (value.restore(fn) "
-                "makes it again on the lost ranks)",
+                "makes it again on the lost ranks; for a mesh tensor, t.restore() then "
+                "palatine.resync(t) copies it there from a surviving rank)",
                 gone,
             )
 

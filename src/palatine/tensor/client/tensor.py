@@ -46,6 +46,7 @@ from palatine.tensor.client.collectives import reduce
 from palatine.tensor.client.context import active_stream, get_active_mesh
 from palatine.tensor.client.drops import slice_key
 from palatine.tensor.client.fake import Meta, OpSpec, propagate
+from palatine.tensor.client.remote import restore as restore_value
 from palatine.tensor.client.session import Stream
 from palatine.tensor.client.sites import capture_site
 from palatine.tensor.client.transfer import to_mesh as move
@@ -306,6 +307,21 @@ class Tensor(torch.Tensor):
         """This tensor as the ranks of ``self.mesh.slice(**coords)`` hold it."""
         return slice_tensor(self, **coords)
 
+    # ------------------------------------------------------------ recovery
+    def restore(self, fn: Any = None, *args: Any, **kwargs: Any) -> Tensor:
+        """After ``mesh.recover()``, make this tensor again on the ranks the recovery
+        lost it on: as ``fn(*args, **kwargs)`` there, or, without ``fn``, as an
+        uninitialized tensor of its shape, strides, dtype and device, for
+        ``palatine.resync(t)`` (or an in-place write) to fill. The other ranks keep
+        theirs. Returns this tensor, usable on its whole mesh again."""
+        if fn is None:
+            m = self._meta
+            fn, args, kwargs = torch.empty_strided, (m.shape, m.stride), {"dtype": m.dtype}
+            if m.device.type != "cpu":
+                kwargs["device"] = str(m.device)
+        restore_value(self._value, fn, *args, **kwargs)
+        return self
+
 
 # torch turns a TypeError raised inside a binary operator (``x + y``) into NotImplemented,
 # and Python then reports only "unsupported operand type(s)". The operators of `Tensor`
@@ -462,7 +478,7 @@ def check_tensors(tensors: list[Tensor], mesh: ValueMesh, stream: Stream) -> Non
             )
         if records.lost:
             ranks = set(mesh.ranks) if ranks is None else ranks
-            records.check_not_lost(v, ranks)
+            records.check_not_lost(t, ranks)
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
