@@ -19,7 +19,8 @@ def main() -> None:
     with palatine.local_mesh(hosts=2, procs_per_host=2) as root:
         mesh = root.rename(host="dp", proc="pp")
         stage0, stage1 = mesh(pp=0), mesh(pp=1)
-        palatine.remote(torch.manual_seed)(0)  # the same initial weights on every rank
+        with mesh.activate():
+            palatine.random.set_manual_seed_remote(0)  # the same initial weights everywhere
         with stage0.activate():
             first = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
         with stage1.activate():

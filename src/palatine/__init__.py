@@ -24,6 +24,7 @@ not named in ``__all__`` is internal and may change.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -85,6 +86,10 @@ __all__ = [
     "reduce_",
     "slice_mesh",
     "to_mesh",
+    "grad_generator",
+    "grad_function",
+    "GradientGenerator",
+    "gradient_execution_order",
 ]
 
 if TYPE_CHECKING:
@@ -125,6 +130,12 @@ if TYPE_CHECKING:
         get_active_mesh,
         get_active_stream,
         no_mesh,
+    )
+    from palatine.tensor.client.gradients import (
+        GradientGenerator,
+        grad_function,
+        grad_generator,
+        gradient_execution_order,
     )
     from palatine.tensor.client.local import connect, local_mesh
     from palatine.tensor.client.mesh import DeviceMesh
@@ -196,6 +207,10 @@ _WHERE = {
     "fetch_shard": "palatine.tensor.client.remote",
     "show": "palatine.tensor.client.remote",
     "call_on_shard_and_fetch": "palatine.tensor.client.remote",
+    "grad_generator": "palatine.tensor.client.gradients",
+    "grad_function": "palatine.tensor.client.gradients",
+    "GradientGenerator": "palatine.tensor.client.gradients",
+    "gradient_execution_order": "palatine.tensor.client.gradients",
     "reduce": "palatine.tensor.client.trees",
     "reduce_": "palatine.tensor.client.trees",
     "slice_mesh": "palatine.tensor.client.trees",
@@ -203,7 +218,18 @@ _WHERE = {
 }
 
 
+#: Public submodules that live deeper in the tree: ``palatine.random`` is Monarch's
+#: ``monarch.random`` (not in ``__all__``: a star import must not shadow the stdlib's).
+_SUBMODULES = {"random": "palatine.tensor.client.random"}
+
+
 def __getattr__(name: str) -> Any:
+    sub = _SUBMODULES.get(name)
+    if sub is not None:
+        module = importlib.import_module(sub)
+        sys.modules.setdefault(f"palatine.{name}", module)  # `from palatine.random import`
+        globals()[name] = module
+        return module
     mod = _WHERE.get(name)
     if mod is None:
         raise AttributeError(f"module 'palatine' has no attribute {name!r}")

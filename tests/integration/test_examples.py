@@ -80,3 +80,23 @@ def test_the_demos_console_shows_its_own_lines_and_nothing_internal() -> None:
     assert out.stdout.splitlines()[-1] == "replicas identical on 4/4 ranks"
     # nothing palatine says for itself at INFO, no ready lines, nothing at all on stderr
     assert out.stderr == "", out.stderr[-3000:]
+
+
+def test_the_torch_style_demo_trains_to_the_same_held_out_loss_as_the_function_style() -> None:
+    env = dict(os.environ)
+    env.pop("PALATINE_CLUSTER_TOKEN", None)
+    held = {}
+    for style in ("function", "torch"):
+        out = subprocess.run(
+            [sys.executable, "-m", "palatine", "demo", "--steps", "40", "--style", style],
+            capture_output=True,
+            text=True,
+            timeout=100,
+            env=env,
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        lines = out.stdout.splitlines()
+        assert lines[-1] == "replicas identical on 4/4 ranks", lines
+        assert f"{style} style" in " ".join(lines[:2])
+        held[style] = next(x for x in lines if x.startswith("loss ")).split("(held-out ")[1]
+    assert held["torch"] == held["function"]

@@ -63,12 +63,13 @@ def run(mesh: Any, args: argparse.Namespace, console: Any, t0: float) -> int:
     import torch
     import torch.nn.functional as F
 
-    from palatine import grad_generator, inspect, reduce, remote
+    import palatine
+    from palatine import grad_generator, inspect, reduce, reduce_, remote
 
     n = len(mesh)
-    remote(torch.manual_seed)(args.seed)  # every rank alike: identical replicas
     batch = remote(next_batch, propagate=lambda gen, b: torch.empty(b, IN_FEATURES))
     with mesh.activate():
+        palatine.random.set_manual_seed_remote(args.seed)  # every rank alike: identical replicas
         model = mlp(args.hidden)
         teacher = mlp(32)
         for p in teacher.parameters():
@@ -98,7 +99,7 @@ def run(mesh: Any, args: argparse.Namespace, console: Any, t0: float) -> int:
             loss = F.mse_loss(model(x), teacher(x))
             opt.zero_grad()
             for p, g in zip(backward_order, grad_generator(loss, backward_order), strict=True):
-                g.reduce_((), "avg")  # issued before the rest of the backward: overlapped
+                reduce_(g, (), "avg")  # issued before the rest of the backward: overlapped
                 p.grad = g
             opt.step()
             if step == 1 or step % args.log_every == 0 or step == args.steps:
