@@ -90,6 +90,9 @@ __all__ = [
     "grad_function",
     "GradientGenerator",
     "gradient_execution_order",
+    "OpaqueRef",
+    "remote_autograd_function",
+    "RemoteAutogradFunction",
 ]
 
 if TYPE_CHECKING:
@@ -125,6 +128,10 @@ if TYPE_CHECKING:
     from palatine.mesh.accumulator import Accumulator
     from palatine.mesh.actor_mesh import ActorMesh, ActorRef, ValueMesh, send
     from palatine.system.service import System
+    from palatine.tensor.client.autograd_function import (
+        RemoteAutogradFunction,
+        remote_autograd_function,
+    )
     from palatine.tensor.client.collectives import resync
     from palatine.tensor.client.context import (
         get_active_mesh,
@@ -152,6 +159,7 @@ if TYPE_CHECKING:
     from palatine.tensor.client.trees import reduce, reduce_, slice_mesh, to_mesh
     from palatine.tensor.client.values import RemoteValue
     from palatine.tensor.worker import worker_info
+    from palatine.tensor.worker.opaque import OpaqueRef
 
 _WHERE = {
     "Actor": "palatine.core.actor",
@@ -207,6 +215,9 @@ _WHERE = {
     "fetch_shard": "palatine.tensor.client.remote",
     "show": "palatine.tensor.client.remote",
     "call_on_shard_and_fetch": "palatine.tensor.client.remote",
+    "OpaqueRef": "palatine.tensor.worker.opaque",
+    "remote_autograd_function": "palatine.tensor.client.autograd_function",
+    "RemoteAutogradFunction": "palatine.tensor.client.autograd_function",
     "grad_generator": "palatine.tensor.client.gradients",
     "grad_function": "palatine.tensor.client.gradients",
     "GradientGenerator": "palatine.tensor.client.gradients",
