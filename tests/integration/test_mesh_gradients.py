@@ -7,12 +7,13 @@ own data, so the two ranks' gradients differ until they are averaged over ``proc
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import cloudpickle
 import pytest
 import torch
+from meshes import module_mesh
 from torch import nn
 
 import palatine
@@ -31,13 +32,7 @@ cloudpickle.register_pickle_by_value(__import__("sys").modules[__name__])
 RANKS = (0, 1)
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[DeviceMesh]:
-    m = palatine.local_mesh(hosts=1, procs_per_host=2, startup_timeout_s=90)
-    try:
-        yield m
-    finally:
-        m.shutdown()
+mesh = module_mesh(1, 2)
 
 
 def model_and_loss(mesh: DeviceMesh) -> tuple[nn.Module, torch.Tensor]:

@@ -7,12 +7,10 @@ runs with the same seed agree.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
+from meshes import module_mesh
 
-import palatine
 from palatine import call_on_shard_and_fetch, inspect, no_mesh, remote
 from palatine.tensor.client.mesh import DeviceMesh
 from palatine.tensor.client.random import (
@@ -34,13 +32,7 @@ pytestmark = pytest.mark.timeout(180)
 RANKS = (0, 1)
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[DeviceMesh]:
-    m = palatine.local_mesh(hosts=1, procs_per_host=2, startup_timeout_s=90, device="cpu")
-    try:
-        yield m
-    finally:
-        m.shutdown()
+mesh = module_mesh(1, 2, device="cpu")
 
 
 def local_rand(seed: int, *shape: int) -> torch.Tensor:

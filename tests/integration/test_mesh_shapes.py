@@ -4,10 +4,10 @@ the new dim names, calls on a sub-mesh, and ``exit()``."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import cloudpickle
 import pytest
+from meshes import module_mesh
 
 from palatine import fetch, inspect, local_mesh, remote
 from palatine.tensor.client.mesh import DeviceMesh
@@ -49,13 +49,7 @@ def listing(directory: str) -> list[str]:
     return sorted(os.listdir(directory))
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[DeviceMesh]:
-    m = local_mesh(hosts=2, procs_per_host=2, startup_timeout_s=60)
-    try:
-        yield m
-    finally:
-        m.shutdown()
+mesh = module_mesh(2, 2)
 
 
 def dp_pp(mesh: DeviceMesh) -> DeviceMesh:

@@ -8,12 +8,13 @@ computed with the same program run by local torch from the same starting weights
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 import pytest
 import torch
+from meshes import module_mesh
 from torch import nn
 
 import palatine
@@ -25,13 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 cloudpickle.register_pickle_by_value(__import__("sys").modules[__name__])
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[DeviceMesh]:
-    m = palatine.local_mesh(hosts=1, procs_per_host=2, startup_timeout_s=90)
-    try:
-        yield m
-    finally:
-        m.shutdown()
+mesh = module_mesh(1, 2)
 
 
 def make_model() -> nn.Module:

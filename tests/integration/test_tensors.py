@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
 import pytest
 import torch
+from meshes import module_mesh
 
 import palatine
 from palatine import (
@@ -41,13 +41,7 @@ cloudpickle.register_pickle_by_value(__import__("sys").modules[__name__])
 SHARDS = [{"host": h, "proc": p} for h in (0, 1) for p in (0, 1)]
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[DeviceMesh]:
-    m = palatine.local_mesh(hosts=2, procs_per_host=2, startup_timeout_s=90)
-    try:
-        yield m
-    finally:
-        m.shutdown()
+mesh = module_mesh(2, 2)
 
 
 def per_shard(t: Any) -> list[Any]:

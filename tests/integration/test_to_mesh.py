@@ -4,13 +4,13 @@ sub-meshes of the same shape, as between the stages of a pipeline."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
 import pytest
+from meshes import module_mesh
 
-from palatine import RemoteException, fetch, local_mesh, remote
+from palatine import RemoteException, fetch, remote
 from palatine.tensor.client.mesh import DeviceMesh
 from palatine.tensor.client.transfer import to_mesh
 
@@ -56,13 +56,7 @@ def where_am_i(t: Any) -> tuple[int, list[float]]:
     return worker_info()["rank"], t.tolist()
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[DeviceMesh]:
-    m = local_mesh(hosts=2, procs_per_host=2, startup_timeout_s=60)
-    try:
-        yield m
-    finally:
-        m.shutdown()
+mesh = module_mesh(2, 2)
 
 
 def _shards(value: Any, dim: str) -> list[Any]:

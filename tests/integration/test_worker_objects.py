@@ -10,15 +10,15 @@ import gc
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 import pytest
 import torch
+from meshes import module_mesh
 
-import palatine
 from palatine import Tensor, inspect, remote
 from palatine.tensor.client.autograd_function import remote_autograd_function
 from palatine.tensor.client.mesh import DeviceMesh
@@ -31,13 +31,7 @@ cloudpickle.register_pickle_by_value(__import__("sys").modules[__name__])
 SHARDS = [{"host": h, "proc": p} for h in (0, 1) for p in (0, 1)]
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[DeviceMesh]:
-    m = palatine.local_mesh(hosts=2, procs_per_host=2, startup_timeout_s=90)
-    try:
-        yield m
-    finally:
-        m.shutdown()
+mesh = module_mesh(2, 2)
 
 
 def eventually(mesh: DeviceMesh, cond: Callable[[], bool], what: str) -> None:
