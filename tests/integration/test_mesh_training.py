@@ -53,6 +53,14 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
+def train(model: nn.Module, opt: torch.optim.Optimizer, x: Any, y: Any, steps: int = 3) -> None:
+    """The same few steps for a mesh model and its local copies."""
+    for _ in range(steps):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_an_optimizer_trains_a_module_built_under_activate_as_local_torch_does(
     mesh: DeviceMesh, name: str
@@ -67,19 +75,9 @@ def test_an_optimizer_trains_a_module_built_under_activate_as_local_torch_does(
         locals_ = [local_copy(model, r) for r in (0, 1)]
         x = torch.tensor(xs.tolist())
         y = torch.tensor(ys.tolist())
-        opt = make_opt(model.parameters())
-        for _ in range(3):
-            opt.zero_grad()
-            loss = ((model(x) - y) ** 2).mean()
-            loss.backward()
-            opt.step()
+        train(model, make_opt(model.parameters()), x, y)
         for r, local in enumerate(locals_):
-            lopt = make_opt(local.parameters())
-            for _ in range(3):
-                lopt.zero_grad()
-                lloss = ((local(xs) - ys) ** 2).mean()
-                lloss.backward()
-                lopt.step()
+            train(local, make_opt(local.parameters()), xs, ys)
             for mine, theirs in zip(local.parameters(), model.parameters(), strict=True):
                 torch.testing.assert_close(inspect(theirs, proc=r), mine.detach())
 
