@@ -25,11 +25,11 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (3, ("core",)),
     (4, ("fastpath",)),
     (5, ("mesh",)),
-    (6, ("protocol",)),
+    (6, ("protocol", "rdma")),
     (7, ("hosting",)),
     (8, ("system",)),
     (9, ("tensor",)),
-    (10, ("job",)),
+    (10, ("job", "spmd")),
     (11, ("cli", "__main__")),
 ]
 
