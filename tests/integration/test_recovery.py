@@ -122,6 +122,46 @@ def test_mesh_tensors_lost_with_a_rank_say_so_and_are_restored_and_resynced() ->
     assert lines["TRAINS"] == "True True"
 
 
+def test_resync_refuses_a_value_that_failed_on_its_source_and_the_mesh_goes_on() -> None:
+    # A step that fails on the survivors too (its reduce lost a peer) poisons what it
+    # wrote there: a broadcast from such a source would leave the restored ranks waiting
+    # in it. resync checks the source first and names the failure instead.
+    lines, _ = run_script(
+        PRELUDE
+        + """
+    import time
+    def fails_on_zero(rank):
+        import torch
+        if rank == 0:
+            raise RuntimeError("the step failed here")
+        return torch.ones(3)
+
+    with local_mesh(1, 2) as mesh:
+        with mesh.activate():
+            before = pids_of(mesh)
+            bad = remote(fails_on_zero)(mesh.rank("proc"))
+            good = remote(filled)(mesh.rank("proc") + 5)
+            kill(before[1])
+            until_failed(mesh)
+            mesh.recover()
+            bad.restore(filled, 1)
+            good.restore(filled, 9)
+            t0 = time.monotonic()
+            try:
+                resync([good, bad])
+            except ValueError as e:
+                print("REFUSED", time.monotonic() - t0 < 10, "rank 0" in str(e),
+                      "the step failed here" in str(e))
+            print("UNTOUCHED", fetch(good, shard=1).result().tolist())
+            resync(good)
+            print("RESYNCED", fetch(good, shard=1).result().tolist())
+    """
+    )
+    assert lines["REFUSED"] == "True True True"
+    assert lines["UNTOUCHED"] == "[9.0, 9.0, 9.0]"  # nothing broadcast when one is refused
+    assert lines["RESYNCED"] == "[5.0, 5.0, 5.0]"
+
+
 def test_two_ranks_lost_at_once_and_a_rank_lost_twice() -> None:
     lines, _ = run_script(
         PRELUDE

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from palatine import config
+from palatine.errors import LostValue, RemoteException
 from palatine.protocol.worker import (
     REDUCE_OPS,
     BackendNetworkInit,
@@ -20,10 +22,10 @@ from palatine.protocol.worker import (
     Slice,
 )
 from palatine.tensor.client.context import active_stream
-from palatine.tensor.client.remote import fetch, remote
+from palatine.tensor.client.remote import call_on_shard_and_fetch, fetch, remote
 from palatine.tensor.client.sites import capture_site
 from palatine.tensor.client.values import RemoteValue, ValueMesh, value_of
-from palatine.tensor.worker.functions import broadcast_state
+from palatine.tensor.worker.functions import broadcast_state, ready
 
 __all__ = ["ensure_collectives", "process_group", "reduce", "resync"]
 
@@ -188,14 +190,47 @@ def resync(value: Any, src: int | None = None) -> None:
     same structure first (``value.restore(make)``; a mesh tensor's ``t.restore()``).
 
     ``value`` is a remote value, a mesh tensor, or a list, tuple or dict of them (a
-    model's ``list(model.parameters())``): each is resynced in turn."""
+    model's ``list(model.parameters())``): each is resynced in turn.
+
+    The source is checked first, every value in one round trip: a value that failed
+    there (a step that failed on the survivors too poisons what it wrote) cannot be
+    copied, and the broadcast would leave the other ranks waiting in it; that is a
+    `ValueError` naming the value and the source's error, and nothing is broadcast."""
+    handles: list[RemoteValue] = []
+    _collect(value, handles)
+    sources = [_source(h, src) for h in handles]
+    timeout = config.get().call_timeout_s
+    checks = [
+        call_on_shard_and_fetch(ready, h, shard=h.mesh.ranks.index(s))
+        for h, s in zip(handles, sources, strict=True)
+    ]
+    for h, s, check in zip(handles, sources, checks, strict=True):
+        try:
+            check.result(timeout=timeout)
+        except (LostValue, TimeoutError):
+            raise
+        except RemoteException as e:
+            short = e.type_name.rsplit(".", 1)[-1]
+            raise ValueError(
+                f"cannot resync {h!r} from rank {s}: it failed there: "
+                f"{e.headline or e.actor_id}: {short}: {e.message}; make it again on every "
+                "rank (from a checkpoint) instead"
+            ) from e
+    for h, s in zip(handles, sources, strict=True):
+        ensure_collectives(h.mesh)
+        with h.mesh.activate():
+            remote(broadcast_state, mutates=("value",))(h, s)
+
+
+def _collect(value: Any, out: list[RemoteValue]) -> None:
+    """The remote values of ``value`` (lists, tuples and dicts walked), in order."""
     if isinstance(value, list | tuple):
         for v in value:
-            resync(v, src)
+            _collect(v, out)
         return
     if isinstance(value, dict):
         for v in value.values():
-            resync(v, src)
+            _collect(v, out)
         return
     handle = value_of(value)
     if handle is None:
@@ -203,10 +238,12 @@ def resync(value: Any, src: int | None = None) -> None:
             f"resync takes remote values, mesh tensors, or lists and dicts of them; "
             f"not {type(value).__name__}"
         )
-    _resync_one(handle, src)
+    out.append(handle)
 
 
-def _resync_one(value: RemoteValue, src: int | None) -> None:
+def _source(value: RemoteValue, src: int | None) -> int:
+    """The rank ``value`` is copied from: ``src``, or its first rank the last recovery
+    did not bring back."""
     session = value.session
     session.check_usable()
     ranks = value.mesh.ranks
@@ -219,6 +256,4 @@ def _resync_one(value: RemoteValue, src: int | None) -> None:
         src = survivors[0]
     if src not in ranks:
         raise ValueError(f"rank {src} is not a rank of {value!r}")
-    ensure_collectives(value.mesh)
-    with value.mesh.activate():
-        remote(broadcast_state, mutates=("value",))(value, src)
+    return src

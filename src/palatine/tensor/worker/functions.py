@@ -37,6 +37,12 @@ def identity_printing(value: Any) -> Any:
     return value
 
 
+def ready(*values: Any) -> None:
+    """Nothing: run on one rank and fetched, it says that every one of ``values`` is
+    there and not failed (`palatine.resync` checks its source with it before a
+    broadcast that every rank must join)."""
+
+
 def broadcast_state(value: Any, src: int) -> None:
     """Make ``value`` on every rank what it is on rank ``src`` (`palatine.resync`):
     modules' parameters and buffers and tensors in place, optimizers through their state
