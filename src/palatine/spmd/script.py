@@ -1,0 +1,100 @@
+"""Running a program as ``python`` would, inside a proc: a script path, ``-m module`` or
+``module:function``, with its argv, as ``__main__``; its end as an exit status.
+
+A program ends as a process would: returning (0), ``sys.exit(code)`` (the code: None is 0,
+an int is itself, anything else is printed and is 1), or an exception (its traceback
+printed to stderr, as Python prints it, and 1). What raised is kept in the result
+(`ScriptFailed`), so a launcher can name it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import sys
+import traceback
+
+import msgspec
+
+__all__ = ["ScriptFailed", "describe", "run_program"]
+
+
+class ScriptFailed(msgspec.Struct, frozen=True):
+    """A program that ended with an exception: its type, message and traceback text."""
+
+    type_name: str
+    message: str
+    traceback: str
+
+    @property
+    def first_line(self) -> str:
+        """``ValueError: boom``: the line Python ends a traceback with."""
+        return f"{self.type_name}: {self.message}" if self.message else self.type_name
+
+
+def describe(program: list[str]) -> str:
+    """What ``program`` runs, for messages (``train.py``, ``-m pkg.train``)."""
+    if not program:
+        return "<nothing>"
+    return f"-m {program[1]}" if program[0] == "-m" and len(program) > 1 else program[0]
+
+
+def run_program(program: list[str]) -> int | ScriptFailed:
+    """Run ``program`` (``["train.py", *args]``, ``["-m", "pkg.train", *args]`` or
+    ``["pkg.train:main", *args]``) in this thread as ``__main__``; its exit status: 0,
+    the code it exited with, or `ScriptFailed` (its traceback is printed to stderr)."""
+    if not program:
+        raise ValueError("no program: give a script path, '-m module' or 'module:function'")
+    try:
+        _run(program)
+        return 0
+    except SystemExit as e:
+        return _exit_code(e.code)
+    except BaseException as e:  # noqa: BLE001 - whatever the program raised is its exit status
+        text = "".join(traceback.format_exception(e))
+        print(text, end="", file=sys.stderr, flush=True)
+        return ScriptFailed(type(e).__qualname__, str(e), text)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+
+
+def _run(program: list[str]) -> None:
+    head, rest = program[0], list(program[1:])
+    if head == "-m":
+        if not rest:
+            raise ValueError("-m needs a module name")
+        module, *args = rest
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    if ":" in head and not os.path.exists(head):
+        module, _, name = head.partition(":")
+        fn = importlib.import_module(module)
+        for part in name.split("."):
+            fn = getattr(fn, part)
+        sys.argv = [head, *rest]
+        code = fn()  # type: ignore[operator]
+        if code is not None and code != 0:
+            raise SystemExit(code)
+        return
+    path = os.path.abspath(head)
+    sys.argv = [head, *rest]
+    # As `python script.py` does: the script's directory first on the import path.
+    script_dir = os.path.dirname(path)
+    if sys.path[:1] != [script_dir]:
+        sys.path.insert(0, script_dir)
+    runpy.run_path(path, run_name="__main__")
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr, flush=True)
+    return 1
