@@ -65,6 +65,8 @@ def run_program(program: list[str]) -> int | ScriptFailed:
 
 def _run(program: list[str]) -> None:
     head, rest = program[0], list(program[1:])
+    if head == "-m" or (":" in head and not os.path.exists(head)):
+        _first_on_path(os.getcwd())  # as `python -m` does
     if head == "-m":
         if not rest:
             raise ValueError("-m needs a module name")
@@ -85,10 +87,13 @@ def _run(program: list[str]) -> None:
     path = os.path.abspath(head)
     sys.argv = [head, *rest]
     # As `python script.py` does: the script's directory first on the import path.
-    script_dir = os.path.dirname(path)
-    if sys.path[:1] != [script_dir]:
-        sys.path.insert(0, script_dir)
+    _first_on_path(os.path.dirname(path))
     runpy.run_path(path, run_name="__main__")
+
+
+def _first_on_path(directory: str) -> None:
+    if sys.path[:1] != [directory]:
+        sys.path.insert(0, directory)
 
 
 def _exit_code(code: object) -> int:
