@@ -143,6 +143,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # lines from many ranks within this window shown once
     stream_output: bool = True
     output_window_s: float = 0.5
+    # one-sided buffers (palatine.rdma): "auto" moves bytes by shared memory between
+    # procs of one host and by the owner proc's socket server between hosts; "socket"
+    # always goes through the server. The bound of one transfer.
+    rdma_backend: str = "auto"
+    rdma_timeout_s: float = 60.0
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*(KiB|MiB|GiB|B)?\s*$")
