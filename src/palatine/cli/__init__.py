@@ -29,6 +29,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "palatine.cli.demo",
         "train a small model data-parallel on a local mesh (or a launched job)",
     ),
+    "torchrun": (
+        "palatine.cli.torchrun",
+        "run a torchrun script on a local mesh, torchrun's flags",
+    ),
     "config": ("palatine.cli.config", "print the effective configuration and where it came from"),
 }
 
