@@ -19,6 +19,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("palatine.cli.worker", "run a proc that joins a world and waits for spawns"),
     "controller": ("palatine.cli.controller", "create the worker world and run its controller"),
     "serve": ("palatine.cli.serve", "run system/host/controller roles on JSON-lines requests"),
+    "ps": ("palatine.cli.ps", "list this user's live jobs on this machine (ids for --job)"),
     "snapshot": ("palatine.cli.snapshot", "print the worlds and procs of a running system"),
     "stacks": ("palatine.cli.stacks", "print the Python stacks of a running job's procs"),
     "top": ("palatine.cli.top", "a live view of a running system's worlds and procs"),

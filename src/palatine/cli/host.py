@@ -14,13 +14,18 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--system-addr", required=True)
+    p.add_argument("--system-addr", required=True, help="address of the system to join")
     p.add_argument("--host-world", required=True, help="host world, e.g. hostworker")
-    p.add_argument("--host-rank", type=int, required=True)
+    p.add_argument(
+        "--host-rank", type=int, required=True, help="this host's rank in its host world"
+    )
     roles.add_arguments(p, HostOptions)  # the options, declared there
 
 
 def run(args: argparse.Namespace) -> int:
+    from palatine.hosting.proctitle import name_process
+
+    name_process(f"palatine host {args.host_rank}")
     return run_role(lambda stop: serve_host(args, stop))
 
 

@@ -28,19 +28,16 @@ def parse_kv(items: list[str] | None) -> dict[str, str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from palatine.cli.role import add_system_addr_flag
+    from palatine.cli.target import add_target_flags
 
-    add_system_addr_flag(p)
-    p.add_argument(
-        "--world",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="W",
-        help="only these worlds (repeatable)",
-    )
-    p.add_argument("--world-label", action="extend", nargs="+", default=[], metavar="K=V")
-    p.add_argument("--proc-label", action="extend", nargs="+", default=[], metavar="K=V")
+    add_target_flags(p)
+    for flag, meta, what in (
+        ("--world", "W", "only these worlds"),
+        ("--world-label", "K=V", "only worlds with these labels"),
+        ("--proc-label", "K=V", "only procs with these labels"),
+    ):
+        p.add_argument(flag, action="extend", nargs="+", default=[], metavar=meta,
+                       help=f"{what} (repeatable)")  # fmt: skip
     p.add_argument(
         "--stimuli",
         action="store_true",
@@ -55,13 +52,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --stimuli: only the newest N",
     )
     p.add_argument("--json", action="store_true", help="print the JSON document")
-    p.add_argument("--timeout-in-sec", type=float, default=10.0)
+    p.add_argument(
+        "--timeout-in-sec",
+        type=float,
+        default=10.0,
+        help="how long to wait for the system's answer",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from palatine.cli.role import ask_system, setup_logging
+    from palatine.cli.target import resolve_target
 
     setup_logging()
+    resolve_target(args, "snapshot")
     wl, pl = parse_kv(args.world_label), parse_kv(args.proc_label)
     t = args.timeout_in_sec
     if not (t > 0 and math.isfinite(t)):

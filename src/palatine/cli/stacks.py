@@ -28,9 +28,9 @@ _VOLATILE = re.compile(r"0x[0-9a-f]+|Thread \d+\b|\((?:idle|active)[^)]*\)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from palatine.cli.role import add_system_addr_flag
+    from palatine.cli.target import add_target_flags
 
-    add_system_addr_flag(p)
+    add_target_flags(p)
     p.add_argument("--world", action="extend", nargs="+", default=[], metavar="W",
                    help="only these worlds (repeatable)")  # fmt: skip
     p.add_argument("--rank", action="extend", nargs="+", type=int, default=[], metavar="R",
@@ -82,8 +82,10 @@ def _label(procs: list[str]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from palatine.cli.role import ask_system, setup_logging
+    from palatine.cli.target import resolve_target
 
     setup_logging()
+    resolve_target(args, "stacks")
     results = ask_system("stacks", args.system_addr, lambda: _collect(args))
     if not results:
         print("palatine stacks: no running proc matches", file=sys.stderr)

@@ -10,9 +10,9 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from palatine.cli.role import add_system_addr_flag
+    from palatine.cli.target import add_target_flags
 
-    add_system_addr_flag(p)
+    add_target_flags(p)
     p.add_argument(
         "--world",
         action="extend",
@@ -26,9 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from palatine.cli.role import setup_logging
+    from palatine.cli.target import resolve_target
     from palatine.core.runtime import new_event_loop
 
     setup_logging()
+    resolve_target(args, "stop")
     loop = new_event_loop()
     try:
         ack = loop.run_until_complete(_stop(args))

@@ -39,9 +39,9 @@ _PIPE_WIDTH = 100_000  # columns of output that is not a terminal: no table is t
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from palatine.cli.role import add_system_addr_flag
+    from palatine.cli.target import add_target_flags
 
-    add_system_addr_flag(p)
+    add_target_flags(p)
     p.add_argument("--world", action="extend", nargs="+", default=[], metavar="W",
                    help="only these worlds (repeatable)")  # fmt: skip
     p.add_argument("--interval-in-sec", type=float, default=1.0, help="refresh period")
@@ -105,8 +105,10 @@ def frame(snap: Any, cpu: dict[int, Any]) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from palatine.cli.role import ask_system, setup_logging
+    from palatine.cli.target import resolve_target
 
     setup_logging()
+    resolve_target(args, "top")
     t = args.interval_in_sec
     if not (t > 0 and math.isfinite(t)):
         print(f"palatine top: --interval-in-sec must be > 0, got {t:g}", file=sys.stderr)

@@ -12,6 +12,7 @@ from palatine import config
 from palatine.cli.role import ready_line, run_role
 from palatine.errors import ConfigError
 from palatine.hosting.child_env import Handoff
+from palatine.hosting.proctitle import name_process  # (before a fork server forks: see there)
 
 __all__ = ["add_arguments", "narrow_visible_devices", "run"]
 
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    name_process(f"palatine worker {proc_text}")
     return run_role(lambda stop: serve_worker(proc_text, addr, stop))
 
 

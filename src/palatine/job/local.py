@@ -9,12 +9,14 @@ with `client_env`).
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Self
 
 from palatine.channel.token import token_env
 from palatine.hosting.child_env import Handoff
 from palatine.job.jobhosts import JobHosts
+from palatine.job.records import announce, job_id_of
 from palatine.tensor.client.local import (
     LocalCluster,
     check_shape,
@@ -45,11 +47,14 @@ class LocalJob:
         self._hosts: JobHosts | None = None
 
     def apply(self) -> str:
-        """Start the processes (the worker world is up when this returns); ``"local"``."""
+        """Start the processes (the worker world is up when this returns); the job id
+        (its record's: ``palatine ps`` lists it, ``--job`` takes it)."""
         if self._cluster is None:
             self._cluster = start_checked(self.hosts, self.procs_per_host, self.opts)
-            self.job_id = "local"
-        return "local"
+            self.job_id = job_id_of(os.environ | self._cluster.env)
+            announce(self.job_id)
+        assert self.job_id is not None
+        return self.job_id
 
     def state(self) -> str:
         """``"Live"`` once applied (starting it if needed)."""
@@ -61,7 +66,7 @@ class LocalJob:
         self.apply()
         assert self._cluster is not None
         handed = Handoff(
-            system_addr=self._cluster.system_addr, worker_world="worker", job_id="local"
+            system_addr=self._cluster.system_addr, worker_world="worker", job_id=self.job_id or ""
         )
         return handed.to_env() | token_env(self._cluster.env["PALATINE_CLUSTER_TOKEN"])
 

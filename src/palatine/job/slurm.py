@@ -65,6 +65,8 @@ from palatine.errors import AddrParseError, DeviceException, SchedulerError
 from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import check_open_files, mesh_open_files
 from palatine.job.jobhosts import JobHosts
+from palatine.job.records import RECORD_ENV, RecordDir, announce
+from palatine.job.records import JobRecord as RunningJob
 from palatine.output.logs import LogSession
 from palatine.tensor.client.local import LocalCluster, check_shape, connect
 from palatine.tensor.client.scheduler import (
@@ -170,6 +172,7 @@ class SlurmJob:
         self._step: subprocess.Popen[bytes] | None = None  # the hosts, in an allocation
         self._cluster: _SlurmCluster | None = None
         self._token = ""
+        self._published: str | None = None  # the id of this job's record (`_publish`)
         self._mesh: DeviceMesh | None = None
         self._hosts: JobHosts | None = None
         self._deadline = 0.0
@@ -194,6 +197,7 @@ class SlurmJob:
         logs = LogSession.create("slurm", self.log_dir)
         self._token = secrets.token_hex(32)
         env = {"PALATINE_CLUSTER_TOKEN": self._token, "PALATINE_LOG_DIR": str(logs.path)}
+        env[RECORD_ENV] = "launcher"  # (the job's record is this object's: `_record`)
         cluster = _SlurmCluster(env, logs, self)
         self._cluster = cluster
         self._deadline = time.monotonic() + self.startup_timeout_s
@@ -384,6 +388,7 @@ class SlurmJob:
             step_name=self.job_name if self._in_allocation else None,
         )
         Path(logs.file("job.json")).write_bytes(msgspec.json.encode(record))
+        self._publish(system_addr, token, logs)
         # sbatch set the comment of a job of our own; an allocation's is set only where its
         # owner left none, and cleared again when the step ends (`_end_step`)
         if self._in_allocation and _comment_of(self.job_id) is None:
@@ -393,6 +398,37 @@ class SlurmJob:
                 )
                 is not None
             )
+
+    def _publish(self, system_addr: str, token: Path, logs: LogSession) -> None:
+        """The job's record in this user's runtime dir (`palatine.job.records`), under
+        its Slurm job id, for ``palatine ps`` and ``--job``; its mesh's ``job_id`` too."""
+        assert self.job_id is not None and self._cluster is not None
+        self._cluster.env[Handoff.variable("job_id")] = self.job_id
+        rec = RunningJob(
+            id=self.job_id,
+            system_addr=system_addr,
+            token_file=str(token),
+            log_dir=str(logs.path),
+            pid=os.getpid(),
+            started=time.time(),
+            shape=f"{self.hosts}x{self.procs_per_host}",
+            machine=socket.gethostname(),
+            scheduler_job=self.job_id,
+        )
+        try:
+            RecordDir().write(rec)
+            self._published = self.job_id
+        except (OSError, ValueError) as e:
+            log.warning(
+                "Slurm job %s: cannot write its record for 'palatine ps': %s", self.job_id, e
+            )
+        announce(self.job_id)
+
+    def _unpublish(self) -> None:
+        published, self._published = self._published, None
+        if published is not None:
+            with contextlib.suppress(OSError, ValueError):
+                RecordDir().remove(published)
 
     def client_env(self) -> dict[str, str]:
         """What a client program needs to attach with ``palatine.connect()`` (``palatine
@@ -523,6 +559,7 @@ class SlurmJob:
         """What the job holds from Slurm goes: the hosts' step in an allocation, else the
         job of our own. A job Slurm ended under us is said to have been (a warning), for
         the program that lost its ranks to it only saw them go."""
+        self._unpublish()
         told = self._ended_by is not None
         cause = self.ended_by_slurm()
         if cause is not None and not told:

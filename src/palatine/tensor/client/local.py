@@ -502,7 +502,7 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
     opts = mesh_options("local_mesh", options)
     cluster = start_checked(hosts, procs_per_host, opts)
     try:
-        return connect(
+        mesh = connect(
             cluster.system_addr,
             "worker",
             timeout_s=opts.local.startup_timeout_s,
@@ -512,6 +512,10 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
     except BaseException:
         cluster.stop(1.0, clean=False)
         raise
+    if sys.stderr.isatty():  # the id for --job, once, to a person (a pipe stays quiet)
+        print(f"palatine: job {mesh.job_id} (palatine ps; palatine top --job {mesh.job_id})",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return mesh
 
 
 # What one controller takes (its --world-size and --num-procs-per-host bounds).
@@ -562,6 +566,8 @@ def start_checked(hosts: int, procs_per_host: int, opts: MeshOptions) -> LocalCl
     env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(32), "PALATINE_LOG_DIR": str(logs.path)}
     # One execution id for every role, so that a system started again keeps it.
     env.update(Handoff(execution_id=execution_id_from_env()).to_env())
+    # (for the job's record, which its system writes: palatine.job.records.SHAPE_ENV)
+    env["PALATINE_JOB_SHAPE"] = f"{hosts}x{procs_per_host}"
     if "OMP_NUM_THREADS" not in os.environ:
         # Several workers share this machine's cores: one intra-op thread pool per core.
         env["OMP_NUM_THREADS"] = str(

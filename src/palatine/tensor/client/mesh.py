@@ -14,11 +14,13 @@ from __future__ import annotations
 import builtins
 import contextlib
 import importlib
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from palatine.config import roles
+from palatine.hosting.child_env import Handoff
 from palatine.protocol.worker import CreateDeviceMesh, CreateStream, Slice
 from palatine.tensor.client import shapes
 from palatine.tensor.client.activation import activate
@@ -81,6 +83,21 @@ class DeviceMesh:
         shutdown_at_exit(session, local)  # a program that never shuts it down ends cleanly
         self._handle: _MeshHandle | None = None
         self._groups: dict[tuple[str, ...], Any] = {}
+
+    # ------------------------------------------------------------ the job
+    @property
+    def system_addr(self) -> str:
+        """The address of the job's system (what ``palatine top --system-addr`` takes)."""
+        return str(self.session.system_client.system_addr)
+
+    @property
+    def job_id(self) -> str | None:
+        """The job's id, as ``palatine ps`` lists it and ``--job`` takes it (a local
+        mesh's execution id; the job id ``palatine launch`` or a `SlurmJob` hands over);
+        None for a mesh attached to a system of no known job."""
+        env = dict(os.environ) | dict(getattr(self._local, "env", None) or {})
+        handed = Handoff.from_env(env)
+        return handed.execution_id or handed.job_id or None
 
     # ------------------------------------------------------------ shape
     @property
