@@ -61,6 +61,10 @@ TRAIN_METRICS = frozenset(
     {"torch_style_step_per_s", "torch_style_plain_step_per_s", "function_style_step_per_s"}
 )
 
+# One-sided buffers (bench/_rdma_shape.py): palatine's bench/rdma_bench.py (1 GiB) and
+# Monarch's bench/peers/monarch_rdma.py (64 MiB: its TCP fallback), each with a memcpy.
+RDMA_METRICS = frozenset({"rdma_read_1GiB_GBps", "memcpy_GBps"})
+
 
 @dataclass(frozen=True)
 class Program:
@@ -121,6 +125,8 @@ PROGRAMS = (
     Program("bench/peers/dask_actors.py", "distributed", frozenset(PEER_METRICS)),
     Program("bench/peers/monarch_tensors.py", "torchmonarch", TENSOR_METRICS),
     Program("bench/peers/monarch_train.py", "torchmonarch", TRAIN_METRICS),
+    Program("bench/rdma_bench.py", None, RDMA_METRICS),
+    Program("bench/peers/monarch_rdma.py", "torchmonarch", RDMA_METRICS),
 )
 
 
@@ -237,6 +243,15 @@ METRICS: dict[str, tuple[str, bool, Target]] = {
         False,
         Target("≤ heartbeat timeout + 1 interval (3.5 s)", 3.5),
     ),
+    # One actor's CPU buffer read whole by 3 others on this host, all at once: bytes read
+    # over the round's wall time (bench/_rdma_shape.py); memcpy_GBps is one thread's copy
+    # in the same run, the reference of the second goal.
+    "rdma_read_1GiB_GBps": (
+        "GB/s",
+        True,
+        Target("≥ 3× torchmonarch, ≥ 0.5 of memcpy_GBps", None, 3),
+    ),
+    "memcpy_GBps": ("GB/s", True, Target("reference: one thread's memcpy in the same run")),
     "scaling_msg_size_exponent": (
         "exponent",
         False,
