@@ -171,6 +171,22 @@ def actor_type_name(cls: type[Actor]) -> str:
     return cls.__dict__.get("__palatine_name__") or f"{cls.__module__}.{cls.__qualname__}"
 
 
+class Instance(Protocol):
+    """``context().actor_instance`` (Monarch's name): the running actor itself."""
+
+    @property
+    def actor_id(self) -> ActorId: ...
+    @property
+    def rank(self) -> dict[str, int]: ...
+    def abort(self, reason: str | None = None) -> None:
+        """Fail this actor once the message being handled is done; its owner is told why."""
+        ...
+
+    def stop(self, reason: str | None = None) -> None:
+        """Stop this actor once it has handled what it has queued."""
+        ...
+
+
 class Context(Protocol):
     """What an actor sees of the runtime (``self.cx``, `context()`): its id and rank, the
     message being handled, ports, spawn, timers, casts.
@@ -202,6 +218,11 @@ class Context(Protocol):
 
     @property
     def headers(self) -> dict[str, str | int]: ...
+    @property
+    def actor_instance(self) -> Instance:
+        """The running actor (Monarch's ``context().actor_instance``)."""
+        ...
+
     async def spawn(
         self, cls: type[Actor], *args: Any, name: str | None = None, **kw: Any
     ) -> Any: ...

@@ -39,7 +39,13 @@ from palatine.ids import ActorId, GangId, PortId
 from palatine.wire.codec import PICKLED_VALUE_TID, dumps, encode_message
 from palatine.wire.envelope import ENC_MSGPACK, ENC_PICKLE, Envelope
 
-__all__ = ["ActorInstance", "ActorContext", "ActorHost", "UNDELIVERABLE_TID"]
+__all__ = [
+    "ActorInstance",
+    "ActorContext",
+    "ActorInstanceView",
+    "ActorHost",
+    "UNDELIVERABLE_TID",
+]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +169,12 @@ class ActorContext:
         queued messages are returned, and its owner is told (``__supervise__``)."""
         raise _Failure(f"serving {self._inst.id}: aborted: {reason}")
 
+    @property
+    def actor_instance(self) -> ActorInstanceView:
+        """Monarch's ``context().actor_instance``: the running actor's id, rank and proc,
+        and ``abort`` / ``stop`` that end it once the message being handled is done."""
+        return ActorInstanceView(self._inst)
+
     def reply(self, port: PortId, msg: Any, req: Envelope | None = None) -> None:
         """Post a typed message (a reply or an ErrorReply) to ``port``."""
         self._inst.reply(port, msg, req)
@@ -175,6 +187,42 @@ class ActorContext:
         """Where the failures of meshes this actor spawns are sent: they reach its
         ``handle_supervision_event`` (``__supervise__``) as its children's do."""
         return self._inst.supervision_port()
+
+
+class ActorInstanceView:
+    """What ``context().actor_instance`` gives (Monarch's ``Instance``)."""
+
+    __slots__ = ("_inst",)
+
+    def __init__(self, inst: ActorInstance) -> None:
+        self._inst = inst
+
+    @property
+    def actor_id(self) -> ActorId:
+        return self._inst.id
+
+    @property
+    def rank(self) -> dict[str, int]:
+        return self._inst.rank
+
+    @property
+    def proc(self) -> ActorHost:
+        return self._inst.proc
+
+    def abort(self, reason: str | None = None) -> None:
+        """Fail this actor once the message it is handling is done (Monarch's ``abort``:
+        that call still returns to its caller): queued messages are returned, and its
+        owner is told ``reason`` (``__supervise__``, or the unhandled-fault hook)."""
+        inst = self._inst
+        why = reason if reason else "no reason provided"
+        inst.signal("fail", _Failure(f"serving {inst.id}: aborted: {why}"))
+
+    def stop(self, reason: str | None = None) -> None:
+        """Stop this actor once it has handled what it has queued (not a failure)."""
+        self._inst.request_stop("drain", reason or "stopped by itself")
+
+    def __repr__(self) -> str:
+        return f"<actor instance {self._inst.id}>"
 
 
 _STRENGTH = {"drain": 0, "stop": 1, "abort": 2}
@@ -192,8 +240,8 @@ class ActorInstance:
         rank: dict[str, int] | None = None,
     ) -> None:
         """``actor`` is the actor, or what makes it (its class with the arguments bound):
-        made here, with `palatine.core.actor.context` already this actor's own, so a
-        constructor knows its id and rank (`current_rank`)."""
+        made by `construct`, with `palatine.core.actor.context` already this actor's own,
+        so a constructor knows its id and rank (`current_rank`)."""
         self.proc = proc
         self.loop = proc.loop
         self.id = actor_id
@@ -202,15 +250,7 @@ class ActorInstance:
         self.rank = rank or {}
         self.mailbox = Mailbox(actor_id, proc)
         self.cx = ActorContext(self)
-        if not isinstance(actor, Actor):
-            token = _current_cx.set(self.cx)
-            try:
-                actor = actor()
-            finally:
-                _current_cx.reset(token)
-            if not isinstance(actor, Actor):
-                raise TypeError(f"{type(actor).__name__} is not an Actor")
-        self.actor = actor
+        self._make: Callable[[], Actor] | None = None
         self.queue: collections.deque[tuple[int, Any, Any, Envelope | None]] = collections.deque()
         self.signals: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake: asyncio.Future[None] | None = None
@@ -230,6 +270,43 @@ class ActorInstance:
         self.terminal: asyncio.Future[str] = self.loop.create_future()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._supervision_port: PortId | None = None
+        if isinstance(actor, Actor):
+            self._adopt(actor)
+        else:
+            self._make = actor
+
+    async def construct(self) -> None:
+        """Make the actor (when given what makes it), then bind its ports.
+
+        The constructor runs as a plain ``def`` endpoint does, in an endpoint greenlet of
+        the loop (`palatine.core.suspend`): a blocking palatine call in it (spawning proc
+        meshes or actors, ``.get()`` on a future) gives the loop back until its result is
+        there, so the proc serves on meanwhile. Raises what the constructor raised."""
+        make = self._make
+        if make is None:
+            return
+        self._make = None
+        token = _current_cx.set(self.cx)
+        try:
+            out = suspend.call(make, (), {})
+        finally:
+            _current_cx.reset(token)
+        del make
+        kind = type(out)
+        if kind is suspend.Suspension:
+            out = await out.outcome
+        elif kind is suspend.Raised:
+            error = out.error
+            if isinstance(error, suspend.BadArguments):  # the arguments did not fit
+                raise TypeError(str(error)) from None
+            raise error
+        if not isinstance(out, Actor):
+            raise TypeError(f"{type(out).__name__} is not an Actor")
+        self._adopt(out)
+
+    def _adopt(self, actor: Actor) -> None:
+        """Take ``actor`` as this instance's: its endpoints and handlers get their ports."""
+        self.actor = actor
         cls = type(actor)
         self._endpoints = cls._palatine_endpoints
         self._handlers = cls._handler_table()
@@ -404,6 +481,8 @@ class ActorInstance:
                     if kind == "supervision":
                         self.processed += 1
                         self._on_child_event(value)
+                    elif kind == "fail":  # `ActorInstanceView.abort`
+                        raise value
                     continue  # "stop" signals only wake us; stop_mode says what to do
                 mode = self.stop_mode
                 if mode is not None and mode != "drain":
@@ -823,3 +902,6 @@ class ActorInstance:
                 self.proc.root_failed(self, event)
         if not self.terminal.done():
             self.terminal.set_result(self.status)
+        # The actor object goes now (its ``__del__`` runs once nobody else holds it): the
+        # proc keeps this record of how it ended, not the actor.
+        self.__dict__.pop("actor", None)

@@ -394,14 +394,12 @@ class Proc:
         self, name: str, actor: Actor | Callable[[], Actor], rank: dict[str, int] | None
     ) -> ActorId:
         actor_id = self.proc_id.actor(name)
+        inst = ActorInstance(self, actor_id, actor, rank=rank)
         try:
-            inst = ActorInstance(self, actor_id, actor, rank=rank)
-        except Exception as e:
+            await self._construct(inst)
+        except SpawnError:
             self._names_used.discard(name)
-            raise SpawnError(
-                f"spawning {actor_id}: constructor error: {type(e).__name__}: {e}"
-            ) from e
-        self._register(inst)
+            raise
         self.roots[name] = inst
         try:
             await inst.start()
@@ -436,15 +434,10 @@ class Proc:
         pid = root.next_child_pid
         root.next_child_pid += 1
         actor_id = parent.id.proc.actor(root.id.name, pid)
-        try:
-            inst = ActorInstance(
-                self, actor_id, functools.partial(cls, *args, **kwargs), parent, parent.rank
-            )
-        except Exception as e:
-            raise SpawnError(
-                f"spawning {actor_id}: constructor error: {type(e).__name__}: {e}"
-            ) from e
-        self._register(inst)
+        inst = ActorInstance(
+            self, actor_id, functools.partial(cls, *args, **kwargs), parent, parent.rank
+        )
+        await self._construct(inst)
         parent.children[actor_id] = inst
         try:
             await inst.start()
@@ -453,6 +446,19 @@ class Proc:
             self.unregister(inst, stopped=False)
             raise SpawnError(inst.failure or str(e)) from e
         return actor_id
+
+    async def _construct(self, inst: ActorInstance) -> None:
+        """Register ``inst`` and run its constructor (which may wait on replies to its
+        own mailbox: it is registered first); a `SpawnError` naming it if that fails."""
+        self._register(inst)
+        try:
+            await inst.construct()
+        except Exception as e:
+            self.unregister(inst, stopped=False)
+            inst.mailbox.close(f"constructor error: {type(e).__name__}: {e}")
+            raise SpawnError(
+                f"spawning {inst.id}: constructor error: {type(e).__name__}: {e}"
+            ) from e
 
     def _register(self, inst: ActorInstance) -> None:
         self.instances[inst.id] = inst

@@ -47,6 +47,8 @@ class _EndpointLet(greenlet.greenlet):  # type: ignore[misc]
     `wait` keeps its greenlet until it ends; the others take another one from the pool.
     """
 
+    gr_context: contextvars.Context | None  # (greenlet's own attribute, typed here)
+
     def __init__(self) -> None:
         super().__init__(self._serve)
         self.suspension: Suspension | None = None
@@ -59,6 +61,9 @@ class _EndpointLet(greenlet.greenlet):  # type: ignore[misc]
             except BaseException as e:  # noqa: BLE001 - the endpoint's own error, for its caller
                 outcome = (_RAISED, _from_the_endpoint(e))
             self.suspension = None
+            # Idle, it holds nothing of the call (a bound method would keep its actor alive).
+            fn = args = kwargs = None  # type: ignore[assignment]
+            self.gr_context = None
             _idle().append(self)
             fn, args, kwargs = main.switch(outcome)
             del outcome

@@ -16,25 +16,27 @@ import itertools
 import logging
 import math
 import sys
+from typing import Any
 
 from palatine.channel import sockets
 from palatine.channel import token as token_mod
 from palatine.channel.addr import ChannelAddr, any_addr
 from palatine.core import runtime
-from palatine.core.actor import Context, _current_cx
-from palatine.core.sender import set_default_client
+from palatine.core.actor import Actor, Context, _current_cx
+from palatine.core.sender import caller_mailbox, set_default_client
 from palatine.hosting.agent import ProcHandle, bootstrap_proc
 from palatine.hosting.child_env import Handoff
 from palatine.hosting.forkserver import ForkServer, fork_server_supported
 from palatine.hosting.host import HostAgent
 from palatine.hosting.limits import check_open_files, this_host_open_files
 from palatine.hosting.output import flush_output, watch_output
-from palatine.ids import ProcId, WorldId
-from palatine.job.procmesh import ProcMesh, abandon, per_host_dims, wait_live
+from palatine.ids import GangId, ProcId, WorldId
+from palatine.job.procmesh import ProcMesh, abandon, per_host_dims, spawn_on, wait_live
+from palatine.mesh.actor_mesh import ActorMesh
 from palatine.output.logs import LogSession
 from palatine.system.service import System, SystemClient, SystemHandle
 
-__all__ = ["this_host", "HostMesh"]
+__all__ = ["this_host", "this_proc", "HostMesh", "ThisProc"]
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +143,12 @@ async def _shutdown() -> None:
             agent = h.agent
             if isinstance(agent, HostAgent):
                 agent.children.kill_now()
+        if c.system is None:  # nested: our hosts' procs end before the process does
+            for h in c.hosts:
+                try:
+                    await h.shutdown("its owner's proc is stopping", leave=False)
+                except Exception as e:  # noqa: BLE001 - best effort at the proc's end
+                    log.debug("stopping host %s: %s", h.proc.proc_id, e)
         if c.fork_server is not None:
             await c.fork_server.close(1.0)
         failed = [
@@ -160,8 +168,11 @@ class HostMesh:
 
     def spawn_procs(self, per_host: dict[str, int] | None = None) -> ProcMesh:
         """Start ``per_host`` procs as OS processes; a `ProcMesh` over its dimensions
-        (``{"gpus": 4}``, or several: ``{"replicas": 2, "gpus": 4}`` is 8 procs, row-major)."""
-        dims = per_host_dims(per_host)
+        (``{"gpus": 4}``, or several: ``{"replicas": 2, "gpus": 4}`` is 8 procs, row-major).
+        This machine's mesh has no dimension of its own, so ``hosts`` may be one of them
+        (``{"hosts": 2, "gpus": 3}``: 6 procs here, as if on 2 hosts; Monarch's way of
+        trying a multi-host program on one machine)."""
+        dims = per_host_dims(per_host, host_dims=())
         owner = _current_cx.get()
         return runtime.submit(lambda: _spawn_procs(dims, owner)).get()
 
@@ -218,3 +229,45 @@ _host_mesh = HostMesh()
 def this_host() -> HostMesh:
     """The `HostMesh` of the calling machine."""
     return _host_mesh
+
+
+class ThisProc:
+    """The caller's own proc (`this_proc`): it spawns actors into itself."""
+
+    def spawn(self, name: str, cls: type[Actor], *args: Any, **kwargs: Any) -> ActorMesh:
+        """Spawn ``cls(*args, **kwargs)`` as ``name`` in the caller's proc (a script's
+        client proc, or the calling actor's proc); an `ActorMesh` of that one actor.
+
+        As with `ProcMesh.spawn`, the caller owns it: its failure goes to the calling
+        actor's ``__supervise__`` or, from a script, to the unhandled-fault hook. In a
+        script it runs on the palatine loop thread: an endpoint that blocks outside
+        palatine's own waits holds the script's palatine calls meanwhile."""
+        owner = _current_cx.get()
+        return runtime.submit(lambda: _spawn_here(name, cls, args, kwargs, owner)).get()
+
+    def __repr__(self) -> str:
+        return "this_proc()"
+
+
+async def _spawn_here(
+    name: str,
+    cls: type[Actor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    owner: Context | None,
+) -> ActorMesh:
+    if owner is None:
+        await _get_cluster()  # a script's own proc is the client proc of its system
+    proc = (owner.mailbox if owner is not None else caller_mailbox()).actor_id.proc
+    await spawn_on([proc], [], name, cls, args, kwargs, owner)
+    # A mesh of that one proc, with no dimensions (Monarch's): a point, at the proc's rank.
+    return ActorMesh(GangId(proc.world, name), [], [proc.rank], cls)
+
+
+_this_proc = ThisProc()
+
+
+def this_proc() -> ThisProc:
+    """The caller's own proc (Monarch's ``this_proc()``): from a script, its client
+    proc; inside an actor, the actor's proc. ``this_proc().spawn(name, Cls, ...)``."""
+    return _this_proc

@@ -19,7 +19,14 @@ import cloudpickle
 
 from palatine import config
 from palatine.core import runtime
-from palatine.core.actor import Actor, Context, SupervisionEvent, _current_cx, actor_type_name
+from palatine.core.actor import (
+    Actor,
+    Context,
+    SupervisionEvent,
+    _current_cx,
+    actor_type_name,
+    endpoint,
+)
 from palatine.core.future import Future
 from palatine.core.sender import caller_mailbox, caller_supervision_port
 from palatine.core.shape import Extent
@@ -59,6 +66,7 @@ class ProcMesh:
         # (name, class, args, kwargs, owner, ranks or None for all)
         self._spawned: list[tuple[str, type[Actor], tuple[Any, ...], dict[str, Any], Any, Any]] = []
         self._owner: Context | None = None  # who is told of dead procs (`_watch_procs`)
+        self._log_levels: list[ActorMesh] = []  # the actors that set the procs' log level
 
     def __reduce__(self) -> tuple[Any, ...]:
         """A proc mesh travels as its world and dimensions: an actor that receives one
@@ -73,6 +81,7 @@ class ProcMesh:
         view = ProcMesh(self._client, self.world, self._dims, None, self._hosts)
         view._ranks = keep
         view._spawned = self._spawned
+        view._log_levels = self._log_levels
         return view
 
     def ending(self) -> None:
@@ -110,15 +119,27 @@ class ProcMesh:
             client.proc.watch(proc).add_done_callback(died)
 
     def logging_option(
-        self, stream_to_client: bool = True, aggregate_window_sec: float | None = None
+        self,
+        stream_to_client: bool = True,
+        aggregate_window_sec: float | None = None,
+        level: int | None = None,
     ) -> None:
         """Where this mesh's output goes: to this process's console (``[mesh0 2] text``,
         identical lines of several procs within ``aggregate_window_sec`` shown once as
         ``[mesh0 0-3] text``; 0: every line at once), or, with ``stream_to_client``
-        False, only to the procs' log files (their directory is named once)."""
+        False, only to the procs' log files (their directory is named once).
+
+        ``level`` (``logging.INFO``, ...; 0 to 255) is the Python logging level of every
+        proc of the mesh (their root logger's): records below it are not emitted there,
+        so they are neither shown here nor written to the log files; what the procs
+        print is not affected. None leaves each proc's level as it is."""
         client = self._client
         if client is None:
             raise PalatineError(f"{self} was passed here: its owner sets its logging")
+        if level is not None:
+            if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 255:
+                raise ValueError(f"invalid logging level: {level!r} (an int from 0 to 255)")
+            self._set_log_level(level)
         window = aggregate_window_sec
         runtime.submit(
             lambda: watch_output(
@@ -130,6 +151,19 @@ class ProcMesh:
                 window_s=window,
             )
         ).get(config.get().rpc_timeout_s + 5)
+
+    def _set_log_level(self, level: int) -> None:
+        """Set the root logger's level in every proc of the world (`logging_option`)."""
+        holder = self._log_levels
+        timeout = config.get().rpc_timeout_s + 5
+        if not holder:
+            procs = [self.world.proc(r) for r in range(len(self))]
+            owner = _current_cx.get()
+            runtime.submit(
+                lambda: spawn_on(procs, self._dims, _LOG_LEVEL_ACTOR, _LogLevel, (), {}, owner)
+            ).get(timeout)
+            holder.append(ActorMesh(GangId(self.world, _LOG_LEVEL_ACTOR), self._dims, None))
+        holder[0].set_level.call(level).get(timeout)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -204,34 +238,12 @@ class ProcMesh:
         owner: Context | None = None,
         only: list[int] | None = None,
     ) -> ActorMesh:
-        params, _ = dumps((args, kwargs))
-        type_name = actor_type_name(cls)
-        # The class itself travels: by reference when the procs can import it, by value
-        # when they cannot (``__main__``, a local class, a module cloudpickle was told to
-        # ship by value).
-        actor_class = cloudpickle.dumps(cls)
-        msg = Spawn(
-            actor_type=type_name,
-            actor_name=name,
-            params=params,
-            params_encoding="pickle",
-            actor_class=actor_class,
-            dims=self._dims,
-            supervisor=caller_supervision_port(owner),
-        )
-        mb = owner.mailbox if owner is not None else caller_mailbox()
-        timeout = config.get().spawn_procs_timeout_s
         ranks = self._ranks if self._ranks is not None else list(range(len(self)))
         if only is not None:
             ranks = only
-        results = await asyncio.gather(
-            *(mb.ask(self.world.proc(r).actor("proc"), msg, timeout) for r in ranks),
-            return_exceptions=True,
+        await spawn_on(
+            [self.world.proc(r) for r in ranks], self._dims, name, cls, args, kwargs, owner
         )
-        for r, res in zip(ranks, results, strict=True):
-            if isinstance(res, BaseException):
-                raise SpawnError(f"spawning {name} on {self.world}[{r}] failed: {res}") from res
-            assert isinstance(res, Spawned)
         return ActorMesh(GangId(self.world, name), self._dims, self._ranks, cls)
 
     def stop(self) -> Future[None]:
@@ -264,6 +276,53 @@ class ProcMesh:
                 break
             await asyncio.sleep(0.02)
         await release()
+
+
+async def spawn_on(
+    procs: list[ProcId],
+    dims: list[tuple[str, int]],
+    name: str,
+    cls: type[Actor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    owner: Context | None,
+) -> None:
+    """Spawn ``cls(*args, **kwargs)`` as root actor ``name`` on each of ``procs`` (their
+    agents do), owned by ``owner`` (an actor's context; None: this process's client):
+    its failures go there. Raises `SpawnError` naming the first proc that refused."""
+    params, _ = dumps((args, kwargs))
+    # The class itself travels: by reference when the procs can import it, by value
+    # when they cannot (``__main__``, a local class, a module cloudpickle was told to
+    # ship by value).
+    msg = Spawn(
+        actor_type=actor_type_name(cls),
+        actor_name=name,
+        params=params,
+        params_encoding="pickle",
+        actor_class=cloudpickle.dumps(cls),
+        dims=dims,
+        supervisor=caller_supervision_port(owner),
+    )
+    mb = owner.mailbox if owner is not None else caller_mailbox()
+    timeout = config.get().spawn_procs_timeout_s
+    results = await asyncio.gather(
+        *(mb.ask(p.actor("proc"), msg, timeout) for p in procs), return_exceptions=True
+    )
+    for p, res in zip(procs, results, strict=True):
+        if isinstance(res, BaseException):
+            raise SpawnError(f"spawning {name} on {p} failed: {res}") from res
+        assert isinstance(res, Spawned)
+
+
+_LOG_LEVEL_ACTOR = "palatine_log_level"
+
+
+class _LogLevel(Actor):
+    """Sets its proc's Python logging level (`ProcMesh.logging_option`'s ``level``)."""
+
+    @endpoint
+    def set_level(self, level: int) -> None:
+        logging.getLogger().setLevel(level)
 
 
 def _travelled(world: WorldId, dims: list[tuple[str, int]], ranks: list[int] | None) -> ProcMesh:
@@ -299,15 +358,19 @@ async def wait_live(client: SystemClient, world: WorldId, tail_of: Callable[[Pro
         await asyncio.sleep(0.01)
 
 
-def per_host_dims(per_host: dict[str, int] | None) -> list[tuple[str, int]]:
+def per_host_dims(
+    per_host: dict[str, int] | None, host_dims: tuple[str, ...] = ("hosts",)
+) -> list[tuple[str, int]]:
     """``per_host`` checked, as dimensions: at least one, each an int from 1 to 4096, and
-    at most 4096 procs per host in all; none named ``hosts`` (a host mesh's own)."""
+    at most 4096 procs per host in all; none named as one of ``host_dims``, the host
+    mesh's own (a job's ``hosts``; `this_host()` has none, so there ``{"hosts": 2,
+    "gpus": 3}`` is 6 procs of this machine over those two dimensions, as in Monarch)."""
     per_host = per_host if per_host is not None else {"procs": 1}
     if not per_host:
         raise ValueError("per_host names at least one dimension")
     for dim, n in per_host.items():
-        if dim == "hosts":
-            raise ValueError("per_host cannot name 'hosts': it is the host mesh's dimension")
+        if dim in host_dims:
+            raise ValueError(f"per_host cannot name {dim!r}: it is the host mesh's dimension")
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4096:
             raise ValueError(f"per_host[{dim!r}] must be an int from 1 to 4096, got {n!r}")
     dims = list(per_host.items())

@@ -48,7 +48,8 @@ class ValueMesh:
         self, dims: Sequence[tuple[str, int]], ranks: Sequence[int], values: Sequence[Any]
     ):
         self._dims = list(dims)
-        self._ranks = list(ranks)
+        # A mesh of no dimensions (`this_proc`'s) is one point, whatever its proc's rank.
+        self._ranks = list(ranks) if self._dims else [0] * len(ranks)
         self._values = list(values)
 
     def _coords(self, rank: int) -> Point:
