@@ -8,10 +8,15 @@ STAMP  := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# torch is installed explicitly, pinned, before the package (a bare `torch` would pull a CUDA build).
+# torch is installed explicitly, pinned to the tested version, from the CPU wheel index, before
+# the package (whose `torch` extra takes a compatible range; a bare `torch` from PyPI is a CUDA
+# build). `make TORCH_INDEX=` installs from the configured indexes only.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[torch,test,lint]'
 	touch $(STAMP)
 

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "version"]
 
 # subcommand -> (module, help)
 _COMMANDS: dict[str, tuple[str, str]] = {
@@ -35,12 +35,26 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "run a torchrun script on a local mesh, torchrun's flags",
     ),
     "config": ("palatine.cli.config", "print the effective configuration and where it came from"),
+    "doctor": ("palatine.cli.doctor", "check this machine for what jobs need, and say what to do"),
 }
+
+
+def version() -> str:
+    """The installed package's version (``unknown`` when run from a tree never installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("palatine")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``palatine`` console script; returns the exit status."""
     parser = argparse.ArgumentParser(prog="palatine", description="palatine distributed runtime")
+    parser.add_argument("--version", action="version", version=f"palatine {version()}",
+                        help="print palatine's version and exit")  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     args_list = sys.argv[1:] if argv is None else argv

@@ -256,15 +256,20 @@ class _Faults:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hosts", type=int, default=1)
-    p.add_argument("--procs-per-host", type=int, default=4)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--hosts", type=int, default=1, help="hosts of the local mesh")
+    p.add_argument("--procs-per-host", type=int, default=4, help="worker procs per host")
+    p.add_argument("--steps", type=int, default=300, help="training steps")
+    p.add_argument("--batch-size", type=int, default=64, help="samples per rank and step")
+    p.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layer")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the workers compute (auto: CUDA when there is a GPU)",
+    )
+    p.add_argument("--log-every", type=int, default=10, help="steps between two loss lines")
     p.add_argument(
         "--style",
         choices=["function", "torch"],

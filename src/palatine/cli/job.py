@@ -30,7 +30,9 @@ _GONE_S = 30.0  # a cancelled job leaving squeue
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["status", "cancel"])
+    p.add_argument(
+        "action", choices=["status", "cancel"], help="status: show the job; cancel: end it"
+    )
     p.add_argument("job_id", metavar="JOB", help="the Slurm job id")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 

@@ -36,9 +36,14 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scheduler", choices=["slurm", "local"], default="slurm")
-    p.add_argument("--hosts", type=int, required=True)
-    p.add_argument("--procs-per-host", type=int, required=True)
+    p.add_argument(
+        "--scheduler",
+        choices=["slurm", "local"],
+        default="slurm",
+        help="where the hosts run: Slurm nodes, or this machine",
+    )
+    p.add_argument("--hosts", type=int, required=True, help="hosts (nodes) of the job")
+    p.add_argument("--procs-per-host", type=int, required=True, help="worker procs per host")
     p.add_argument("--partition", help="Slurm partition")
     p.add_argument("--time-limit", help="Slurm time limit (sbatch --time)")
     p.add_argument("--account", help="Slurm account")
