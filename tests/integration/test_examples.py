@@ -100,3 +100,12 @@ def test_the_torch_style_demo_trains_to_the_same_held_out_loss_as_the_function_s
         assert f"{style} style" in " ".join(lines[:2])
         held[style] = next(x for x in lines if x.startswith("loss ")).split("(held-out ")[1]
     assert held["torch"] == held["function"]
+
+
+def test_generators_pull_the_trainers_weights_as_rdma_buffers_each_step() -> None:
+    lines = run_example("weight_sync.py")
+    assert len(lines) == 6, lines
+    losses = [float(line.split("loss ")[1].split(";")[0]) for line in lines[:5]]
+    assert losses == sorted(losses, reverse=True)
+    assert all(line.endswith("3 generators match the trainer: True") for line in lines[:5])
+    assert lines[-1] == "each pull: 4 buffers, 388 bytes"
