@@ -47,8 +47,6 @@ class _EndpointLet(greenlet.greenlet):  # type: ignore[misc]
     `wait` keeps its greenlet until it ends; the others take another one from the pool.
     """
 
-    gr_context: contextvars.Context | None  # (greenlet's own attribute, typed here)
-
     def __init__(self) -> None:
         super().__init__(self._serve)
         self.suspension: Suspension | None = None
@@ -63,7 +61,6 @@ class _EndpointLet(greenlet.greenlet):  # type: ignore[misc]
             self.suspension = None
             # Idle, it holds nothing of the call (a bound method would keep its actor alive).
             fn = args = kwargs = None  # type: ignore[assignment]
-            self.gr_context = None
             _idle().append(self)
             fn, args, kwargs = main.switch(outcome)
             del outcome
