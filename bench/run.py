@@ -125,7 +125,11 @@ PROGRAMS = (
     Program("bench/peers/dask_actors.py", "distributed", frozenset(PEER_METRICS)),
     Program("bench/peers/monarch_tensors.py", "torchmonarch", TENSOR_METRICS),
     Program("bench/peers/monarch_train.py", "torchmonarch", TRAIN_METRICS),
-    Program("bench/rdma_bench.py", None, RDMA_METRICS),
+    Program(
+        "bench/rdma_bench.py",
+        None,
+        RDMA_METRICS | {"cross_node_rdma_read_64MiB_GBps", "cross_node_rdma_read_64MiB_tls_GBps"},
+    ),
     Program("bench/peers/monarch_rdma.py", "torchmonarch", RDMA_METRICS),
 )
 
@@ -252,6 +256,17 @@ METRICS: dict[str, tuple[str, bool, Target]] = {
         Target("≥ 3× torchmonarch, ≥ 0.5 of memcpy_GBps", None, 3),
     ),
     "memcpy_GBps": ("GB/s", True, Target("reference: one thread's memcpy in the same run")),
+    # The owner on one node of the test bed, one reader on the other (bench/rdma_bench.py).
+    "cross_node_rdma_read_64MiB_GBps": (
+        "GB/s",
+        True,
+        Target("≥ cross_node_fetch_64MiB_GBps (≥ 1 GB/s)", 1.0),
+    ),
+    "cross_node_rdma_read_64MiB_tls_GBps": (
+        "GB/s",
+        True,
+        Target("none in the goals (recorded)"),
+    ),
     "scaling_msg_size_exponent": (
         "exponent",
         False,
