@@ -44,6 +44,14 @@ class Owner(Actor):
         self.weights.add_(1)
 
     @endpoint
+    def republish(self, old):
+        # a fresh tensor each time, the last one dropped
+        if old is not None:
+            old.drop().get()
+        self.fresh = torch.ones(1024)
+        return RDMABuffer(self.fresh)
+
+    @endpoint
     def look(self):
         return float(self.weights[:8].sum()), bytes(self.note), os.getpid()
 
@@ -91,6 +99,12 @@ class Reader(Actor):
             return "read"
         except ValueError as e:
             return "ValueError: " + str(e)
+
+    @endpoint
+    def mapped(self):
+        from palatine.rdma import shm
+
+        return sum(len(peer.maps) for peer in shm._peers.values())
 
     @endpoint
     async def read_dead(self, buf, backend):
@@ -142,6 +156,15 @@ spare = owner.publish.call_one().get()[1]
 spare.drop().get()
 for backend in ("auto", "socket"):
     print("DROPPED_" + backend, readers.slice(procs=1).read_dropped.call_one(spare, backend).get())
+
+# files of dropped buffers are unmapped by the reader: its mappings do not pile up
+one = readers.slice(procs=1)
+before = one.mapped.call_one().get()
+fresh = None
+for _ in range(5):
+    fresh = owner.republish.call_one(fresh).get()
+    one.read.call_one(fresh).get()
+print("MAPPED", before, one.mapped.call_one().get())
 
 # the owner dies: a transfer fails at once, naming it
 gone = os.pidfd_open(owner_pid)  # readable once the whole process has exited
@@ -204,6 +227,11 @@ def test_a_destination_or_source_of_the_wrong_size_is_a_value_error(out: dict[st
 def test_a_dropped_buffer_fails_its_reads(out: dict[str, str], backend: str) -> None:
     assert out[f"DROPPED_{backend}"].startswith("ValueError: ")
     assert "dropped" in out[f"DROPPED_{backend}"] or "not registered" in out[f"DROPPED_{backend}"]
+
+
+def test_a_reader_unmaps_the_files_of_dropped_buffers(out: dict[str, str]) -> None:
+    before, after = map(int, out["MAPPED"].split())
+    assert after <= before + 1, (before, after)
 
 
 @pytest.mark.parametrize("backend", ["auto", "socket"])

@@ -80,7 +80,10 @@ class _Peer:
             os.close(self.pidfd)
             raise
         self.slots = memoryview(self.table).cast("Q")
-        self.maps: dict[int, tuple[mmap.mmap, Any, int]] = {}  # inode -> (map, anchor, address)
+        self.lock = threading.Lock()
+        self.maps: dict[int, _Map] = {}  # by the shared file's inode
+        self.copying = 0  # copies under way (nothing is unmapped meanwhile)
+        self.forgotten = False
 
     def _open(self, h: BufferHandle, fd: int, ino: int) -> int:
         try:
@@ -106,35 +109,63 @@ class _Peer:
         if self.slots[h.slot] != h.generation:
             raise ValueError(f"rdma {op}: buffer {h.buffer_id} of {h.owner} was dropped")
 
-    def mapping(self, h: BufferHandle) -> int:
-        """The address of the owner's shared file in our memory (mapped on first use)."""
-        got = self.maps.get(h.shm_ino)
-        if got is None:
-            fd = self._open(h, h.shm_fd, h.shm_ino)
-            try:
-                size = os.fstat(fd).st_size
-                m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
-                os.close(fd)
-            anchor = (ctypes.c_char * size).from_buffer(m) if size else None
-            got = (m, anchor, ctypes.addressof(anchor) if anchor is not None else 0)
-            self.maps[h.shm_ino] = got
-        return got[2]
+    def acquire(self, h: BufferHandle) -> int:
+        """Start a copy of ``h``; the address of its shared file here (mapped on first use;
+        files of buffers dropped since are unmapped first, when no copy is under way)."""
+        with self.lock:
+            if self.copying == 0:
+                for ino in [i for i, m in self.maps.items() if self.slots[m.slot] != m.generation]:
+                    self.maps.pop(ino).close()
+            self.copying += 1
+            if h.shm_fd < 0:
+                return 0
+            got = self.maps.get(h.shm_ino)
+            if got is None:
+                fd = self._open(h, h.shm_fd, h.shm_ino)
+                try:
+                    got = _Map(fd, h.slot, h.generation)
+                finally:
+                    os.close(fd)
+                self.maps[h.shm_ino] = got
+            return got.address
 
-    def close(self) -> None:
-        for m, anchor, _ in self.maps.values():
-            del anchor
-            try:
-                m.close()
-            except BufferError:
-                pass
+    def release(self) -> None:
+        with self.lock:
+            self.copying -= 1
+            if self.forgotten and self.copying == 0:
+                self._close()
+
+    def forget(self) -> None:
+        """The owner died: unmap everything once the copies under way are done."""
+        with self.lock:
+            self.forgotten = True
+            if self.copying == 0:
+                self._close()
+
+    def _close(self) -> None:
+        for m in self.maps.values():
+            m.close()
         self.maps.clear()
         self.slots.release()
-        try:
-            self.table.close()
-        except BufferError:
-            pass
+        self.table.close()
         os.close(self.pidfd)
+
+
+class _Map:
+    """One of the owner's shared files, mapped here; ``slot``/``generation``: the buffer it
+    was mapped for, whose drop unmaps it."""
+
+    def __init__(self, fd: int, slot: int, generation: int) -> None:
+        size = os.fstat(fd).st_size
+        populate = getattr(mmap, "MAP_POPULATE", 0)
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+        self.anchor = (ctypes.c_char * size).from_buffer(self.map) if size else None
+        self.address = ctypes.addressof(self.anchor) if self.anchor is not None else 0
+        self.slot, self.generation = slot, generation
+
+    def close(self) -> None:
+        self.anchor = None
+        self.map.close()
 
 
 _peers: dict[tuple[int, int], _Peer] = {}
@@ -155,7 +186,7 @@ def forget(h: BufferHandle) -> None:
     with _lock:
         peer = _peers.pop((h.owner.pid, h.pid_start), None)
     if peer is not None:
-        peer.close()
+        peer.forget()
 
 
 def _cma(h: BufferHandle, write: bool, remote: int, local: int, n: int) -> None:
@@ -186,13 +217,17 @@ def copy(h: BufferHandle, op: str, offset: int, local: int, n: int) -> None:
         raise Unreachable(f"a {h.device} buffer goes through its owner's server")
     peer = _peer(h)
     peer.check(h, op)
-    write = op == "write"
-    if h.shm_fd >= 0:
-        remote = peer.mapping(h) + h.shm_offset + offset
-        if write:
-            ctypes.memmove(remote, local, n)
+    base = peer.acquire(h)
+    try:
+        write = op == "write"
+        if h.shm_fd >= 0:
+            remote = base + h.shm_offset + offset
+            if write:
+                ctypes.memmove(remote, local, n)
+            else:
+                ctypes.memmove(local, remote, n)
         else:
-            ctypes.memmove(local, remote, n)
-    else:
-        _cma(h, write, h.address + offset, local, n)
-    peer.check(h, op)
+            _cma(h, write, h.address + offset, local, n)
+        peer.check(h, op)
+    finally:
+        peer.release()
