@@ -529,6 +529,7 @@ def test_a10_snapshot_json_has_exactly_the_documented_keys() -> None:
         "loop_lag_s",
         "activity",
         "counters",
+        "resources",
     ]
     for entry in world["procs"].values():
         assert list(entry) == fixed + additions

@@ -1,17 +1,23 @@
 """``palatine top``: a live view of a running system's worlds and procs.
 
-    palatine top --system-addr ADDR [--world W ...] [--interval-in-sec 1] [--once]
+    palatine top [--job ID|latest | --system-addr ADDR] [--world W ...]
+                 [--sort rank|cpu|rss|lag] [--interval-in-sec 1] [--once]
 
 One frame is a table per world: each proc's health, host, pid, heartbeat age, event-loop
-lag, failed actors and, for procs on this machine, CPU and RSS (from ``psutil``; ``-``
-for procs elsewhere). It refreshes every ``--interval-in-sec``; ``q`` (or Ctrl-C) quits.
-``--once`` prints one frame and exits, for scripts and tests. Over ``tcp:`` and ``tls:``
-as every client; a wrong token is refused at once (exit 1), and a missing one is never
-made up (`palatine.channel.token`).
+lag, CPU, RSS and, where its host has NVML and the proc a GPU, GPU utilisation and
+memory, the op it runs and its failed actors. CPU, RSS and GPU come with each proc's
+heartbeats (`palatine.hosting.resources`), so procs on every host show them; a proc
+whose heartbeats carry none (a proc of an older palatine) is read here with ``psutil``
+when it runs on this machine, ``-`` elsewhere. Rows are in rank order, or with
+``--sort`` the busiest first (by CPU, RSS or loop lag); on a terminal the keys ``c``,
+``m``, ``l`` and ``r`` sort by CPU, memory, lag and rank. It refreshes every
+``--interval-in-sec``; ``q`` (or Ctrl-C) quits. ``--once`` prints one frame and exits,
+for scripts and tests. Over ``tcp:`` and ``tls:`` as every client; a wrong token is
+refused at once (exit 1), and a missing one is never made up (`palatine.channel.token`).
 
-A proc's CPU figure is its use between two readings, so each proc keeps its sampler
-across refreshes; a proc seen for the first time shows ``-`` until its second reading,
-and ``--once`` reads every proc twice, ``--interval-in-sec`` apart, before it prints.
+A proc's CPU figure is its use between two readings: a proc seen for the first time
+shows ``-`` until its second, and ``--once`` reads every proc twice,
+``--interval-in-sec`` apart, before it prints.
 Not on a terminal (a pipe, a file), the table is printed whole, however wide: a cell is
 never cut to a terminal's 80 columns.
 """
@@ -30,7 +36,11 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["add_arguments", "run", "frame"]
+__all__ = ["SORT_KEYS", "add_arguments", "run", "frame", "usage_of"]
+
+#: Row orders of ``--sort`` (and the key that picks each in the live view).
+SORT_KEYS = ("rank", "cpu", "rss", "lag")
+_SORT_BY_KEY = {b"c": "cpu", b"m": "rss", b"l": "lag", b"r": "rank"}
 
 log = logging.getLogger(__name__)
 
@@ -44,61 +54,107 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_flags(p)
     p.add_argument("--world", action="extend", nargs="+", default=[], metavar="W",
                    help="only these worlds (repeatable)")  # fmt: skip
+    p.add_argument("--sort", choices=SORT_KEYS, default="rank",
+                   help="row order: rank, or the busiest first by cpu, rss or lag")  # fmt: skip
     p.add_argument("--interval-in-sec", type=float, default=1.0, help="refresh period")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
 
 
-def _local_usage(pid: int | None, host: str, cpu: dict[int, Any]) -> tuple[str, str]:
-    """CPU % and RSS of ``pid`` when it runs on this machine; ``-`` otherwise."""
+def _local_usage(pid: int | None, host: str, cpu: dict[int, Any]) -> dict[str, float]:
+    """CPU % and RSS of ``pid`` read here, when it runs on this machine (``{}`` else)."""
     if pid is None or host != socket.gethostname():
-        return "-", "-"
+        return {}
     import psutil
 
     try:
         proc = cpu.get(pid)
+        out: dict[str, float] = {}
         if proc is None:
             proc = cpu[pid] = psutil.Process(pid)
             proc.cpu_percent(None)  # the first reading only starts the interval
-            use = "-"
         else:
-            use = f"{proc.cpu_percent(None):.0f}%"
-        return use, f"{proc.memory_info().rss / 2**20:.0f} MiB"
+            out["cpu_percent"] = proc.cpu_percent(None)
+        out["rss_bytes"] = float(proc.memory_info().rss)
+        return out
     except psutil.Error:
         cpu.pop(pid, None)
-        return "-", "-"
+        return {}
+
+
+def usage_of(entry: Any, cpu: dict[int, Any]) -> dict[str, float]:
+    """What a live proc uses: from its heartbeats, else read here (`_local_usage`)."""
+    if entry.health != "Alive":
+        return {}
+    if entry.resources:
+        return dict(entry.resources)
+    return _local_usage(entry.pid, entry.host, cpu)
 
 
 def _start_samplers(snap: Any, cpu: dict[int, Any]) -> None:
-    """Take the first CPU reading of every live proc of ``snap`` on this machine."""
+    """Take the first CPU reading of every live proc of ``snap`` read here."""
     for world in snap.worlds.values():
         for e in world.procs.values():
-            if e.health == "Alive":
-                _local_usage(e.pid, e.host, cpu)
+            usage_of(e, cpu)
 
 
-def frame(snap: Any, cpu: dict[int, Any]) -> Any:
-    """The rich renderable of one snapshot."""
+def _sort_key(order: str, proc: str, entry: Any, use: dict[str, float]) -> tuple[float, int]:
+    """Rows by rank, or the largest first by CPU, RSS or lag (ties: by rank)."""
+    rank = int(proc.rsplit("[", 1)[1].rstrip("]")) if "[" in proc else 0
+    value = {
+        "rank": 0.0,
+        "cpu": use.get("cpu_percent", -1.0),
+        "rss": use.get("rss_bytes", -1.0),
+        "lag": -1.0 if entry.loop_lag_s is None else entry.loop_lag_s,
+    }[order]
+    return -value, rank
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f} MiB"
+
+
+def frame(snap: Any, cpu: dict[int, Any], order: str = "rank") -> Any:
+    """The rich renderable of one snapshot, rows in ``order`` (`SORT_KEYS`)."""
     from rich.console import Group
     from rich.table import Table
 
     tables = []
     for name, world in snap.worlds.items():
         alive = sum(1 for e in world.procs.values() if e.health == "Alive")
+        uses = {proc: usage_of(e, cpu) for proc, e in world.procs.items()}
+        gpu = any("gpu_util_percent" in u for u in uses.values())
         table = Table(
-            title=f"world {name}: {world.status}, {alive}/{len(world.procs)} procs alive",
+            title=f"world {name}: {world.status}, {alive}/{len(world.procs)} procs alive"
+            + ("" if order == "rank" else f", by {order}"),
             title_justify="left",
         )
-        for col in ("proc", "health", "host", "pid", "heartbeat", "loop lag", "cpu", "rss",
-                    "doing", "failed actors", "reason"):  # fmt: skip
+        cols = ["proc", "health", "host", "pid", "heartbeat", "loop lag", "cpu", "rss"]
+        cols += ["gpu", "gpu mem"] if gpu else []
+        for col in [*cols, "doing", "failed actors", "reason"]:
             table.add_column(col)
-        for proc, e in world.procs.items():
+        rows = sorted(
+            world.procs.items(), key=lambda pe: _sort_key(order, pe[0], pe[1], uses[pe[0]])
+        )
+        for proc, e in rows:
+            use = uses[proc]
             age = "-" if e.last_heartbeat_age_s is None else f"{e.last_heartbeat_age_s:.1f} s ago"
             lag = "-" if e.loop_lag_s is None else f"{e.loop_lag_s * 1e3:.1f} ms"
-            use, rss = _local_usage(e.pid, e.host, cpu) if e.health == "Alive" else ("-", "-")
+            busy = "-" if "cpu_percent" not in use else f"{use['cpu_percent']:.0f}%"
+            row = [
+                proc,
+                e.health,
+                e.host,
+                str(e.pid or "-"),
+                age,
+                lag,
+                busy,
+                _mib(use.get("rss_bytes")),
+            ]
+            if gpu:
+                util = use.get("gpu_util_percent")
+                row += ["-" if util is None else f"{util:.0f}%", _mib(use.get("gpu_mem_bytes"))]
             failed = ", ".join(f.actor_id for f in e.failed_actors) or "-"
-            doing = e.activity or "-"
-            table.add_row(proc, e.health, e.host, str(e.pid or "-"), age, lag, use, rss,
-                          doing, failed, e.reason or "")  # fmt: skip
+            table.add_row(*row, e.activity or "-", failed, e.reason or "")
         tables.append(table)
     return Group(*tables) if tables else "no worlds"
 
@@ -158,18 +214,23 @@ async def _main(args: argparse.Namespace) -> int:
         if args.once:
             _start_samplers(await snapshot(), cpu)
             await asyncio.sleep(args.interval_in_sec)
-            console.print(frame(await snapshot(), cpu))
+            console.print(frame(await snapshot(), cpu, args.sort))
             return 0
-        with _keys() as key_fd, Live(frame(await snapshot(), cpu), console=console,
+        order = args.sort
+        with _keys() as key_fd, Live(frame(await snapshot(), cpu, order), console=console,
                                      auto_refresh=False) as live:  # fmt: skip
             while True:
                 deadline = asyncio.get_running_loop().time() + args.interval_in_sec
                 while asyncio.get_running_loop().time() < deadline:
                     pressed = key_fd is not None and select.select([key_fd], [], [], 0)[0]
-                    if pressed and os.read(key_fd, 1) in (b"q", b"Q"):
+                    key = os.read(key_fd, 1).lower() if pressed and key_fd is not None else b""
+                    if key == b"q":
                         return 0
+                    if key in _SORT_BY_KEY:
+                        order = _SORT_BY_KEY[key]
+                        break  # (a new order shows at once)
                     await asyncio.sleep(0.05)
-                live.update(frame(await snapshot(), cpu), refresh=True)
+                live.update(frame(await snapshot(), cpu, order), refresh=True)
     finally:
         try:
             await client.close()

@@ -32,6 +32,10 @@ wait is bounded by a deadline and `stop` interrupts any of them (connect, TLS ha
 token handshake, waiting for an ack). From the event loop's point of view the
 connection is still "blocking": the thread owns it and no loop is involved.
 
+Each beat also carries what the proc uses of its machine (``resources``: CPU, RSS and,
+with NVML, its GPU), read on this thread at most once a second
+(`palatine.hosting.resources`), so that ``palatine top`` shows every host's procs.
+
 On local transport (``local:N``) there is nothing to dial: the owner supplies
 ``post_via_loop``, which the thread calls once per beat (it typically schedules the
 beat on the loop with ``call_soon_threadsafe``).
@@ -57,7 +61,9 @@ from palatine.channel.addr import ChannelAddr, require_addr
 from palatine.config import format_seconds
 from palatine.errors import error_text
 from palatine.fastpath.blocking import BlockingConn, LinkLost, Stopped, Waiter
+from palatine.hosting.resources import ResourceSampler
 from palatine.ids import SYSTEM_ACTOR, ActorId
+from palatine.protocol.supervision import ProcSupervisionState
 from palatine.wire import codec, frames
 from palatine.wire.envelope import ENC_MSGPACK, Envelope
 from palatine.wire.handshake import rejected_reason
@@ -228,6 +234,7 @@ class HeartbeatThread:
         self.sender = sender
         self._system_actor = system_actor
         self._make_update = make_update
+        self._resources = ResourceSampler()  # (what each beat says the proc uses)
         self._on_system_lost = on_system_lost
         self._on_reconnected = on_reconnected
         self._keep_dialing = keep_dialing
@@ -511,6 +518,9 @@ class HeartbeatThread:
         assert self._make_update is not None
         try:
             msg = self._make_update()
+            state = getattr(msg, "state", None)
+            if isinstance(state, ProcSupervisionState):  # (read here: off the proc's loop)
+                state.resources = self._resources.sample()
             data = codec.encode_message(msg)
             type_id = type(msg).__palatine_type_id__
         except Exception:

@@ -87,8 +87,8 @@ class ProcSupervisionState(msgspec.Struct, kw_only=True):
     """Supervision state of one proc: identity, health and liveness.
 
     Wire invariants: a heartbeat (``SupervisionUpdate``) fills only ``proc_id``, ``addr``,
-    ``health = Alive``, ``failed_actors``, ``incarnation``, ``loop_lag_s``, ``activity``
-    and ``counters``; the system
+    ``health = Alive``, ``failed_actors``, ``incarnation``, ``loop_lag_s``, ``activity``,
+    ``counters`` and ``resources``; the system
     fills the rest when it reports a record. ``last_heartbeat`` is a time on the system's
     monotonic clock (compare it with ``Joined.system_time`` only through ages), ``None``
     for a rank that never joined.
@@ -114,6 +114,9 @@ class ProcSupervisionState(msgspec.Struct, kw_only=True):
     activity: str = ""
     # running totals the proc reports with each heartbeat (`palatine.core.proc.Proc.counters`)
     counters: dict[str, float] = {}
+    # what it uses of its machine (`palatine.hosting.resources`: cpu_percent, rss_bytes,
+    # gpu_util_percent, gpu_mem_bytes), read by its heartbeat thread
+    resources: dict[str, float] = {}
 
 
 def signal_text(sig: int) -> str:
@@ -174,6 +177,7 @@ class ProcRecord:
         "loop_lag_s",
         "activity",
         "counters",
+        "resources",
         "mode",
         "pid",
         "proc_id",
@@ -221,6 +225,7 @@ class ProcRecord:
         self.loop_lag_s = 0.0
         self.activity = ""  # what its last heartbeat said it was busy with
         self.counters: dict[str, float] = {}  # its running totals, as last reported
+        self.resources: dict[str, float] = {}  # its CPU, memory and GPU, as last reported
         self.failed_at: float | None = None
         self.declared_wall: float | None = None
         self.reported = False

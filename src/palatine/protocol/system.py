@@ -189,7 +189,8 @@ class ProcEntry(msgspec.Struct, kw_only=True):
 
     The first eight fields are the public snapshot format, in this order; the others are
     documented additions (null, empty or absent when unknown): ``activity`` is what the proc
-    was busy with at its last heartbeat, ``counters`` its running totals.
+    was busy with at its last heartbeat, ``counters`` its running totals, ``resources``
+    what it used of its machine then (`palatine.hosting.resources`; empty unless alive).
     """
 
     labels: dict[str, str]
@@ -206,6 +207,7 @@ class ProcEntry(msgspec.Struct, kw_only=True):
     loop_lag_s: float | None = None
     activity: str = ""
     counters: dict[str, float] = {}
+    resources: dict[str, float] = {}
 
 
 class WorldSnapshot(msgspec.Struct, kw_only=True):

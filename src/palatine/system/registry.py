@@ -658,6 +658,8 @@ class SystemRegistry:
         rec.activity = state.activity
         if state.counters:
             rec.counters = state.counters
+        if state.resources:
+            rec.resources = state.resources
         if state.failed_actors and rec.add_failed_actors(state.failed_actors):
             self._actor_failed(rec, out)
 
@@ -2183,6 +2185,7 @@ class SystemRegistry:
             loop_lag_s=rec.loop_lag_s if rec.joined else None,
             activity=rec.activity if rec.joined and rec.health == ALIVE else "",
             counters=dict(rec.counters),
+            resources=dict(rec.resources) if rec.joined and rec.health == ALIVE else {},
         )
 
     @_stimulus("world-state")
