@@ -18,6 +18,7 @@ acknowledges them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import ssl
@@ -179,6 +180,9 @@ class _Server:
 
             self.context = server_context()
         self.task: asyncio.Task[None] | None = None
+        # the connections being served, each by a thread of its own (ended by `stop`)
+        self.lock = threading.Lock()
+        self.conns: set[socket.socket] = set()
         runtime.post(self._start)
         runtime.at_exit(self.stop)
 
@@ -190,15 +194,30 @@ class _Server:
         while True:
             conn, _ = await loop.sock_accept(self.sock)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self.lock:
+                self.conns.add(conn)
             threading.Thread(
-                target=_serve_conn, args=(conn, self.context), name="palatine-rdma", daemon=True
+                target=self._serve, args=(conn,), name="palatine-rdma", daemon=True
             ).start()
 
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            _serve_conn(conn, self.context)
+        finally:
+            with self.lock:
+                self.conns.discard(conn)
+
     async def stop(self) -> None:
-        """Stop accepting (the proc is stopping); transfers under way end with the process."""
+        """Stop accepting and end every connection (the proc is stopping): each serving
+        thread sees its socket shut and returns."""
         if self.task is not None:
             self.task.cancel()
         self.sock.close()
+        with self.lock:
+            conns, self.conns = list(self.conns), set()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
 
 _server: _Server | None = None
