@@ -101,6 +101,15 @@ class Reader(Actor):
             return "ValueError: " + str(e)
 
     @endpoint
+    async def read_timed(self, buf, backend):
+        try:
+            with config.override(rdma_backend=backend):
+                await buf.read_into(torch.empty(buf.size() // 4), timeout=1.0)
+            return "read"
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
+    @endpoint
     def mapped(self):
         from palatine.rdma import shm
 
@@ -165,6 +174,15 @@ for _ in range(5):
     fresh = owner.republish.call_one(fresh).get()
     one.read.call_one(fresh).get()
 print("MAPPED", before, one.mapped.call_one().get())
+
+# a stopped owner (SIGSTOP): its memory is read all the same on this host, and a
+# transfer through its server times out, naming it
+os.kill(owner_pid, signal.SIGSTOP)
+try:
+    for backend in ("auto", "socket"):
+        print("STOPPED_" + backend, readers.slice(procs=2).read_timed.call_one(weights, backend).get())
+finally:
+    os.kill(owner_pid, signal.SIGCONT)
 
 # the owner dies: a transfer fails at once, naming it
 gone = os.pidfd_open(owner_pid)  # readable once the whole process has exited
@@ -232,6 +250,14 @@ def test_a_dropped_buffer_fails_its_reads(out: dict[str, str], backend: str) -> 
 def test_a_reader_unmaps_the_files_of_dropped_buffers(out: dict[str, str]) -> None:
     before, after = map(int, out["MAPPED"].split())
     assert after <= before + 1, (before, after)
+
+
+def test_a_stopped_owner_is_read_on_its_host_and_times_out_through_its_server(
+    out: dict[str, str],
+) -> None:
+    assert out["STOPPED_auto"] == "read"
+    assert out["STOPPED_socket"].startswith("CallTimeout: rdma read: "), out["STOPPED_socket"]
+    assert "[0] on host " in out["STOPPED_socket"]
 
 
 @pytest.mark.parametrize("backend", ["auto", "socket"])
