@@ -16,7 +16,7 @@ import itertools
 import logging
 import math
 import sys
-from typing import Any
+from typing import Any, TypeVar
 
 from palatine.channel import sockets
 from palatine.channel import token as token_mod
@@ -39,6 +39,8 @@ from palatine.system.service import System, SystemClient, SystemHandle
 __all__ = ["this_host", "this_proc", "HostMesh", "ThisProc"]
 
 log = logging.getLogger(__name__)
+
+A = TypeVar("A", bound=Actor)  # the class of the actors a spawn makes
 
 
 class _Cluster:
@@ -234,7 +236,7 @@ def this_host() -> HostMesh:
 class ThisProc:
     """The caller's own proc (`this_proc`): it spawns actors into itself."""
 
-    def spawn(self, name: str, cls: type[Actor], *args: Any, **kwargs: Any) -> ActorMesh:
+    def spawn(self, name: str, cls: type[A], *args: Any, **kwargs: Any) -> ActorMesh[A]:
         """Spawn ``cls(*args, **kwargs)`` as ``name`` in the caller's proc (a script's
         client proc, or the calling actor's proc); an `ActorMesh` of that one actor.
 
@@ -251,11 +253,11 @@ class ThisProc:
 
 async def _spawn_here(
     name: str,
-    cls: type[Actor],
+    cls: type[A],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     owner: Context | None,
-) -> ActorMesh:
+) -> ActorMesh[A]:
     if owner is None:
         await _get_cluster()  # a script's own proc is the client proc of its system
     proc = (owner.mailbox if owner is not None else caller_mailbox()).actor_id.proc

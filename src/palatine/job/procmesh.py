@@ -13,7 +13,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import cloudpickle
 
@@ -39,6 +39,8 @@ from palatine.system.service import SystemClient
 from palatine.wire.codec import dumps
 
 __all__ = ["ProcMesh"]
+
+A = TypeVar("A", bound=Actor)  # the class of the actors a spawn makes
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +178,7 @@ class ProcMesh:
         sel = "" if self._ranks is None else f", ranks={self._ranks}"
         return f"ProcMesh({self.world}, {dict(self._dims)}{sel})"
 
-    def spawn(self, name: str, cls: type[Actor], *args: Any, **kwargs: Any) -> ActorMesh:
+    def spawn(self, name: str, cls: type[A], *args: Any, **kwargs: Any) -> ActorMesh[A]:
         """Spawn ``cls(*args, **kwargs)`` as ``name`` on every proc; an `ActorMesh` of them.
 
         The caller owns the mesh: when one of its actors fails, the proc serves on and
@@ -232,12 +234,12 @@ class ProcMesh:
     async def _spawn(
         self,
         name: str,
-        cls: type[Actor],
+        cls: type[A],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         owner: Context | None = None,
         only: list[int] | None = None,
-    ) -> ActorMesh:
+    ) -> ActorMesh[A]:
         ranks = self._ranks if self._ranks is not None else list(range(len(self)))
         if only is not None:
             ranks = only

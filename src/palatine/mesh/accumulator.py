@@ -22,7 +22,9 @@ A = TypeVar("A")
 class Accumulator(Generic[A]):
     """Fold the replies of ``endpoint`` over its mesh: ``combine(combine(identity, r0), r1)...``."""
 
-    def __init__(self, endpoint: Endpoint, identity: A, combine: Callable[[A, Any], A]) -> None:
+    def __init__(
+        self, endpoint: Endpoint[..., Any], identity: A, combine: Callable[[A, Any], A]
+    ) -> None:
         self._endpoint = endpoint
         self._identity = identity
         self._combine = combine
@@ -33,7 +35,7 @@ class Accumulator(Generic[A]):
         calls = self._endpoint.call(*args, **kwargs)
         out: Future[A] = Future(calls._loop)
 
-        def fold(f: Future[ValueMesh]) -> None:
+        def fold(f: Future[ValueMesh[Any]]) -> None:
             if f._exc is not None:
                 out.set_exception(f._exc)
                 return

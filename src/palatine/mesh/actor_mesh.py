@@ -14,7 +14,7 @@ import math
 import queue
 import random
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic
 
 from palatine import config
 from palatine.core import runtime, suspend
@@ -33,6 +33,26 @@ from palatine.wire.envelope import ENC_MSGPACK, ENC_PICKLE, Envelope
 
 __all__ = ["ActorRef", "ActorMesh", "ValueMesh", "Endpoint", "send"]
 
+# The types that make endpoint calls checkable (typing only: nothing here runs per call).
+# ``Endpoint[P, R]``: an endpoint taking ``P`` and returning ``R``; ``ActorMesh[A]`` and
+# ``ActorRef[A]``: actors of class ``A``. Each has a default, so a bare ``ActorMesh``
+# means any actor and ``mesh.x`` any endpoint; `palatine.mesh.mypy_plugin` gives
+# ``mesh.x`` the type of ``A``'s endpoint ``x`` instead.
+if TYPE_CHECKING:
+    from typing_extensions import ParamSpec, TypeVar
+
+    P = ParamSpec("P", default=...)
+    R = TypeVar("R", default=Any)
+    A = TypeVar("A", bound=Actor, default=Actor, covariant=True)
+    V = TypeVar("V", default=Any)
+else:
+    from typing import ParamSpec, TypeVar
+
+    P = ParamSpec("P")
+    R = TypeVar("R")
+    A = TypeVar("A", bound=Actor, covariant=True)
+    V = TypeVar("V")
+
 
 def _self_call_check(mb: Mailbox, dest: ActorId) -> None:
     if mb.actor_id == dest:
@@ -41,12 +61,10 @@ def _self_call_check(mb: Mailbox, dest: ActorId) -> None:
         )
 
 
-class ValueMesh:
+class ValueMesh(Generic[V]):
     """Replies of a mesh call, in rank order, with their coordinates."""
 
-    def __init__(
-        self, dims: Sequence[tuple[str, int]], ranks: Sequence[int], values: Sequence[Any]
-    ):
+    def __init__(self, dims: Sequence[tuple[str, int]], ranks: Sequence[int], values: Sequence[V]):
         self._dims = list(dims)
         # A mesh of no dimensions (`this_proc`'s) is one point, whatever its proc's rank.
         self._ranks = list(ranks) if self._dims else [0] * len(ranks)
@@ -60,13 +78,13 @@ class ValueMesh:
         """The dimensions of the mesh the values came from."""
         return Extent.of(self._dims)
 
-    def items(self) -> Iterator[tuple[Point, Any]]:
+    def items(self) -> Iterator[tuple[Point, V]]:
         """``(point, value)`` per rank that answered, in rank order."""
         extent = Extent.of(self._dims)
         for r, v in zip(self._ranks, self._values, strict=True):
             yield extent.point(r), v
 
-    def slice(self, **sel: int | slice) -> ValueMesh:
+    def slice(self, **sel: int | slice) -> ValueMesh[V]:
         """The values of some ranks, by dimension (``vm.slice(hosts=1)``,
         ``vm.slice(gpus=slice(0, 2))``), keeping the mesh's shape and the ranks' points."""
         keep = set(Extent.of(self._dims).select(self._ranks, **sel))
@@ -74,11 +92,11 @@ class ValueMesh:
         ranks, values = [r for r, _ in pairs], [v for _, v in pairs]
         return ValueMesh(self._dims, ranks, values)
 
-    def flatten(self, name: str) -> ValueMesh:
+    def flatten(self, name: str) -> ValueMesh[V]:
         """The same values over one dimension ``name``."""
         return ValueMesh([(name, math.prod(s for _, s in self._dims))], self._ranks, self._values)
 
-    def rename(self, **names: str) -> ValueMesh:
+    def rename(self, **names: str) -> ValueMesh[V]:
         """The same values with dimensions renamed."""
         known = [n for n, _ in self._dims]
         for old in names:
@@ -86,7 +104,7 @@ class ValueMesh:
                 raise ValueError(f"unknown dimension {old!r}; this mesh has {known}")
         return ValueMesh([(names.get(n, n), s) for n, s in self._dims], self._ranks, self._values)
 
-    def item(self, **point: int) -> Any:
+    def item(self, **point: int) -> V:
         """The value at ``point``, which names every dimension (``vm.item(hosts=1, gpus=0)``);
         a mesh of one value takes no arguments."""
         if not point and len(self._values) == 1:
@@ -97,10 +115,10 @@ class ValueMesh:
         except ValueError:
             raise KeyError(f"no value at {point}: this mesh holds ranks {self._ranks}") from None
 
-    def values(self) -> list[Any]:
+    def values(self) -> list[V]:
         return list(self._values)
 
-    def __getitem__(self, key: int | dict[str, int]) -> Any:
+    def __getitem__(self, key: int | dict[str, int]) -> V:
         if isinstance(key, dict):
             for r, v in zip(self._ranks, self._values, strict=True):
                 if self._coords(r) == {**self._coords(r), **key}:
@@ -111,7 +129,7 @@ class ValueMesh:
     def __len__(self) -> int:
         return len(self._values)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[V]:
         return iter(self._values)
 
     def __repr__(self) -> str:
@@ -272,12 +290,13 @@ class _MeshCall:
             m._cast(mb, self.data, g.id)
         return g
 
-    def transform(self, res: dict[int, Any]) -> ValueMesh:
+    def transform(self, res: dict[int, Any]) -> ValueMesh[Any]:
         return ValueMesh(self.mesh._dims, self.ranks, [res[r] for r in self.ranks])
 
 
-class Endpoint:
-    """``ref.<name>`` / ``mesh.<name>``: the ways to invoke one endpoint."""
+class Endpoint(Generic[P, R]):
+    """``ref.<name>`` / ``mesh.<name>``: the ways to invoke one endpoint, which takes
+    ``P`` and returns ``R`` (for type checkers: `palatine.mesh.mypy_plugin`)."""
 
     __slots__ = ("_target", "_name")
 
@@ -291,21 +310,21 @@ class Endpoint:
             return float(info.timeout_s)
         return config.get().call_timeout_s
 
-    def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
+    def call_one(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Call exactly one actor; a Future of its reply."""
         return self._target._call_one(self._name, args, kwargs, self._timeout())
 
-    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh]:
+    def call(self, *args: P.args, **kwargs: P.kwargs) -> Future[ValueMesh[R]]:
         """Call every selected actor; a Future of a `ValueMesh` in rank order."""
         return self._target._as_mesh()._call(self._name, args, kwargs, self._timeout())
 
-    def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
+    def choose(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Call one arbitrary actor of the selection."""
         mesh = self._target._as_mesh()
         r = random.choice(mesh._ranks)
         return mesh._slice_ranks([r])._call_one(self._name, args, kwargs, self._timeout())
 
-    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+    def broadcast(self, *args: P.args, **kwargs: P.kwargs) -> None:
         """One-way to every selected actor; handler errors go to supervision."""
         if isinstance(self._target, ActorRef):
             self._target._send(self._name, args, kwargs)
@@ -314,13 +333,13 @@ class Endpoint:
 
     send = broadcast  # Monarch's earlier name for a one-way call to every actor
 
-    def stream(self, *args: Any, **kwargs: Any) -> _Stream:
+    def stream(self, *args: P.args, **kwargs: P.kwargs) -> _Stream[R]:
         """Replies as ``(rank, reply)`` in arrival order (sync and async iterator)."""
         return self._target._as_mesh()._stream(self._name, args, kwargs, self._timeout())
 
 
 def send(
-    endpoint: Endpoint,
+    endpoint: Endpoint[..., Any],
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
     port: Port[Any] | None = None,
@@ -338,7 +357,7 @@ def send(
     mesh._broadcast(endpoint._name, tuple(args), dict(kwargs or {}), reply_to)
 
 
-class _Stream:
+class _Stream(Generic[R]):
     """Items ``(rank, value)``; a failed rank yields its exception as the value."""
 
     def __init__(self, expected: int) -> None:
@@ -358,7 +377,7 @@ class _Stream:
     def _when_pushed(self, fn: Callable[[Any], None]) -> None:
         self._on_push = fn
 
-    def __iter__(self) -> Iterator[tuple[int, Any]]:
+    def __iter__(self) -> Iterator[tuple[int, R]]:
         while self._seen < self.expected:
             try:
                 item = self._q.get_nowait()
@@ -385,10 +404,10 @@ class _Stream:
         except queue.Empty:
             raise TimeoutError(f"no stream item within {timeout} s") from None
 
-    def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
+    def __aiter__(self) -> AsyncIterator[tuple[int, R]]:
         return self._agen()
 
-    async def _agen(self) -> AsyncIterator[tuple[int, Any]]:
+    async def _agen(self) -> AsyncIterator[tuple[int, R]]:
         while self._seen < self.expected:
             self._seen += 1
             try:
@@ -404,16 +423,17 @@ def _stream_wait_s() -> float | None:
     return None if math.isinf(t) else t + 5
 
 
-class ActorRef:
-    """A reference to one actor; behaves like a mesh of one but sends directly."""
+class ActorRef(Generic[A]):
+    """A reference to one actor (of class ``A``); behaves like a mesh of one but sends
+    directly."""
 
     __slots__ = ("actor_id", "_cls")
 
-    def __init__(self, actor_id: ActorId, cls: type[Actor] | None = None) -> None:
+    def __init__(self, actor_id: ActorId, cls: type[A] | None = None) -> None:
         self.actor_id = actor_id
         self._cls = cls
 
-    def __getattr__(self, name: str) -> Endpoint:
+    def __getattr__(self, name: str) -> Endpoint[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
         return Endpoint(self, name)
@@ -488,7 +508,7 @@ class ActorRef:
 
         runtime.post(go)
 
-    def _as_mesh(self) -> ActorMesh:
+    def _as_mesh(self) -> ActorMesh[A]:
         if self.actor_id.pid != 0:
             raise ValueError(f"{self.actor_id} is a child actor: only direct calls reach it")
         gang = GangId(self.actor_id.proc.world, self.actor_id.name)
@@ -496,15 +516,16 @@ class ActorRef:
         return ActorMesh(gang, [("rank", r + 1)], [r], self._cls)
 
 
-class ActorMesh:
-    """Actors of one gang over a mesh of procs; ``slice`` narrows the selection."""
+class ActorMesh(Generic[A]):
+    """Actors (of class ``A``) of one gang over a mesh of procs; ``slice`` narrows the
+    selection."""
 
     def __init__(
         self,
         gang: GangId,
         dims: Sequence[tuple[str, int]],
         ranks: Sequence[int] | None = None,
-        cls: type[Actor] | None = None,
+        cls: type[A] | None = None,
     ) -> None:
         self.gang = gang
         self._dims = list(dims)
@@ -512,7 +533,7 @@ class ActorMesh:
         self._ranks = list(range(self._size)) if ranks is None else sorted(ranks)
         self._cls = cls
 
-    def __getattr__(self, name: str) -> Endpoint:
+    def __getattr__(self, name: str) -> Endpoint[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
         ep = self.__dict__[name] = Endpoint(self, name)  # later lookups skip __getattr__
@@ -534,22 +555,22 @@ class ActorMesh:
     def _endpoint_info(self, name: str) -> Any:
         return self._cls._palatine_endpoints.get(name) if self._cls is not None else None
 
-    def _as_mesh(self) -> ActorMesh:
+    def _as_mesh(self) -> ActorMesh[A]:
         return self
 
     def _coords(self, rank: int) -> dict[str, int]:
         return Extent.of(self._dims).point(rank)
 
-    def slice(self, **sel: int | slice) -> ActorMesh:
+    def slice(self, **sel: int | slice) -> ActorMesh[A]:
         """Narrow the selection: ``mesh.slice(procs=2)`` or ``mesh.slice(procs=slice(0, 2))``."""
         keep = Extent.of(self._dims).select(self._ranks, **sel)
         return self._slice_ranks(keep)
 
-    def flatten(self, name: str) -> ActorMesh:
+    def flatten(self, name: str) -> ActorMesh[A]:
         """The same actors over one dimension ``name`` (ranks keep their row-major order)."""
         return ActorMesh(self.gang, [(name, self._size)], self._ranks, self._cls)
 
-    def rename(self, **names: str) -> ActorMesh:
+    def rename(self, **names: str) -> ActorMesh[A]:
         """The same actors with dimensions renamed: ``mesh.rename(procs="gpus")``."""
         known = [n for n, _ in self._dims]
         for old in names:
@@ -573,7 +594,7 @@ class ActorMesh:
 
         return runtime.submit(go)
 
-    def _slice_ranks(self, ranks: list[int]) -> ActorMesh:
+    def _slice_ranks(self, ranks: list[int]) -> ActorMesh[A]:
         return ActorMesh(self.gang, self._dims, ranks, self._cls)
 
     def _cast(self, mb: Mailbox, data: bytes, reply_to: PortId | None) -> None:
