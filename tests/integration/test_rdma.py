@@ -40,6 +40,11 @@ class Owner(Actor):
         return RDMABuffer(self.weights[16:32])
 
     @endpoint
+    def publish_constant(self):
+        # read-only bytes: readable, never written
+        return RDMABuffer(b"constant bytes")
+
+    @endpoint
     def bump(self):
         self.weights.add_(1)
 
@@ -158,6 +163,14 @@ readers.slice(procs=2).write.call_one(note, b"BUFFERS", 7, "socket").get()
 total, text, owner_pid = owner.look.call_one().get()
 print("WRITES", total == float(sum([1, 2, -1, -1, -1, -1, 7, 8])), text)
 
+constant = owner.publish_constant.call_one().get()
+try:
+    constant.write_from(b"x")
+    refused = "accepted"
+except ValueError:
+    refused = "ValueError"
+print("READONLY", readers.slice(procs=1).read_sync.call_one(constant, 9).get(), refused)
+
 print("WRONG", ",".join(readers.slice(procs=1).wrong_sizes.call_one(weights).get()))
 
 # drop: by a holder (through the owner's server), then reads fail on both paths
@@ -235,6 +248,10 @@ def test_readers_see_the_owners_in_place_updates_and_views(out: dict[str, str]) 
 
 def test_writes_at_offsets_land_in_the_owners_tensor_and_bytearray(out: dict[str, str]) -> None:
     assert out["WRITES"] == "True " + repr(b"HELLO, BUFFERS")
+
+
+def test_read_only_bytes_are_read_and_never_written(out: dict[str, str]) -> None:
+    assert out["READONLY"] == repr(b"bytes") + " ValueError"
 
 
 def test_a_destination_or_source_of_the_wrong_size_is_a_value_error(out: dict[str, str]) -> None:

@@ -51,15 +51,37 @@ class Region:
         return view_at(self.address, self.nbytes)
 
 
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer``, for the address of a read-only buffer."""
+
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
 def _address_of(mv: memoryview) -> int:
-    """The address of a contiguous byte view (read-only ones through numpy)."""
+    """The address of a contiguous byte view (``ctypes`` takes only writable ones, so a
+    read-only one asks CPython's buffer protocol directly)."""
     if len(mv) == 0:
         return 0
     if not mv.readonly:
         return ctypes.addressof(ctypes.c_char.from_buffer(mv))
-    import numpy as np
-
-    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
+    view = _PyBuffer()
+    ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(mv), ctypes.byref(view), 0)
+    try:
+        return int(view.buf)
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))
 
 
 def _tensor_region(t: Any, what: str, *, for_write: bool) -> Region:
