@@ -119,11 +119,13 @@ LOG_LEVEL = """
     class Talker(Actor):
         @endpoint
         def talk(self, tag):
+            logging.getLogger("user.talk").info("informed-%s", tag)
             logging.getLogger("user.talk").warning("warned-%s", tag)
             return logging.getLogger().getEffectiveLevel()
 
     procs = this_host().spawn_procs(per_host={"procs": 2})
     talkers = procs.spawn("talker", Talker)
+    print("DEFAULT", talkers.talk.call("default").get(timeout=20).values())
     procs.logging_option(aggregate_window_sec=0, level=logging.INFO)
     print("INFO", talkers.talk.call("shown").get(timeout=20).values())
     procs.logging_option(aggregate_window_sec=0, level=logging.ERROR)
@@ -137,13 +139,17 @@ LOG_LEVEL = """
 """
 
 
-def test_logging_option_level_sets_the_procs_logging_level() -> None:
+def test_logging_option_level_is_the_level_of_the_procs_forwarded_log_records() -> None:
     lines, err = run_script(LOG_LEVEL)
-    assert lines["INFO"] == "[20, 20]"
+    # by default the console shows the procs' records from WARNING up
+    assert "warned-default" in err and "informed-default" not in err
+    assert lines["INFO"] == "[20, 20]"  # the procs' root logger
+    assert err.count("INFO user.talk: informed-shown") == 2  # INFO records shown here now
+    assert err.count("WARNING user.talk: warned-shown") == 2
     assert lines["ERROR"] == "[40, 40]"
+    assert "warned-hidden" not in err and "informed-hidden" not in err
+    assert " INFO palatine." not in err  # palatine's own records keep their level
     assert lines["BAD"].startswith("invalid logging level: 'INFO'")
-    assert "WARNING user.talk: warned-shown" in err  # at INFO, a warning is emitted
-    assert "warned-hidden" not in err  # at ERROR, it is not (nor in the log files)
 
 
 HOSTS_PER_HOST = """

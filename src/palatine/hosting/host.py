@@ -92,7 +92,7 @@ class HostAgent(ProcAgent):
     @handler
     def on_watch_output(self, msg: WatchOutput) -> OutputWatched:
         """Send a world's output to a client's sink (`palatine.hosting.output`)."""
-        self.output.watch(msg.world, msg.sink, msg.max_bytes)
+        self.output.watch(msg.world, msg.sink, msg.max_bytes, msg.level)
         log_dir = self.log_dir if self.log_dir is not None else config.get().log_dir
         return OutputWatched(host=self.proc.proc_id, log_dir=str(log_dir))
 

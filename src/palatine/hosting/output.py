@@ -31,7 +31,14 @@ from palatine.core.actor import Actor, handler
 from palatine.core.mailbox import Mailbox
 from palatine.ids import ActorId, ProcId
 from palatine.output.aggregate import OutputAggregator
-from palatine.output.console import INTERNAL, NOTABLE, ConsoleWriter, chatter_shown, classify
+from palatine.output.console import (
+    INTERNAL,
+    NOTABLE,
+    ConsoleWriter,
+    chatter_shown,
+    classify,
+    record_level,
+)
 from palatine.protocol.agent import OutputLines, OutputTaken, OutputWatched, WatchOutput
 
 if TYPE_CHECKING:
@@ -61,11 +68,19 @@ class _Watcher:
     """One sink of one world's output on this host: bounded pending lines, one batch in
     flight."""
 
-    def __init__(self, fanout: OutputFanout, world: str, sink: ActorId, max_bytes: int) -> None:
+    def __init__(
+        self,
+        fanout: OutputFanout,
+        world: str,
+        sink: ActorId,
+        max_bytes: int,
+        level: int | None = None,
+    ) -> None:
         self.fanout = fanout
         self.world = world
         self.sink = sink
         self.max_bytes = max_bytes
+        self.level = level  # the lowest level of log records sent (None: the default)
         self.pending: collections.deque[tuple[int, str]] = collections.deque()
         self.bytes = 0
         self.dropped = 0
@@ -126,12 +141,14 @@ class OutputFanout:
         self.mailbox = mailbox
         self.host = host
 
-    def watch(self, world: str, sink: ActorId | None, max_bytes: int) -> None:
+    def watch(
+        self, world: str, sink: ActorId | None, max_bytes: int, level: int | None = None
+    ) -> None:
         old = self._watchers.get(world)
         if old is not None and old.task is not None:
             old.task.cancel()
         self._watchers[world] = (
-            _Watcher(self, world, sink, max(4096, max_bytes)) if sink is not None else None
+            _Watcher(self, world, sink, max(4096, max_bytes), level) if sink is not None else None
         )
 
     def unwatch(self, watcher: _Watcher) -> None:
@@ -147,10 +164,15 @@ class OutputFanout:
         rank = self._ranks.get(child.proc_id)
         if rank is None:
             rank = self._ranks[child.proc_id] = ProcId.parse(child.proc_id).rank
+        level = watcher.level
         texts = [
             line.decode("utf-8", "replace").rstrip("\r")
             for line in lines
-            if not (self._quiet and classify(line) == INTERNAL)
+            if (
+                not (self._quiet and classify(line) == INTERNAL)
+                if level is None
+                else _at_least(line, level, self._quiet)
+            )
         ]
         if texts:
             watcher.add(rank, texts)
@@ -161,6 +183,14 @@ class OutputFanout:
             if watcher is not None and watcher.task is not None:
                 watcher.task.cancel()
         self._watchers.clear()
+
+
+def _at_least(line: bytes, level: int, quiet: bool) -> bool:
+    """Whether a watcher that asked for records from ``level`` up sends ``line``."""
+    rec = record_level(line)
+    if rec is not None:
+        return rec >= level
+    return not (quiet and classify(line) == INTERNAL)
 
 
 class OutputSink(Actor):
@@ -265,11 +295,14 @@ async def watch_output(
     *,
     stream: bool | None = None,
     window_s: float | None = None,
+    level: int | None = None,
 ) -> list[OutputWatched]:
     """Have ``hosts`` send ``world``'s output to this process's `OutputSink` (spawned on
     ``proc`` on first use), aggregated over ``window_s``; with ``stream`` False, to
     nobody: the procs' log files only, whose directories are named once on stderr.
-    Defaults: `Config.stream_output`, `Config.output_window_s`. The hosts' replies."""
+    ``level``: the lowest level of the procs' log records sent (None: WARNING and up,
+    unless palatine's log level is DEBUG). Defaults: `Config.stream_output`,
+    `Config.output_window_s`. The hosts' replies."""
     cfg = config.get()
     stream = cfg.stream_output if stream is None else stream
     window_s = cfg.output_window_s if window_s is None else window_s
@@ -282,7 +315,9 @@ async def watch_output(
             inst = proc.instance(sink)
         assert inst is not None and isinstance(inst.actor, OutputSink)
         inst.actor.windows[world] = window_s
-    msg = WatchOutput(world=world, sink=sink, max_bytes=config.get().console_buffer_bytes)
+    msg = WatchOutput(
+        world=world, sink=sink, max_bytes=config.get().console_buffer_bytes, level=level
+    )
     t = config.get().rpc_timeout_s
     replies: list[Any] = await asyncio.gather(
         *(mailbox.ask(h.actor("proc"), msg, t) for h in hosts), return_exceptions=True

@@ -68,7 +68,9 @@ class ProcMesh:
         # (name, class, args, kwargs, owner, ranks or None for all)
         self._spawned: list[tuple[str, type[Actor], tuple[Any, ...], dict[str, Any], Any, Any]] = []
         self._owner: Context | None = None  # who is told of dead procs (`_watch_procs`)
-        self._log_levels: list[ActorMesh] = []  # the actors that set the procs' log level
+        # The actors that set the procs' logging level, and the level set (`logging_option`).
+        self._log_levels: list[ActorMesh] = []
+        self._log_level: list[int] = []
 
     def __reduce__(self) -> tuple[Any, ...]:
         """A proc mesh travels as its world and dimensions: an actor that receives one
@@ -84,6 +86,7 @@ class ProcMesh:
         view._ranks = keep
         view._spawned = self._spawned
         view._log_levels = self._log_levels
+        view._log_level = self._log_level
         return view
 
     def ending(self) -> None:
@@ -131,10 +134,12 @@ class ProcMesh:
         ``[mesh0 0-3] text``; 0: every line at once), or, with ``stream_to_client``
         False, only to the procs' log files (their directory is named once).
 
-        ``level`` (``logging.INFO``, ...; 0 to 255) is the Python logging level of every
-        proc of the mesh (their root logger's): records below it are not emitted there,
-        so they are neither shown here nor written to the log files; what the procs
-        print is not affected. None leaves each proc's level as it is."""
+        ``level`` (``logging.INFO``, ...; 0 to 255) is the logging level of the procs'
+        forwarded output: their Python root logger is set to it (records below it are
+        not emitted, neither shown nor written to the log files) and their log records
+        from it up are shown here, INFO ones too (the console shows only WARNING and up
+        otherwise). palatine's own loggers keep their level. What the procs print is
+        not affected. None leaves all of it as it is."""
         client = self._client
         if client is None:
             raise PalatineError(f"{self} was passed here: its owner sets its logging")
@@ -143,6 +148,7 @@ class ProcMesh:
                 raise ValueError(f"invalid logging level: {level!r} (an int from 0 to 255)")
             self._set_log_level(level)
         window = aggregate_window_sec
+        shown = self._log_level[0] if self._log_level else None
         runtime.submit(
             lambda: watch_output(
                 client.proc,
@@ -151,6 +157,7 @@ class ProcMesh:
                 self._hosts,
                 stream=stream_to_client,
                 window_s=window,
+                level=shown,
             )
         ).get(config.get().rpc_timeout_s + 5)
 
@@ -166,6 +173,7 @@ class ProcMesh:
             ).get(timeout)
             holder.append(ActorMesh(GangId(self.world, _LOG_LEVEL_ACTOR), self._dims, None))
         holder[0].set_level.call(level).get(timeout)
+        self._log_level[:] = [level]
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -324,6 +332,11 @@ class _LogLevel(Actor):
 
     @endpoint
     def set_level(self, level: int) -> None:
+        # palatine's own loggers keep the level they have (`Config.log_level`): a program
+        # that asks for its INFO records does not get the runtime's as well.
+        own = logging.getLogger("palatine")
+        if own.level == logging.NOTSET:
+            own.setLevel(own.getEffectiveLevel())
         logging.getLogger().setLevel(level)
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "LineFormatter",
     "chatter_shown",
     "classify",
+    "record_level",
 ]
 
 #: The format of every role's log lines; `LineFormatter` repeats its header per line.
@@ -106,6 +107,19 @@ def classify(line: bytes) -> int:
     if _READY_RE.match(line) is not None:
         return INTERNAL
     return NOTABLE if _NOTE_RE.match(line) is not None else OUTPUT
+
+
+def record_level(line: bytes) -> int | None:
+    """The level (``logging.INFO``, ...) of a line of a log record in `LOG_FORMAT`, also
+    behind echo prefixes; None for any other line."""
+    m = _RECORD_RE.match(line)
+    return _LEVELS[m.group(1)] if m is not None else None
+
+
+_LEVELS = {
+    name.encode(): getattr(logging, name)
+    for name in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+}
 
 
 class ConsoleWriter:

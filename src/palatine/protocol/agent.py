@@ -245,12 +245,14 @@ class WatchOutput(Message, kw_only=True):
     """Client to host: send the output of ``world``'s procs on this host to ``sink`` (an
     `palatine.hosting.output.OutputSink`) instead of echoing it on the host's console;
     ``sink`` None: neither (their log files only). At most ``max_bytes`` of lines wait
-    for a sink that does not keep up; more are dropped and counted. Replies
-    `OutputWatched`."""
+    for a sink that does not keep up; more are dropped and counted. ``level``: the
+    lowest level of the procs' log records sent (None: palatine's default, WARNING and
+    up unless its log level is DEBUG). Replies `OutputWatched`."""
 
     world: str
     sink: ActorId | None = None
     max_bytes: int = 8 << 20
+    level: int | None = None
 
 
 class OutputWatched(Message, kw_only=True):
