@@ -181,6 +181,8 @@ def test_this_host_takes_hosts_as_one_of_several_per_host_dimensions() -> None:
 
 
 CONSTRUCTOR_SPAWNS = """
+    import os
+    import signal
     import time
     from palatine import Actor, endpoint, this_host
 
@@ -188,6 +190,10 @@ CONSTRUCTOR_SPAWNS = """
         @endpoint
         def value(self):
             return 7
+
+        @endpoint
+        def pid(self):
+            return os.getpid()
 
         @endpoint
         def fail(self):
@@ -218,6 +224,10 @@ CONSTRUCTOR_SPAWNS = """
         def seen(self):
             return [f.message for f in self.failures]
 
+        @endpoint
+        def kill_leaf(self):
+            os.kill(self.leaves.slice(procs=0).pid.call_one().get(timeout=20), signal.SIGKILL)
+
         def __supervise__(self, failure):
             self.failures.append(failure)
             return True
@@ -233,6 +243,12 @@ CONSTRUCTOR_SPAWNS = """
         seen = owner.seen.call_one().get(timeout=30)
         time.sleep(0.02)
     print("SEEN", seen)
+    owner.kill_leaf.call_one().get(timeout=30)
+    t0 = time.monotonic()
+    while len(seen) < 2 and time.monotonic() - t0 < 20:
+        seen = owner.seen.call_one().get(timeout=30)
+        time.sleep(0.02)
+    print("DIED", seen[1:])
     procs.stop().get(timeout=30)
 """
 
@@ -243,6 +259,7 @@ def test_a_constructor_spawns_procs_and_actors_waits_on_them_and_supervises_them
     assert lines["SUM"] == "14"
     assert lines["MORE"] == "14"  # and a plain def endpoint spawns too
     assert "leaf[0]: processing error: RuntimeError: leaf broke" in lines["SEEN"]
+    assert "its proc died: killed by signal 9" in lines["DIED"]  # a proc of its mesh too
     assert "Task was destroyed but it is pending" not in err  # its procs stop cleanly
 
 
