@@ -14,7 +14,7 @@ import socket
 import ssl
 import threading
 
-from palatine.errors import CallTimeout
+from palatine.errors import CallTimeout, ChannelError
 from palatine.rdma.handle import BufferHandle, owner_gone
 from palatine.rdma.server import TransferReply, TransferRequest, recv_exact, recv_msg, send_msg
 
@@ -89,6 +89,10 @@ def transfer(
             raise CallTimeout(
                 f"rdma {op}: no answer from the buffer's owner {h.owner} within {timeout_s:g} s"
             ) from None
+        except ssl.SSLCertVerificationError as e:
+            if sock is not None:
+                sock.close()
+            raise ChannelError(f"rdma {op}: TLS with the buffer's owner {h.owner}: {e}") from None
         except (ConnectionError, ssl.SSLError, OSError) as e:
             if sock is not None:
                 sock.close()
