@@ -9,6 +9,7 @@ stays free while the program trains, so the proc answers stops, ``palatine stack
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import socket
 import threading
@@ -106,20 +107,21 @@ class SPMDActor(Actor):
             raise RuntimeError(f"rank {self._rank} already runs a program (pid {os.getpid()})")
         env = self._apply_env(master_addr, master_port, restart_count, max_restarts, extra)
         local_rank = int(env["LOCAL_RANK"])
+        # The report is sent from the proc's loop, as this actor (a thread has no mailbox).
+        loop, cx = asyncio.get_running_loop(), contextvars.copy_context()
 
         def body() -> None:
             status = run_program(program)
-            report.send(
-                RankExited(
-                    rank=self._rank,
-                    local_rank=local_rank,
-                    attempt=restart_count,
-                    status=status,
-                    pid=os.getpid(),
-                    host=socket.gethostname(),
-                    ended_at=time.time(),
-                )
+            exited = RankExited(
+                rank=self._rank,
+                local_rank=local_rank,
+                attempt=restart_count,
+                status=status,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                ended_at=time.time(),
             )
+            loop.call_soon_threadsafe(report.send, exited, context=cx)
 
         self._running = threading.Thread(target=body, name=THREAD_NAME, daemon=True)
         self._running.start()

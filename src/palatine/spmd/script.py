@@ -14,6 +14,7 @@ import os
 import runpy
 import sys
 import traceback
+from types import TracebackType
 
 import msgspec
 
@@ -52,7 +53,7 @@ def run_program(program: list[str]) -> int | ScriptFailed:
     except SystemExit as e:
         return _exit_code(e.code)
     except BaseException as e:  # noqa: BLE001 - whatever the program raised is its exit status
-        text = "".join(traceback.format_exception(e))
+        text = "".join(traceback.format_exception(type(e), e, _program_frames(e.__traceback__)))
         print(text, end="", file=sys.stderr, flush=True)
         return ScriptFailed(type(e).__qualname__, str(e), text)
     finally:
@@ -89,6 +90,15 @@ def _run(program: list[str]) -> None:
     # As `python script.py` does: the script's directory first on the import path.
     _first_on_path(os.path.dirname(path))
     runpy.run_path(path, run_name="__main__")
+
+
+def _program_frames(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback from the program's own first frame on, as Python shows it for
+    ``python script.py``: this module's and runpy's frames before it left out."""
+    skip = {__file__, runpy.__file__, "<frozen runpy>"}
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in skip:
+        tb = tb.tb_next
+    return tb
 
 
 def _first_on_path(directory: str) -> None:

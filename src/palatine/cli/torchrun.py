@@ -1,0 +1,135 @@
+"""``palatine torchrun``: run a torchrun script on a palatine mesh, with torchrun's flags.
+
+    palatine torchrun --nproc-per-node 4 train.py --lr 0.1
+    palatine torchrun --nnodes 2 --nproc-per-node 2 --max-restarts 3 -m pkg.train
+
+Each rank is a palatine proc running the program as ``__main__`` with torchrun's
+variables (`palatine.spmd`). What it prints appears behind its world and rank, identical
+lines of several ranks once; a rank's death is named (world, rank, host, pid, signal)
+milliseconds after it happened; ``palatine stacks`` / ``palatine top`` work on the job
+(the system's address is printed at the start). A failure restarts the whole group, up to
+``--max-restarts`` times, from the host's warm fork server. The exit status is torchrun's:
+0 when every rank succeeded, 1 otherwise, after a failure summary in torchrun's layout.
+
+``--nnodes N`` on one machine runs N groups of ``--nproc-per-node`` procs here (a mesh
+``{"nodes": N, "procs": P}``). Accepted and ignored, as they have no meaning here:
+``--rdzv-backend``, ``--rdzv-endpoint``, ``--rdzv-id``, ``--rdzv-conf``, ``--standalone``,
+``--node-rank``, ``--monitor-interval``, ``--start-method``, ``--redirects``, ``--tee``,
+``--log-dir``, ``--local-addr``, ``--role``. ``--master-addr`` / ``--master-port`` are used
+when given (else rank 0's machine and a free port there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+__all__ = ["add_arguments", "nproc_per_node", "run"]
+
+#: Accepted for torchrun's command lines, and ignored (see the module's text).
+IGNORED = (
+    "rdzv-backend",
+    "rdzv-endpoint",
+    "rdzv-id",
+    "rdzv-conf",
+    "node-rank",
+    "monitor-interval",
+    "start-method",
+    "redirects",
+    "tee",
+    "log-dir",
+    "local-addr",
+    "role",
+)
+
+
+def _flag(p: argparse.ArgumentParser, name: str, **kw: Any) -> None:
+    """``--a-b`` and torchrun's other spelling ``--a_b``."""
+    p.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kw)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    _flag(p, "nnodes", default="1", help="N or MIN:MAX (this machine: N groups of procs)")
+    _flag(p, "nproc-per-node", default="1", help="N, gpu, cpu or auto")
+    _flag(p, "max-restarts", type=int, default=0, help="restarts of the group on a failure")
+    _flag(p, "master-addr", default=None, help="MASTER_ADDR (default: rank 0's machine)")
+    _flag(p, "master-port", type=int, default=None, help="MASTER_PORT (default: a free one)")
+    p.add_argument("--standalone", action="store_true", help="accepted (always standalone)")
+    for name in IGNORED:
+        _flag(p, name, default=None, help=argparse.SUPPRESS)
+    p.add_argument("-m", "--module", action="store_true", help="run the program as a module")
+    p.add_argument("--no-python", "--no_python", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("training_script", help="the script (or module, with -m)")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+
+
+def nproc_per_node(text: str) -> int:
+    """``--nproc-per-node``: a count, or ``gpu`` (the visible GPUs), ``cpu`` (the CPUs
+    this process may run on), ``auto`` (GPUs when there are any, else CPUs)."""
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    if text in ("gpu", "auto"):
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus or text == "gpu":
+            if not gpus:
+                raise ValueError("--nproc-per-node gpu: no GPU is visible")
+            return gpus
+    if text in ("cpu", "auto"):
+        return len(os.sched_getaffinity(0))
+    raise ValueError(f"--nproc-per-node must be a positive count, gpu, cpu or auto, not {text!r}")
+
+
+def _nnodes(text: str) -> int:
+    low, _, high = text.partition(":")
+    if not low.isdigit() or (high and not high.isdigit()) or int(low) < 1:
+        raise ValueError(f"--nnodes must be N or MIN:MAX, not {text!r}")
+    return int(high or low)
+
+
+def _say(line: str) -> None:
+    print(f"[palatine torchrun] {line}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from palatine.cli.role import setup_logging
+
+    if args.no_python:
+        _say("--no-python is not supported: the program runs in palatine's Python procs")
+        return 2
+    try:
+        nnodes = _nnodes(args.nnodes)
+        nproc = nproc_per_node(args.nproc_per_node)
+    except ValueError as e:
+        _say(str(e))
+        return 2
+    ignored = [f"--{n}" for n in IGNORED if getattr(args, n.replace("-", "_")) is not None]
+    if ignored:
+        _say(f"ignoring {', '.join(ignored)}: palatine's system is the rendezvous")
+    program = [*(["-m"] if args.module else []), args.training_script, *args.training_script_args]
+    extra: dict[str, str] = {}
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        extra["OMP_NUM_THREADS"] = "1"  # as torchrun does
+        _say("OMP_NUM_THREADS=1 for each rank (as torchrun sets it); set it to choose")
+    if os.environ.get("PALATINE_LOG_LEVEL"):  # else palatine's warnings and errors only
+        setup_logging()
+    from palatine.job.hostmesh import this_host
+    from palatine.spmd.launcher import launch
+    from palatine.spmd.summary import failure_summary
+
+    per_host = {"nodes": nnodes, "procs": nproc} if nnodes > 1 else {"procs": nproc}
+    result = launch(
+        program,
+        this_host(),
+        per_host,
+        max_restarts=args.max_restarts,
+        say=_say,
+        extra_env=extra,
+        master=(args.master_addr, args.master_port),
+    )
+    if result.status:
+        print(failure_summary(result), file=sys.stderr, flush=True)
+    return result.status

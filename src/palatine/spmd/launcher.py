@@ -1,0 +1,231 @@
+"""The elastic launcher behind ``palatine torchrun``: a program on every proc of a mesh,
+the whole group started again when a rank fails, as torchrun's agent does.
+
+Each attempt spawns a fresh proc mesh (forked from the host's warm fork server, not cold
+interpreters), an `SPMDActor` on each proc, and starts the program on every rank with
+``TORCHELASTIC_RESTART_COUNT`` set to the attempt. It then waits for one of:
+
+* every rank's `RankExited` with status 0: the run succeeded;
+* a rank's `RankExited` with another status (an exit code, an exception), or the death of
+  a rank's proc (palatine's supervision names it, with world, rank, host, pid and signal,
+  milliseconds after it happened, as a `palatine.errors.MeshFailure`).
+
+On a failure the launcher says so at once, gathers what else fails in the next moments
+(a rank's death makes its peers' collectives fail: the death, not those, is the root
+cause), stops the group (a process group cannot lose a member) and starts the next
+attempt, up to ``max_restarts`` restarts; the failures of the last one are its result.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from palatine import config
+from palatine.core.ports import Channel, Port, PortReceiver
+from palatine.core.supervision_hook import set_unhandled_fault_hook
+from palatine.errors import MeshFailure
+from palatine.ids import ProcId
+from palatine.job.procmesh import ProcMesh
+from palatine.spmd.actor import RankExited, SPMDActor
+from palatine.spmd.script import ScriptFailed, describe
+
+__all__ = ["ElasticResult", "HostsLike", "RankFailure", "launch"]
+
+log = logging.getLogger(__name__)
+
+#: How long, after a group's first failure, further failures of it are gathered before
+#: it is stopped (the root cause is then a death, not its peers' broken collectives).
+GATHER_S = 0.25
+#: How often the wait for the ranks wakes up (to notice Ctrl-C).
+POLL_S = 0.5
+
+_SIGNAL = re.compile(r"killed by signal (\d+)")
+_CODE = re.compile(r"exited with code (-?\d+)")
+
+
+class HostsLike(Protocol):
+    """Where the procs come from: ``this_host()`` or a job's ``host_mesh()``."""
+
+    def spawn_procs(self, per_host: dict[str, int] | None = None) -> ProcMesh: ...
+
+
+@dataclass
+class RankFailure:
+    """One rank's failure, in torchrun's terms: ``exit_code`` is negative for a signal
+    (``-9``), ``error`` is the first line of what went wrong."""
+
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    exit_code: int
+    error: str
+    traceback: str = ""
+    proc: str = ""  # the palatine proc (``mesh0[2]``)
+    died: bool = False  # its process ended (a signal, an exit): not the program's return
+    at: float = field(default_factory=time.time)
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exit_code >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exit_code).name
+        except ValueError:
+            return None
+
+    def describe(self) -> str:
+        """``rank 2 (mesh0[2], pid 1234 on node1): killed by signal 9 (SIGKILL)``."""
+        where = ", ".join(p for p in (self.proc, f"pid {self.pid}", f"on {self.host}") if p)
+        return f"rank {self.rank} ({where}): {self.error}"
+
+
+@dataclass
+class ElasticResult:
+    """How a launch ended: ``status`` 0 when every rank succeeded, else 1 (torchrun's);
+    ``failures`` of the last attempt, root cause first; ``restarts`` made."""
+
+    status: int
+    failures: list[RankFailure]
+    restarts: int
+    program: str
+
+
+def launch(
+    program: list[str],
+    hosts: HostsLike,
+    per_host: dict[str, int],
+    max_restarts: int = 0,
+    say: Callable[[str], None] = print,
+    extra_env: dict[str, str] | None = None,
+    master: tuple[str | None, int | None] = (None, None),
+) -> ElasticResult:
+    """Run ``program`` on ``hosts.spawn_procs(per_host)`` (the last dimension is a node's
+    ranks), restarting the group up to ``max_restarts`` times; ``say`` gets the lines
+    for the user (a failure, a restart). ``master``: ``MASTER_ADDR`` and ``MASTER_PORT``
+    when given (else rank 0's machine and a port free there)."""
+    failures: list[RankFailure] = []
+    for attempt in range(max_restarts + 1):
+        failures = _attempt(program, hosts, per_host, attempt, max_restarts, say, extra_env, master)
+        if not failures:
+            return ElasticResult(0, [], attempt, describe(program))
+        if attempt < max_restarts:
+            say(
+                f"restarting the group ({attempt + 1} of {max_restarts} restarts; "
+                f"TORCHELASTIC_RESTART_COUNT={attempt + 1})"
+            )
+    return ElasticResult(1, failures, max_restarts, describe(program))
+
+
+def _attempt(
+    program: list[str],
+    hosts: HostsLike,
+    per_host: dict[str, int],
+    attempt: int,
+    max_restarts: int,
+    say: Callable[[str], None],
+    extra_env: dict[str, str] | None,
+    master: tuple[str | None, int | None],
+) -> list[RankFailure]:
+    procs = hosts.spawn_procs(per_host=per_host)
+    report: Port[Any]
+    receiver: PortReceiver[Any]
+    report, receiver = Channel.open()
+    before = set_unhandled_fault_hook(report.send)  # a proc's death arrives with the exits
+    try:
+        n = len(procs)
+        local = list(per_host.values())[-1]
+        actors = procs.spawn("spmd", SPMDActor)
+        first = actors.slice(**dict.fromkeys(procs.sizes, 0))
+        addr, port = first.get_host_port.call_one(master[0]).get(config.get().rpc_timeout_s)
+        port = master[1] or port
+        actors.start.call(addr, port, program, report, attempt, max_restarts, extra_env).get(
+            config.get().rpc_timeout_s
+        )
+        ok: set[int] = set()
+        failures: list[RankFailure] = []
+        gather_until: float | None = None
+        while len(ok) < n:
+            wait = POLL_S if gather_until is None else gather_until - time.monotonic()
+            if wait <= 0:
+                break
+            try:
+                msg = receiver.recv(timeout=wait).get()
+            except TimeoutError:
+                continue
+            failure = _failure_of(msg, procs, local, attempt)
+            if isinstance(msg, RankExited) and msg.attempt == attempt and msg.status == 0:
+                ok.add(msg.rank)
+            elif failure is not None and failure.rank not in {f.rank for f in failures}:
+                say(failure.describe())
+                if not failures:
+                    gather_until = time.monotonic() + GATHER_S
+                failures.append(failure)
+        return _root_first(failures)
+    finally:
+        set_unhandled_fault_hook(before)
+        procs.stop().get(config.get().proc_stop_timeout_s + 30)
+        receiver.close()
+
+
+def _failure_of(msg: Any, procs: ProcMesh, local: int, attempt: int) -> RankFailure | None:
+    """The failure ``msg`` tells of (None: a success, or news of another group)."""
+    if isinstance(msg, RankExited):
+        if msg.attempt != attempt or msg.status == 0:
+            return None
+        status = msg.status
+        if isinstance(status, ScriptFailed):
+            code, error, tb = 1, status.first_line, status.traceback
+        else:
+            code, error, tb = status, f"exited with code {status}", ""
+        return RankFailure(
+            msg.rank,
+            msg.local_rank,
+            msg.host,
+            msg.pid,
+            code,
+            error,
+            tb,
+            proc=str(procs.world.proc(msg.rank)),
+            at=msg.ended_at,
+        )
+    if isinstance(msg, MeshFailure):
+        try:
+            proc = ProcId.parse(msg.actor_id.split(".", 1)[0])
+        except ValueError:
+            return None
+        if proc.world != procs.world:
+            return None
+        message = msg.message.removeprefix("its proc died: ")
+        by_signal, by_code = _SIGNAL.search(message), _CODE.search(message)
+        exit_code = (
+            -int(by_signal.group(1)) if by_signal else int(by_code.group(1)) if by_code else 1
+        )
+        return RankFailure(
+            proc.rank,
+            proc.rank % local,
+            msg.host or socket.gethostname(),
+            msg.pid,
+            exit_code,
+            message,
+            msg.traceback,
+            proc=str(proc),
+            died=msg.actor_id == str(proc),
+        )
+    log.debug("ignoring %r on the launcher's port", msg)
+    return None
+
+
+def _root_first(failures: list[RankFailure]) -> list[RankFailure]:
+    """Failures with the root cause first: the first rank whose process died, else the
+    first reported (a dead peer makes the others' collectives fail right after)."""
+    died = [f for f in failures if f.died]
+    root = died[0] if died else (failures[0] if failures else None)
+    return [root, *(f for f in failures if f is not root)] if root else []

@@ -1,0 +1,182 @@
+"""``palatine torchrun`` runs a script written for torchrun, as torchrun would: the same
+losses and final model as ``torchrun`` itself, a SIGKILLed rank named and the group
+restarted from the script's checkpoint, a raising rank's traceback and torchrun's exit
+status and failure summary."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+#: A typical DDP script: torch only, env://, gloo, a checkpoint every --ckpt-every steps
+#: (resumed from when it exists), rank 0 prints the mean loss of every step. A rank may be
+#: told to SIGKILL itself (first attempt only) or to raise, at a step.
+DDP_SCRIPT = """
+import argparse, os, signal
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=12)
+p.add_argument("--ckpt-every", type=int, default=4)
+p.add_argument("--dir", required=True)
+p.add_argument("--kill-rank", type=int, default=-1)
+p.add_argument("--raise-rank", type=int, default=-1)
+p.add_argument("--at", type=int, default=-1)
+a = p.parse_args()
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+ckpt = os.path.join(a.dir, "ckpt.pt")
+start = 0
+if os.path.exists(ckpt):
+    state = torch.load(ckpt)
+    model.module.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    start = state["step"]
+    if rank == 0:
+        print(f"resumed at step {start} (restart {restart})", flush=True)
+for step in range(start, a.steps):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(32, 8, generator=g)
+    loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    if rank == 0:
+        print(f"step {step} loss {mean.item() / world:.6f}", flush=True)
+    if (step + 1) % a.ckpt_every == 0:
+        if rank == 0:
+            state = {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step + 1}
+            torch.save(state, ckpt + ".tmp")
+            os.replace(ckpt + ".tmp", ckpt)
+        dist.barrier()
+    if restart == 0 and rank == a.kill_rank and step == a.at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == a.raise_rank and step == a.at:
+        raise RuntimeError(f"rank {rank} gives up at step {step}")
+if rank == 0:
+    torch.save(model.module.state_dict(), os.path.join(a.dir, "final.pt"))
+dist.barrier()
+"""
+
+_LOSS = re.compile(r"step (\d+) loss (\S+)")
+
+
+def run(
+    command: list[str], tmp: Path, flags: tuple[str, ...] = (), args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """Run the DDP script on 4 ranks under ``command`` with launcher ``flags`` and script
+    ``args`` (its checkpoints and final model in ``tmp``)."""
+    script = tmp / "train.py"
+    script.write_text(DDP_SCRIPT)
+    env = dict(os.environ)
+    env.pop("PALATINE_CLUSTER_TOKEN", None)
+    return subprocess.run(
+        [*command, "--nproc-per-node", "4", *flags, str(script), "--dir", str(tmp), *args],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        cwd=tmp,
+    )
+
+
+def palatine_torchrun() -> list[str]:
+    return [sys.executable, "-m", "palatine", "torchrun"]
+
+
+def losses(text: str) -> dict[int, str]:
+    """Step -> the loss rank 0 printed (a restart prints the resumed steps again)."""
+    return {int(m.group(1)): m.group(2) for m in _LOSS.finditer(text)}
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, str]]:
+    """The script without faults under ``palatine torchrun``: its directory, its losses."""
+    tmp = tmp_path_factory.mktemp("clean")
+    out = run(palatine_torchrun(), tmp)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    seen = losses(out.stderr)  # (the ranks' output comes on stderr, behind their rank)
+    assert sorted(seen) == list(range(12)), out.stderr[-4000:]
+    assert "[mesh0 0] step 11 loss " in out.stderr
+    return tmp, seen
+
+
+def test_a_ddp_script_gives_torchruns_losses_and_final_model(
+    clean_run: tuple[Path, dict[int, str]], tmp_path: Path
+) -> None:
+    import torch
+
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    out = run([torchrun], tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    ours, seen = clean_run
+    assert losses(out.stdout) == seen
+    mine, theirs = torch.load(ours / "final.pt"), torch.load(tmp_path / "final.pt")
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_a_sigkilled_rank_is_named_and_the_group_resumes_from_the_checkpoint(
+    clean_run: tuple[Path, dict[int, str]], tmp_path: Path
+) -> None:
+    flags, args = ("--max-restarts", "1"), ("--kill-rank", "2", "--at", "6")
+    out = run(palatine_torchrun(), tmp_path, flags, args)
+    assert out.returncode == 0, out.stderr[-4000:]
+    err = out.stderr
+    named = re.search(
+        r"\[palatine torchrun\] rank 2 \(mesh0\[2\], pid (\d+), on \S+\): "
+        r"killed by signal 9 \(SIGKILL\)",
+        err,
+    )
+    assert named, err[-4000:]
+    assert "restarting the group (1 of 1 restarts; TORCHELASTIC_RESTART_COUNT=1)" in err
+    assert "[mesh1 0] resumed at step 4 (restart 1)" in err  # (a new group: world mesh1)
+    _, seen = clean_run
+    assert losses(err) == seen  # the steps after the checkpoint again, the same final loss
+
+
+def test_a_rank_that_raises_exits_1_with_its_traceback_and_torchruns_summary(
+    tmp_path: Path,
+) -> None:
+    out = run(palatine_torchrun(), tmp_path, args=("--raise-rank", "1", "--at", "2"))
+    assert out.returncode == 1, out.stderr[-4000:]
+    err = out.stderr
+    script = tmp_path / "train.py"
+    # The rank's traceback as Python prints it for the script, behind its rank
+    assert "[mesh0 1] Traceback (most recent call last):" in err, err[-4000:]
+    assert f'[mesh0 1]   File "{script}", line ' in err
+    assert "[mesh0 1] RuntimeError: rank 1 gives up at step 2" in err
+    # torchrun's summary: the program, no other failures, the root cause
+    summary = err[err.index(f"{script} FAILED") :]
+    assert "Failures:\n  <NO_OTHER_FAILURES>" in summary
+    assert "  rank      : 1 (local_rank: 1)" in summary
+    assert re.search(r"  exitcode  : 1 \(pid: \d+\)\n", summary), summary
+    assert "  RuntimeError: rank 1 gives up at step 2" in summary
+
+
+def test_a_rank_killed_with_no_restarts_left_exits_1_naming_the_signal(tmp_path: Path) -> None:
+    out = run(palatine_torchrun(), tmp_path, args=("--kill-rank", "3", "--at", "1"))
+    assert out.returncode == 1, out.stderr[-4000:]
+    summary = out.stderr[out.stderr.index("FAILED") :]
+    root = summary[summary.index("Root Cause") :]
+    assert "  rank      : 3 (local_rank: 3)" in root, summary
+    assert re.search(r"  exitcode  : -9 \(pid: \d+\) \(SIGKILL\)", root), summary
+    assert "killed by signal 9 (SIGKILL)" in root
