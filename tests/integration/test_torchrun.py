@@ -1,7 +1,7 @@
 """``palatine torchrun`` runs a script written for torchrun, as torchrun would: the same
 losses and final model as ``torchrun`` itself, a SIGKILLed rank named and the group
-restarted from the script's checkpoint, a raising rank's traceback and torchrun's exit
-status and failure summary."""
+restarted from the script's checkpoint, a raising rank's traceback (and where the ranks
+waiting for it are stuck), torchrun's exit status and failure summary."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def test_a_sigkilled_rank_is_named_and_the_group_resumes_from_the_checkpoint(
     assert losses(err) == seen  # the steps after the checkpoint again, the same final loss
 
 
-def test_a_rank_that_raises_exits_1_with_its_traceback_and_torchruns_summary(
+def test_a_rank_that_raises_exits_1_with_its_traceback_the_stuck_ranks_stacks_and_a_summary(
     tmp_path: Path,
 ) -> None:
     out = run(palatine_torchrun(), tmp_path, args=("--raise-rank", "1", "--at", "2"))
@@ -164,6 +164,9 @@ def test_a_rank_that_raises_exits_1_with_its_traceback_and_torchruns_summary(
     assert "[mesh0 1] Traceback (most recent call last):" in err, err[-4000:]
     assert f'[mesh0 1]   File "{script}", line ' in err
     assert "[mesh0 1] RuntimeError: rank 1 gives up at step 2" in err
+    # The others wait for it in a collective: shown where, before they are stopped
+    stuck = err.index("[palatine torchrun] ranks 0,2-3 still running when the group stopped")
+    assert f'  File "{script}", line ' in err[stuck:], err[stuck:]
     # torchrun's summary: the program, no other failures, the root cause
     summary = err[err.index(f"{script} FAILED") :]
     assert "Failures:\n  <NO_OTHER_FAILURES>" in summary

@@ -94,6 +94,17 @@ def _say(line: str) -> None:
     print(f"[palatine torchrun] {line}", file=sys.stderr, flush=True)
 
 
+def _print_stuck(stacks: dict[str, str]) -> None:
+    """The ranks still running when the group stops for a failure, by stack."""
+    from palatine.cli.stacks import group_stacks, rank_ranges
+
+    for procs, text in group_stacks(stacks):
+        ranks = rank_ranges([int(p.rsplit("[", 1)[1].rstrip("]")) for p in procs])
+        word = "rank" if len(procs) == 1 else "ranks"
+        _say(f"{word} {ranks} still running when the group stopped, in:")
+        print(text.rstrip(), file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from palatine.cli.role import setup_logging
 
@@ -129,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         say=_say,
         extra_env=extra,
         master=(args.master_addr, args.master_port),
+        on_stuck=_print_stuck,
     )
     if result.status:
         print(failure_summary(result), file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ import msgspec
 from palatine.core.actor import Actor, current_rank, endpoint
 from palatine.core.ports import Port
 from palatine.spmd.env import elastic_env, free_port, master_host
-from palatine.spmd.script import ScriptFailed, run_program
+from palatine.spmd.script import ScriptFailed, program_stack, run_program
 
 __all__ = ["RankExited", "SPMDActor"]
 
@@ -126,6 +126,15 @@ class SPMDActor(Actor):
         self._running = threading.Thread(target=body, name=THREAD_NAME, daemon=True)
         self._running.start()
         return os.getpid()
+
+    @endpoint
+    def stack(self) -> str:
+        """Where this rank's program is now (its thread's Python stack, from the program's
+        first frame); "" when none runs. The proc's loop answers while the program is
+        stuck in a collective or a sleep: it runs on its own thread."""
+        if self._running is None:
+            return ""
+        return program_stack(self._running, (__file__,))
 
     @endpoint
     async def main(

@@ -29,20 +29,24 @@ from typing import Any, Protocol
 
 from palatine import config
 from palatine.core.ports import Channel, Port, PortReceiver
+from palatine.core.shape import Extent
 from palatine.core.supervision_hook import set_unhandled_fault_hook
 from palatine.errors import MeshFailure
 from palatine.ids import ProcId
 from palatine.job.procmesh import ProcMesh
+from palatine.mesh.actor_mesh import ActorMesh
 from palatine.spmd.actor import RankExited, SPMDActor
 from palatine.spmd.script import ScriptFailed, describe
 
-__all__ = ["ElasticResult", "HostsLike", "RankFailure", "launch"]
+__all__ = ["ElasticResult", "HostsLike", "Launch", "RankFailure", "launch"]
 
 log = logging.getLogger(__name__)
 
 #: How long, after a group's first failure, further failures of it are gathered before
 #: it is stopped (the root cause is then a death, not its peers' broken collectives).
 GATHER_S = 0.25
+#: How long a running rank has to tell its program's stack.
+STACK_S = 5.0
 #: How often the wait for the ranks wakes up (to notice Ctrl-C).
 POLL_S = 0.5
 
@@ -98,6 +102,20 @@ class ElasticResult:
     program: str
 
 
+@dataclass
+class Launch:
+    """What to run, where, and how to report: `launch`'s arguments (see there)."""
+
+    program: list[str]
+    hosts: HostsLike
+    per_host: dict[str, int]
+    max_restarts: int = 0
+    say: Callable[[str], None] = print
+    extra_env: dict[str, str] | None = None
+    master: tuple[str | None, int | None] = (None, None)
+    on_stuck: Callable[[dict[str, str]], None] | None = None
+
+
 def launch(
     program: list[str],
     hosts: HostsLike,
@@ -106,14 +124,19 @@ def launch(
     say: Callable[[str], None] = print,
     extra_env: dict[str, str] | None = None,
     master: tuple[str | None, int | None] = (None, None),
+    on_stuck: Callable[[dict[str, str]], None] | None = None,
 ) -> ElasticResult:
     """Run ``program`` on ``hosts.spawn_procs(per_host)`` (the last dimension is a node's
     ranks), restarting the group up to ``max_restarts`` times; ``say`` gets the lines
-    for the user (a failure, a restart). ``master``: ``MASTER_ADDR`` and ``MASTER_PORT``
-    when given (else rank 0's machine and a port free there)."""
+    for the user (a failure, a restart). ``extra_env`` is set on every rank besides
+    torchrun's variables. ``master``: ``MASTER_ADDR`` and ``MASTER_PORT`` when given
+    (else rank 0's machine and a port free there). ``on_stuck`` gets the stacks of the
+    ranks still running when a group is stopped for a failure (by proc: ``{"mesh0[2]":
+    text}``), which are most often waiting in a collective for the failed rank."""
+    plan = Launch(program, hosts, per_host, max_restarts, say, extra_env, master, on_stuck)
     failures: list[RankFailure] = []
     for attempt in range(max_restarts + 1):
-        failures = _attempt(program, hosts, per_host, attempt, max_restarts, say, extra_env, master)
+        failures = _attempt(plan, attempt)
         if not failures:
             return ElasticResult(0, [], attempt, describe(program))
         if attempt < max_restarts:
@@ -124,31 +147,23 @@ def launch(
     return ElasticResult(1, failures, max_restarts, describe(program))
 
 
-def _attempt(
-    program: list[str],
-    hosts: HostsLike,
-    per_host: dict[str, int],
-    attempt: int,
-    max_restarts: int,
-    say: Callable[[str], None],
-    extra_env: dict[str, str] | None,
-    master: tuple[str | None, int | None],
-) -> list[RankFailure]:
-    procs = hosts.spawn_procs(per_host=per_host)
+def _attempt(plan: Launch, attempt: int) -> list[RankFailure]:
+    procs = plan.hosts.spawn_procs(per_host=plan.per_host)
     report: Port[Any]
     receiver: PortReceiver[Any]
     report, receiver = Channel.open()
     before = set_unhandled_fault_hook(report.send)  # a proc's death arrives with the exits
     try:
         n = len(procs)
-        local = list(per_host.values())[-1]
+        local = list(plan.per_host.values())[-1]
         actors = procs.spawn("spmd", SPMDActor)
         first = actors.slice(**dict.fromkeys(procs.sizes, 0))
-        addr, port = first.get_host_port.call_one(master[0]).get(config.get().rpc_timeout_s)
-        port = master[1] or port
-        actors.start.call(addr, port, program, report, attempt, max_restarts, extra_env).get(
-            config.get().rpc_timeout_s
-        )
+        rpc_s = config.get().rpc_timeout_s
+        addr, port = first.get_host_port.call_one(plan.master[0]).get(rpc_s)
+        port = plan.master[1] or port
+        actors.start.call(
+            addr, port, plan.program, report, attempt, plan.max_restarts, plan.extra_env
+        ).get(rpc_s)
         ok: set[int] = set()
         failures: list[RankFailure] = []
         gather_until: float | None = None
@@ -164,15 +179,33 @@ def _attempt(
             if isinstance(msg, RankExited) and msg.attempt == attempt and msg.status == 0:
                 ok.add(msg.rank)
             elif failure is not None and failure.rank not in {f.rank for f in failures}:
-                say(failure.describe())
+                plan.say(failure.describe())
                 if not failures:
                     gather_until = time.monotonic() + GATHER_S
                 failures.append(failure)
+        running = set(range(n)) - ok - {f.rank for f in failures}
+        if failures and running and plan.on_stuck is not None:
+            plan.on_stuck(_stacks(actors, procs, sorted(running)))
         return _root_first(failures)
     finally:
         set_unhandled_fault_hook(before)
         procs.stop().get(config.get().proc_stop_timeout_s + 30)
         receiver.close()
+
+
+def _stacks(actors: ActorMesh, procs: ProcMesh, ranks: list[int]) -> dict[str, str]:
+    """The programs' stacks on ``ranks`` (by proc), each asked within `STACK_S`."""
+    extent = Extent.of(list(procs.sizes.items()))
+    asked = [(r, actors.slice(**extent.point(r)).stack.call_one()) for r in ranks]
+    out = {}
+    for r, fut in asked:
+        try:
+            text = fut.get(STACK_S)
+        except Exception as e:  # noqa: BLE001 - a rank that cannot answer is named so
+            text = f"(no stack: {e})\n"
+        if text:
+            out[str(procs.world.proc(r))] = text
+    return out
 
 
 def _failure_of(msg: Any, procs: ProcMesh, local: int, attempt: int) -> RankFailure | None:

@@ -13,12 +13,13 @@ import importlib
 import os
 import runpy
 import sys
+import threading
 import traceback
 from types import TracebackType
 
 import msgspec
 
-__all__ = ["ScriptFailed", "describe", "run_program"]
+__all__ = ["ScriptFailed", "describe", "program_stack", "run_program"]
 
 
 class ScriptFailed(msgspec.Struct, frozen=True):
@@ -92,13 +93,34 @@ def _run(program: list[str]) -> None:
     runpy.run_path(path, run_name="__main__")
 
 
+#: The frames a program runs under (a thread's start, this module, runpy), left out of
+#: its tracebacks and stacks as Python leaves its own out for ``python script.py``.
+_RUNNER_FILES = {__file__, runpy.__file__, "<frozen runpy>", threading.__file__}
+
+
 def _program_frames(tb: TracebackType | None) -> TracebackType | None:
-    """The traceback from the program's own first frame on, as Python shows it for
-    ``python script.py``: this module's and runpy's frames before it left out."""
-    skip = {__file__, runpy.__file__, "<frozen runpy>"}
-    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in skip:
+    """The traceback from the program's own first frame on."""
+    while (
+        tb is not None
+        and tb.tb_next is not None
+        and tb.tb_frame.f_code.co_filename in _RUNNER_FILES
+    ):
         tb = tb.tb_next
     return tb
+
+
+def program_stack(thread: threading.Thread, runner_files: tuple[str, ...] = ()) -> str:
+    """Where the program on ``thread`` is now (its own frames, outermost first, as a
+    traceback shows them); "" when the thread has ended. ``runner_files``: more files
+    whose frames precede the program's (the caller's own)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None or not thread.is_alive():
+        return ""
+    frames = traceback.extract_stack(frame)
+    skip = _RUNNER_FILES | set(runner_files)
+    while len(frames) > 1 and frames[0].filename in skip:
+        frames = traceback.StackSummary.from_list(frames[1:])
+    return "".join(frames.format())
 
 
 def _first_on_path(directory: str) -> None:
