@@ -23,7 +23,7 @@ from palatine.channel import token as token_mod
 from palatine.channel.addr import ChannelAddr, any_addr
 from palatine.core import runtime
 from palatine.core.actor import Actor, Context, _current_cx
-from palatine.core.sender import caller_mailbox, set_default_client
+from palatine.core.sender import caller_mailbox, default_client, set_default_client
 from palatine.hosting.agent import ProcHandle, bootstrap_proc
 from palatine.hosting.child_env import Handoff
 from palatine.hosting.forkserver import ForkServer, fork_server_supported
@@ -258,8 +258,8 @@ async def _spawn_here(
     kwargs: dict[str, Any],
     owner: Context | None,
 ) -> ActorMesh[A]:
-    if owner is None:
-        await _get_cluster()  # a script's own proc is the client proc of its system
+    if owner is None and default_client() is None:
+        await _get_cluster()  # a script's own proc: the client proc of its this_host() system
     proc = (owner.mailbox if owner is not None else caller_mailbox()).actor_id.proc
     await spawn_on([proc], [], name, cls, args, kwargs, owner)
     # A mesh of that one proc, with no dimensions (Monarch's): a point, at the proc's rank.
