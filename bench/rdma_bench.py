@@ -10,7 +10,7 @@ Across the nodes of a namespace test bed (needs root, as bench/cross_node.py):
 ``cross_node_rdma_read_64MiB_GBps`` and ``cross_node_rdma_read_64MiB_tls_GBps``, the
 owner on one node and one reader on the other reading 64 MiB through the owner proc's
 buffer server (the goal: at least ``cross_node_fetch_64MiB_GBps``, which each of them
-measures again on the same test bed, after the reads: ``fetch_64MiB_GBps``).
+measures again on the same test bed, each fetch paired with a read: ``fetch_64MiB_GBps``).
 """
 
 from __future__ import annotations
@@ -79,35 +79,45 @@ def _bed() -> Iterator[TestBed]:
 
 
 def cross_node(args: Any, tls: bool) -> tuple[list[float], dict[str, Any]]:
-    """The owner on node 1, a reader on node 0: 64 MiB read whole, ``args.reps`` times;
-    then, on the same test bed, bench/cross_node.py's 64 MiB fetch from a worker of node 1
-    (the goal's reference), reported as ``fetch_64MiB_GBps`` and the ratio to it."""
-    from cross_node import fetch_rate
+    """The owner on node 1, a reader on node 0: 64 MiB read whole, ``args.reps`` times.
+    Each read is paired with bench/cross_node.py's 64 MiB fetch from a worker of node 1
+    by the client here (the goal's reference), on the same test bed and roles, one right
+    after the other, so both see the same load; the fetches' median is reported as
+    ``fetch_64MiB_GBps``, with the ratio to it."""
+    from cross_node import make_tensor
 
+    from palatine import fetch, remote
     from palatine.job.jobhosts import JobHosts
+    from palatine.tensor.client.local import connect
     from palatine.testing.bedroles import roles_on_bed
     from palatine.testing.certs import make_node_pki
 
+    reps, fetched = [], []
     with _bed() as bed, tempfile.TemporaryDirectory() as d:
         pki = None
         env: dict[str, str] = {}
         if tls:
             pki = make_node_pki(d, [bed.root_ip, bed.node_ip(0), bed.node_ip(1)])
             env = pki[bed.root_ip]
-        with patch.dict(os.environ, env), roles_on_bed(bed, tls=pki) as roles:
+        with patch.dict(os.environ, env), roles_on_bed(bed, per_host=1, tls=pki) as roles:
             hosts = JobHosts(roles.system_addr, roles.token, "hostworker", 2, sys.executable)
             try:
-                peers = hosts.spawn_procs({"procs": 1}).spawn("peer", Peer)
-                owner, reader = peers.slice(hosts=1, procs=0), peers.slice(hosts=0, procs=0)
-                buf = owner.publish.call_one(CROSS_BYTES).get()
-                reader.prepare.call_one(CROSS_BYTES).get()
-                reader.read.call_one(buf).get()  # warm: connected
-                took = [reader.read.call_one(buf).get() for _ in range(args.reps)]
+                with connect(roles.system_addr, "worker", timeout_s=90, _token=roles.token):
+                    value = remote(make_tensor)(CROSS_BYTES)
+                    where = {"host": 1, "proc": 0}
+                    fetch(value, shard=where).result()  # warm
+                    peers = hosts.spawn_procs({"procs": 1}).spawn("peer", Peer)
+                    owner, reader = peers.slice(hosts=1, procs=0), peers.slice(hosts=0, procs=0)
+                    buf = owner.publish.call_one(CROSS_BYTES).get()
+                    reader.prepare.call_one(CROSS_BYTES).get()
+                    reader.read.call_one(buf).get()  # warm: connected
+                    for _ in range(args.reps):
+                        reps.append(CROSS_BYTES / reader.read.call_one(buf).get() / 1e9)
+                        t0 = time.perf_counter()
+                        fetch(value, shard=where).result()
+                        fetched.append(CROSS_BYTES / (time.perf_counter() - t0) / 1e9)
             finally:
                 hosts.close()
-        with patch.dict(os.environ, env):
-            fetched, _ = fetch_rate(args, bed, pki)
-    reps = [CROSS_BYTES / s / 1e9 for s in took]
     fetch_median = sorted(fetched)[len(fetched) // 2]
     return reps, {
         "bytes": CROSS_BYTES,
