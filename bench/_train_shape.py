@@ -25,9 +25,10 @@ every side alike. The median of ``--reps`` repetitions is reported. Metrics:
   function, forward, backward, the gradients averaged over the mesh (with the
   framework's ``grad_generator`` when it has one, each gradient reduced as the backward
   yields it; else ``loss.backward()`` then one ``reduce_`` of every gradient), then
-  ``optimizer.step()``. Where the framework has ``coalescing``, each step runs inside
-  ``with coalescing():`` and this is that figure (``variant: coalesced``); else the plain
-  step's (``variant: plain``). torchrun's side: the same model and step as a plain
+  ``optimizer.step()``. Where the framework has a recording ``compile`` (palatine's
+  recorded and replayed step), this is the compiled step's figure (``variant:
+  compiled``); else, where it has ``coalescing``, each step inside ``with
+  coalescing():`` (``variant: coalesced``); else the plain step's (``variant: plain``). torchrun's side: the same model and step as a plain
   script (gloo, one all-reduce of the flattened gradients), timed inside rank 0.
 * ``torch_style_plain_step_per_s``: the plain step, printed only where a coalesced one
   is the headline above.
@@ -276,7 +277,11 @@ class MeshTorch:
     grad_generator: Callable[..., Any] | None  # (loss, tensors) -> their grads, in order
     coalescing: Callable[[], AbstractContextManager[Any]] | None
     mesh_text: str
-    notes: dict[str, Any] = field(default_factory=dict)  # extras for every line it prints
+    notes: dict[str, Any] = field(default_factory=dict)
+    # (step) -> the step recorded once and replayed (palatine.compile), if it has one
+    compile: Callable[[Callable[[], Any]], Callable[[], Any]] | None = (
+        None  # extras for every line it prints
+    )
 
 
 def _torch_step(fw: MeshTorch) -> Callable[[], Any]:
@@ -315,6 +320,8 @@ def _torch_step(fw: MeshTorch) -> Callable[[], Any]:
 
 
 def _coalesced(fw: MeshTorch, step: Callable[[], Any]) -> Callable[[], Any]:
+    if fw.compile is not None:
+        return fw.compile(step)
     coalescing = fw.coalescing
     assert coalescing is not None
 
@@ -362,9 +369,10 @@ def run_mesh(
                         sides[FUNCTION_STYLE] = Side("function-style", function_style(mesh), end)
                     plain = _torch_step(fw)
                     sides[TORCH_PLAIN] = Side("torch-style", plain, end)
-                    if fw.coalescing is not None:
+                    if fw.coalescing is not None or fw.compile is not None:
                         coalesced = _coalesced(fw, plain)
-                        sides[TORCH_STYLE] = Side("torch-style coalesced", coalesced, end)
+                        what = "compiled" if fw.compile is not None else "coalesced"
+                        sides[TORCH_STYLE] = Side(f"torch-style {what}", coalesced, end)
                     measure(list(sides.values()), args.reps, target_s)
                 except Exception as exc:  # noqa: BLE001 - the set-up failed: every metric says so
                     log(f"{fw.impl}: set-up failed: {type(exc).__name__}: {exc}")
@@ -387,7 +395,7 @@ def _report(out: Printer, fw: MeshTorch, sides: dict[str, Side], setup_error: An
     extra: dict[str, Any] = {}
     if coalesced is not None:
         if coalesced.values and coalesced.error is None:
-            head, variant = coalesced, "coalesced"
+            head, variant = coalesced, "compiled" if fw.compile is not None else "coalesced"
         else:
             extra["coalesced_error"] = f"{type(coalesced.error).__name__}: {coalesced.error}"
     if function is not None and function.values and head is not None and head.values:

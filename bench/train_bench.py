@@ -22,8 +22,9 @@ program measures two implementations, one after the other:
     backward, the gradients averaged over the mesh, ``optimizer.step()``. The gradients:
     with ``palatine.grad_generator`` where this palatine has it, else
     ``loss.backward()`` then ``palatine.reduce_(grads, (), "avg")`` (extra
-    ``backward``); each step inside ``with palatine.coalescing():`` where it has that
-    too (extra ``variant``; the plain step is then ``torch_style_plain_step_per_s``).
+    ``backward``); the step recorded once and replayed by ``palatine.compile`` where
+    this palatine has that (extra ``variant``; the plain step is then
+    ``torch_style_plain_step_per_s``).
 
 * torchrun (``impl: torchrun``), after palatine's mesh is shut down:
   ``python -m torch.distributed.run --standalone --nproc-per-node 2
@@ -200,6 +201,7 @@ def main() -> int:
                 fetch=_fetch,
                 grad_generator=grad_generator,
                 coalescing=coalescing,
+                compile=getattr(palatine, "compile", None),
                 mesh_text=f"palatine.local_mesh(hosts=1, procs_per_host={PROCS}), CPU workers",
             ),
             function_style=_function_style,

@@ -9,11 +9,11 @@ Layers (folders), bottom up; each imports only its own layer and those below it
     3. core
     4. fastpath
     5. mesh
-    6. protocol
+    6. protocol, rdma
     7. hosting
     8. system
     9. tensor
-    10. job
+    10. job, spmd
     11. cli, __main__
 
 Public names are loaded lazily, so ``import palatine`` stays cheap for worker procs; the
@@ -74,6 +74,7 @@ __all__ = [
     "get_or_spawn_controller",
     "resync",
     "LostValue",
+    "CoalescingError",
     "RecoveryError",
     "Tensor",
     "no_mesh",
@@ -93,6 +94,8 @@ __all__ = [
     "OpaqueRef",
     "remote_autograd_function",
     "RemoteAutogradFunction",
+    "coalescing",
+    "Compiled",
 ]
 
 if TYPE_CHECKING:
@@ -111,6 +114,7 @@ if TYPE_CHECKING:
     from palatine.core.supervision_hook import set_unhandled_fault_hook
     from palatine.errors import (
         CallTimeout,
+        CoalescingError,
         DeviceException,
         LostValue,
         MeshFailure,
@@ -132,6 +136,8 @@ if TYPE_CHECKING:
         RemoteAutogradFunction,
         remote_autograd_function,
     )
+    from palatine.tensor.client.coalescing import Compiled, coalescing
+    from palatine.tensor.client.coalescing import compile as compile
     from palatine.tensor.client.collectives import resync
     from palatine.tensor.client.context import (
         get_active_mesh,
@@ -206,6 +212,7 @@ _WHERE = {
     "get_or_spawn_controller": "palatine.job.controllers",
     "resync": "palatine.tensor.client",
     "LostValue": "palatine.errors",
+    "CoalescingError": "palatine.errors",
     "RecoveryError": "palatine.errors",
     # mesh tensors: their modules import torch, so they load on first use
     "Tensor": "palatine.tensor.client.tensor",
@@ -222,6 +229,10 @@ _WHERE = {
     "grad_function": "palatine.tensor.client.gradients",
     "GradientGenerator": "palatine.tensor.client.gradients",
     "gradient_execution_order": "palatine.tensor.client.gradients",
+    "coalescing": "palatine.tensor.client.coalescing",
+    "Compiled": "palatine.tensor.client.coalescing",
+    # not in __all__: a star import must not shadow the builtin compile
+    "compile": "palatine.tensor.client.coalescing",
     "reduce": "palatine.tensor.client.trees",
     "reduce_": "palatine.tensor.client.trees",
     "slice_mesh": "palatine.tensor.client.trees",

@@ -36,6 +36,7 @@ __all__ = [
     "SchedulerError",
     "error_text",
     "is_refusal",
+    "CoalescingError",
 ]
 
 
@@ -281,6 +282,11 @@ class LostValue(PalatineError):
     def __init__(self, message: str, ranks: Any = ()) -> None:
         super().__init__(message)
         self.ranks = sorted(ranks)
+
+
+class CoalescingError(PalatineError, RuntimeError):
+    """A coalesced block or a compiled function (`palatine.compile`) asked for what a
+    recording cannot replay; the message says what and why."""
 
 
 class RecoveryError(PalatineError):

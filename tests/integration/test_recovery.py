@@ -162,6 +162,39 @@ def test_resync_refuses_a_value_that_failed_on_its_source_and_the_mesh_goes_on()
     assert lines["RESYNCED"] == "[5.0, 5.0, 5.0]"
 
 
+def test_a_compiled_step_is_recorded_again_after_a_recovery() -> None:
+    lines, _ = run_script(
+        PRELUDE
+        + """
+    import torch
+    import palatine
+    from palatine import inspect
+    with local_mesh(1, 2) as mesh:
+        with mesh.activate():
+            before = pids_of(mesh)
+            w = torch.zeros(3)
+
+            @palatine.compile(warmup=0)
+            def step(x):
+                w.add_(x)
+                return w.sum()
+
+            for _ in range(3):
+                step(torch.ones(3))
+            print("BEFORE", inspect(w, proc=1).tolist(), step.recordings())
+            kill(before[1])
+            until_failed(mesh)
+            mesh.recover()
+            w.restore()
+            resync(w)
+            total = step(torch.ones(3))
+            print("AFTER", inspect(total, proc=1).item(), inspect(w, proc=0).tolist())
+    """
+    )
+    assert lines["BEFORE"] == "[3.0, 3.0, 3.0] 1"
+    assert lines["AFTER"] == "12.0 [4.0, 4.0, 4.0]"
+
+
 def test_two_ranks_lost_at_once_and_a_rank_lost_twice() -> None:
     lines, _ = run_script(
         PRELUDE

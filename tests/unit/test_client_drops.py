@@ -65,3 +65,20 @@ def test_a_drop_queued_by_the_thread_holding_the_lock_is_taken() -> None:
     _finishes(inside)
     assert d.take()[1] == [1, 2]
     assert d.empty()
+
+
+def test_a_watched_ref_is_noted_when_dropped_before_or_after_the_watch() -> None:
+    drops = Drops()
+    drops.add(5, SL)  # queued before the watch began
+    noted: set[int] = set()
+    drops.watch([5, 6, 7], noted)
+    assert noted == {5}
+    drops.add(6, SL)
+    drops.add(8, SL)  # not watched
+    assert noted == {5, 6}
+    drops.unwatch([7])
+    drops.add(7, SL)
+    assert noted == {5, 6}
+    cmds, refs = drops.take()
+    assert refs == [5, 6, 8, 7]
+    assert isinstance(cmds[0][1], DeleteRefs)

@@ -168,6 +168,24 @@ EXAMPLES: dict[type[Any], list[Any]] = {
     wm.BorrowDrop: [wm.BorrowDrop(borrow=1)],
     wm.Exit: [wm.Exit(), wm.Exit(error="ValueError: bad")],
     wm.SetRefUnitTestsOnly: [wm.SetRefUnitTestsOnly(ref=1, value=PICKLED, stream=0)],
+    wm.DefineRecording: [
+        wm.DefineRecording(
+            recording=3,
+            commands=[
+                wm.CallFunction(
+                    seq=0,
+                    results=[9],
+                    function=wm.FunctionPath("torch.ops.aten.add.Tensor"),
+                    args=PICKLED,
+                    stream=0,
+                ),
+                wm.BorrowFirstUse(borrow=1),
+            ],
+            fresh=[9],
+        )
+    ],
+    wm.CallRecording: [wm.CallRecording(seq=12, recording=3)],
+    wm.DropRecording: [wm.DropRecording(recording=3)],
     wm.GetRefUnitTestsOnly: [wm.GetRefUnitTestsOnly(ref=1, stream=0)],
     wm.ProgressQuery: [wm.ProgressQuery()],
     wm.PeersLost: [

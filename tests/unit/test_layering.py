@@ -257,10 +257,12 @@ def test_the_layer_checks_catch_a_broken_fact() -> None:
         text = text.replace(old, new)
         return documented_layer_mismatches(*((text, docstring) if in_doc else (doc, text)))
 
-    # the docstring putting job below tensor
-    assert broken("    9. tensor\n    10. job\n", "    9. job\n    10. tensor\n", in_doc=False) == [
-        "layer 9: LAYERS has ['tensor'], palatine's docstring has ['job']",
-        "layer 10: LAYERS has ['job'], palatine's docstring has ['tensor']",
+    # the docstring putting tensor below system
+    assert broken(
+        "    8. system\n    9. tensor\n", "    8. tensor\n    9. system\n", in_doc=False
+    ) == [
+        "layer 8: LAYERS has ['system'], palatine's docstring has ['tensor']",
+        "layer 9: LAYERS has ['tensor'], palatine's docstring has ['system']",
     ]
     # a row leaving out an import the code makes, and one naming an import it does not
     assert broken("| 10 | `job` | `channel`, ", "| 10 | `job` | ") == [
@@ -270,13 +272,13 @@ def test_the_layer_checks_catch_a_broken_fact() -> None:
         "| 1 | `wire` | `errors`, `ids` |", "| 1 | `wire` | `core`, `errors`, `ids` |"
     ) == [f"{DOC.name}: wire: does not import ['core'], named in its row"]
     # a folder in the wrong layer of the table, a folder missing from it
-    assert broken("| 5 | `mesh` |", "| 6 | `mesh` |") == [
-        f"layer 5: LAYERS has ['mesh'], {DOC.name}'s table has []",
-        f"layer 6: LAYERS has ['protocol'], {DOC.name}'s table has ['mesh', 'protocol']",
+    assert broken("| 4 | `fastpath` |", "| 5 | `fastpath` |") == [
+        f"layer 4: LAYERS has ['fastpath'], {DOC.name}'s table has []",
+        f"layer 5: LAYERS has ['mesh'], {DOC.name}'s table has ['fastpath', 'mesh']",
     ]
     row = next(line for line in doc.splitlines() if line.startswith("| 4 | `fastpath` |"))
     assert f"{DOC.name}: fastpath: no row in the table" in "\n".join(broken(row + "\n", ""))
     # the drawing with two layers swapped
-    assert broken(" 10  job ", " 10  cli ")[:1] == [
-        f"layer 10: LAYERS has ['job'], {DOC.name}'s drawing has ['cli']"
+    assert broken("  9  tensor ", "  9  cli    ")[:1] == [
+        f"layer 9: LAYERS has ['tensor'], {DOC.name}'s drawing has ['cli']"
     ]

@@ -77,6 +77,11 @@ __all__ = [
     "BorrowDrop",
     "Exit",
     "SetRefUnitTestsOnly",
+    "RecordedCommand",
+    "DefineRecording",
+    "CallRecording",
+    "DropRecording",
+    "with_seq",
     "GetRefUnitTestsOnly",
     "ProgressQuery",
     "PeersLost",
@@ -477,6 +482,45 @@ class PeersLost(Message, kw_only=True, tag=True):
     pids: list[int] = []
 
 
+RecordedCommand: TypeAlias = (
+    CallFunction | Reduce | SendTensor | BorrowCreate | BorrowFirstUse | BorrowLastUse | BorrowDrop
+)
+"""The commands a recording may hold (`palatine.compile`): what one step of tensor work
+issues. Fetches, process-group set-up and stream or mesh creation are not replayed."""
+
+
+def with_seq(cmd: RecordedCommand, seq: int) -> RecordedCommand:
+    """``cmd`` as issued under ``seq`` (the borrow commands carry none)."""
+    if type(cmd) is CallFunction or type(cmd) is Reduce or type(cmd) is SendTensor:
+        return msgspec.structs.replace(cmd, seq=seq)
+    return cmd
+
+
+class DefineRecording(Message, kw_only=True, tag=True):
+    """Keep ``commands``, this rank's share of a function's recorded step, as recording
+    ``recording`` (a session-unique id) for later `CallRecording`s. ``fresh``: the refs
+    the step makes anew (a ref is defined once, so each call frees them first)."""
+
+    recording: int
+    commands: list[RecordedCommand]
+    fresh: list[int] = []
+
+
+class CallRecording(Message, kw_only=True, tag=True):
+    """Run recording ``recording`` again, every command exactly as recorded (the same
+    refs: its ``fresh`` ones are freed first and made again) but under seq ``seq``: one
+    message per rank for a whole step instead of one command per op."""
+
+    seq: int
+    recording: int
+
+
+class DropRecording(Message, kw_only=True, tag=True):
+    """Forget recording ``recording`` (its function was freed or recorded again)."""
+
+    recording: int
+
+
 CastCommand: TypeAlias = (
     CreateStream
     | CreateDeviceMesh
@@ -494,6 +538,9 @@ CastCommand: TypeAlias = (
     | BorrowDrop
     | Exit
     | SetRefUnitTestsOnly
+    | DefineRecording
+    | CallRecording
+    | DropRecording
 )
 """The commands that may be cast (alone or inside a `CommandGroup`), in one tagged union."""
 

@@ -38,12 +38,33 @@ class Drops:
         # `add` nested in it lands whole in the list that `take` hands out or keeps.
         self._lock = threading.RLock()
         self._queue: list[tuple[int, Slice, int | None]] = []
+        #: ref -> the set its drop is also noted in: a recording's refs whose handles
+        #: the client dropped (`palatine.compile` frees them after each replay).
+        self._watched: dict[int, set[int]] = {}
 
     def add(self, ref: int, ranks: Slice, borrow: int | None = None) -> None:
         """Queue ``ref`` on ``ranks`` (``borrow``: release that borrow instead); from
         finalizers too: no I/O here."""
         with self._lock:
             self._queue.append((ref, ranks, borrow))
+            noted = self._watched.get(ref)
+            if noted is not None:
+                noted.add(ref)
+
+    def watch(self, refs: list[int], noted: set[int]) -> None:
+        """Note in ``noted`` each of ``refs`` dropped from now on (a drop queued already
+        is noted at once)."""
+        with self._lock:
+            for r in refs:
+                self._watched[r] = noted
+            queued = {r for r, _, _ in self._queue}
+        noted.update(r for r in refs if r in queued)
+
+    def unwatch(self, refs: list[int]) -> None:
+        """Stop noting drops of ``refs``."""
+        with self._lock:
+            for r in refs:
+                self._watched.pop(r, None)
 
     def empty(self) -> bool:
         """Whether no drop is queued."""

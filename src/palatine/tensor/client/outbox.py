@@ -70,6 +70,22 @@ class Outbox:
         self._sweep_armed = False
         self._deferred = 0  # calls left for the sweep so far (only compared between sweeps)
         self._deferred_at_sweep = 0
+        #: Open ``palatine.coalescing()`` blocks: while any is, calls stay queued until
+        #: the outermost ends (a fetch and an explicit `send` still send).
+        self._held = 0
+
+    def hold(self) -> None:
+        """A coalescing block begins: queue calls without sending them."""
+        with self._lock:
+            self._held += 1
+
+    def release(self) -> None:
+        """A coalescing block ends; the outermost sends what the blocks queued."""
+        with self._lock:
+            self._held -= 1
+            if self._held:
+                return
+        self.send()
 
     def put(self, node: Node, cmds: list[tuple[Slice, Message]], fetch: bool) -> None:
         """Queue one seq's Node and its commands (any thread; the session's lock held, so
@@ -79,6 +95,8 @@ class Outbox:
         with self._lock:
             self._nodes.append(node)
             self._cmds += cmds
+            if self._held and not fetch:
+                return  # `release` sends it
             if self.direct is not None:
                 if fetch or len(self._nodes) >= DIRECT_BATCH:
                     self._send_direct()
@@ -146,7 +164,7 @@ class Outbox:
     def _sweep(self) -> None:
         """Send calls nobody fetched yet (loop thread, every `SWEEP_S` while calls come)."""
         with self._lock:
-            if self.direct is None or self._state.closed:
+            if self.direct is None or self._state.closed or self._held:
                 self._sweep_armed = False
                 return
             self._send_direct()
@@ -174,6 +192,8 @@ class Outbox:
         """
         with self._lock:
             self._flush_posted = False
+            if self._held:
+                return  # `release` sends it
             if self.direct is not None:
                 self._send_direct()
                 return

@@ -44,6 +44,7 @@ from palatine.tensor.client.allocation import Ids
 from palatine.tensor.client.drops import Drops
 from palatine.tensor.client.liveness import Keepalive, watch_controller
 from palatine.tensor.client.outbox import Outbox
+from palatine.tensor.client.recording import Recorder
 from palatine.tensor.client.recovery import RecoveryRecords
 from palatine.tensor.client.results import Pending, Results
 from palatine.tensor.client.scheduler import slurm_ended, slurm_job_of
@@ -240,6 +241,9 @@ class Session:
         self.recovery = RecoveryRecords()
         self.results = Results(self, self.recovery, loop, worker_name)
         self.keepalive = Keepalive(self, self.outbox, loop, liveness_timeout_s)
+        #: The call `palatine.compile` is recording (None: none is): `issue` hands it
+        #: every seq the recording thread issues.
+        self.recorder: Recorder | None = None
         client_actor.session = self
 
     @property
@@ -275,6 +279,9 @@ class Session:
             self.check_usable()
             seq = self.ids.next_seq()
             cmds = make_commands(seq) if make_commands is not None else commands
+            rec = self.recorder
+            if rec is not None and rec.thread == threading.get_ident():
+                rec.capture(label, defs, uses, cmds)
             if seq >= self._next_status_mark:
                 # Completions come with Status; a loop that never fetches asks for none.
                 cmds = [*cmds, (self._whole, RequestStatus(seq=seq, controller=False))]

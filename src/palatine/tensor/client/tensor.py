@@ -33,6 +33,7 @@ from typing import Any, Final, cast
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
+from palatine.errors import CoalescingError
 from palatine.protocol.worker import (
     REDUCE_OPS,
     CallFunction,
@@ -209,9 +210,7 @@ class Tensor(torch.Tensor):
         )
 
     def __bool__(self) -> bool:
-        if self._known is not None:
-            return bool(self._known)
-        raise TypeError(_needs_data("bool()"))
+        return bool(known_here(self, "bool()"))
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(_needs_data("numpy conversion"))
@@ -250,9 +249,7 @@ class Tensor(torch.Tensor):
         return self.to("cpu")
 
     def tolist(self) -> Any:
-        if self._known is not None:
-            return self._known.tolist()
-        raise TypeError(_needs_data("tolist()"))
+        return known_here(self, "tolist()").tolist()
 
     def numpy(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(_needs_data("numpy()"))
@@ -496,6 +493,9 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise TypeError(f"{func} has no mesh tensor argument and no mesh is active")
     stream = active_stream(mesh)
     check_tensors(tensors, mesh, stream)
+    recorder = mesh.session.recorder
+    if recorder is not None and func in _LOCAL_SCALAR:
+        return known_here(tensors[0], "item()").item()
     if func in _LOCAL_SCALAR and tensors[0]._known is not None:
         return tensors[0]._known.item()  # ``t.item()`` of a value the client knows
     fpath, label = _path(func)
@@ -507,7 +507,10 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             f"workers ({type(e).__name__}): bring them back with palatine.inspect(t), or "
             "compute it inside a remote function"
         ) from None
-    if not any(t._known is not None for t in tensors):
+    if not any(t._known is not None for t in tensors) or (
+        # inside a recorded call, a tensor made before it: replays change it unseen
+        recorder is not None and any(t._value.ref < recorder.start_ref for t in tensors)
+    ):
         return issue(fpath, label, args, kwargs, mesh, stream, spec, tensors)
     # Known inputs (`palatine.tensor.client.known`): the op runs on them here too, after
     # it was issued; what it writes is known again if it could, forgotten otherwise.
@@ -532,6 +535,24 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 _LOCAL_SCALAR: Final = frozenset(
     {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 )
+
+
+def known_here(t: Tensor, what: str) -> torch.Tensor:
+    """The value of ``t`` the client knows, for ``what`` (``item()``, ``bool()``); a
+    `TypeError` when it does not. Inside a recorded call (`palatine.compile`), only a
+    value the call itself made: anything older may differ when the call is replayed,
+    and a replay cannot ask again."""
+    recorder = t._value.session.recorder
+    if recorder is not None and (t._known is None or t._value.ref < recorder.start_ref):
+        raise CoalescingError(
+            f"{what} of {t!r} inside a compiled function: the value lives on the workers "
+            "and a replay would reuse the answer of the recorded call (an optimizer that "
+            "reads its step count this way cannot be compiled; keep such reads outside, "
+            "or keep the value on the workers)"
+        )
+    if t._known is None:
+        raise TypeError(_needs_data(what))
+    return t._known
 
 
 def _known_of(t: Tensor) -> torch.Tensor | None:
@@ -576,7 +597,7 @@ def issue(
     if flatten:  # a remote function's arguments may hold any handle: the general path
         pickled, uses = pickle_args((args, kwargs), _no_check)
     else:
-        pickled, uses = _pickle_op(args, kwargs, inputs)
+        pickled, uses = pickle_op(args, kwargs, inputs)
     new_ref = session.ids.new_ref
     outs = spec.outs
     results: list[int | None] = [None if o.written else new_ref() for o in outs]
@@ -622,7 +643,7 @@ def _ref_id(obj: Any) -> Any:
     return (REF_TAG, obj._value.ref) if type(obj) is Tensor else None
 
 
-def _pickle_op(
+def pickle_op(
     args: tuple[Any, ...], kwargs: dict[str, Any], inputs: list[Tensor]
 ) -> tuple[Pickled, list[int]]:
     """The one pickle of an op's ``(args, kwargs)`` and the refs it uses. An op's

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from palatine import config
 from palatine.core.actor import Actor, handler
 from palatine.core.mailbox import HandlerPort
@@ -45,11 +47,14 @@ from palatine.protocol.worker import (
     BorrowFirstUse,
     BorrowLastUse,
     CallFunction,
+    CallRecording,
     CommandGroup,
     CreateDeviceMesh,
     CreateProcessGroup,
     CreateStream,
+    DefineRecording,
     DeleteRefs,
+    DropRecording,
     ExecutingOp,
     Exit,
     GetRefUnitTestsOnly,
@@ -65,6 +70,7 @@ from palatine.protocol.worker import (
     StreamProgress,
     WorkerParams,
     WorkerProgress,
+    with_seq,
 )
 from palatine.tensor.worker import torch_warmup
 from palatine.tensor.worker.outbox import Outbox
@@ -141,6 +147,8 @@ class WorkerActor(Actor):
             )
         self.params = params
         self.streams: dict[int, Stream] = {}
+        #: Recordings this session defined: id -> this rank's share.
+        self.recordings: dict[int, tuple[DefineRecording, Any]] = {}
         self.state: WorkerState | None = None
         self.outbox = Outbox(params.controller_actor.proc, self._fail)
         self._exiting = False
@@ -401,6 +409,61 @@ class WorkerActor(Actor):
             for s in held:
                 s.release()
 
+    def _define_recording(self, cmd: DefineRecording) -> None:
+        self.recordings[cmd.recording] = (cmd, self._stream_plan(cmd))
+
+    def _stream_plan(self, cmd: DefineRecording) -> list[tuple[Stream, list[Any]]] | None:
+        """A recording of calls and reduces only, as runs of work items per stream: a
+        call posts each run once and its stream thread sets the seq (no per-command
+        routing or copies on this loop, which shares the GIL with the streams). None
+        for one with borrows or transfers (they go through `_route`, one by one)."""
+        plan: list[tuple[Stream, list[Any]]] = []
+        item: tuple[Callable[[Any], None], Any]
+        for c in cmd.commands:
+            if type(c) is CallFunction:
+                s = self._stream(c.stream, c)
+                item = (s.run_call, msgspec.structs.replace(c))
+            elif type(c) is Reduce:
+                s = self._stream(c.stream, c)
+                item = (s.run_collective, msgspec.structs.replace(c))
+            else:
+                return None
+            if plan and plan[-1][0] is s:
+                plan[-1][1].append(item)
+            else:
+                plan.append((s, [item]))
+        return plan
+
+    def _call_recording(self, cmd: CallRecording) -> None:
+        """Every recorded command again, under this call's seq, as a `CommandGroup`'s
+        are: in order, the streams held until all are posted."""
+        found = self.recordings.get(cmd.recording)
+        if found is None:
+            raise InfrastructureError(
+                f"unknown recording {cmd.recording} in CallRecording s{cmd.seq} on rank "
+                f"{self.params.rank} (known: {sorted(self.recordings) or 'none'})"
+            )
+        rec, plan = found
+        held = list(self.streams.values())
+        for s in held:
+            s.hold()
+        try:
+            if rec.fresh:
+                self._route(DeleteRefs(refs=rec.fresh))
+            seq = cmd.seq
+            if plan is not None:
+                for s, items in plan:
+                    s.post(s.run_recorded, (items, seq))
+            else:
+                for c in rec.commands:
+                    self._route(with_seq(c, seq))
+        finally:
+            for s in held:
+                s.release()
+
+    def _drop_recording(self, cmd: DropRecording) -> None:
+        self.recordings.pop(cmd.recording, None)
+
     def _exit(self, cmd: Exit) -> None:
         self._exiting = True
         if cmd.error:
@@ -540,6 +603,18 @@ class WorkerActor(Actor):
         self._route(msg)
 
     @handler
+    def on_define_recording(self, msg: DefineRecording) -> None:
+        self._route(msg)
+
+    @handler
+    def on_call_recording(self, msg: CallRecording) -> None:
+        self._route(msg)
+
+    @handler
+    def on_drop_recording(self, msg: DropRecording) -> None:
+        self._route(msg)
+
+    @handler
     def on_exit(self, msg: Exit) -> None:
         self._route(msg)
 
@@ -599,6 +674,9 @@ _COMMAND_TYPES: tuple[type[Any], ...] = (
     BorrowDrop,
     Exit,
     SetRefUnitTestsOnly,
+    DefineRecording,
+    CallRecording,
+    DropRecording,
     GetRefUnitTestsOnly,
     ProgressQuery,
     PeersLost,
@@ -622,4 +700,7 @@ _ROUTES: dict[type[Any], Callable[[WorkerActor, Any], None]] = {
     BorrowDrop: WorkerActor._borrow_drop,
     Exit: WorkerActor._exit,
     SetRefUnitTestsOnly: WorkerActor._set_ref,
+    DefineRecording: WorkerActor._define_recording,
+    CallRecording: WorkerActor._call_recording,
+    DropRecording: WorkerActor._drop_recording,
 }

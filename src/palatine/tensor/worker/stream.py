@@ -126,6 +126,7 @@ class Stream:
         self.last_completed_seq: int | None = None
         self._q: queue.SimpleQueue[_WorkItem] = queue.SimpleQueue()
         self._held: list[_WorkItem] | None = None
+        self._hold_depth = 0  # open holds (a `CallRecording` inside a `CommandGroup`)
         self._abandoned = False
         self._deps: list[SeqError] = []
         self.cuda_stream: Any = None
@@ -150,10 +151,16 @@ class Stream:
 
     def hold(self) -> None:
         """Collect posts until `release` hands them over as one queue item (one wake-up
-        of the stream thread for a whole `CommandGroup`, not one per command)."""
-        self._held = []
+        of the stream thread for a whole `CommandGroup`, not one per command). Holds
+        nest: the outermost release hands over."""
+        self._hold_depth += 1
+        if self._held is None:
+            self._held = []
 
     def release(self) -> None:
+        self._hold_depth -= 1
+        if self._hold_depth:
+            return
         self._put_held()
         self._held = None
 
@@ -171,6 +178,19 @@ class Stream:
             if getattr(fn, "__func__", None) not in _QUICK:
                 flush()  # what came before goes out before user code runs
             fn(arg)  # type: ignore[misc]
+
+    def run_recorded(self, arg: tuple[list[_WorkItem], int]) -> None:
+        """This stream's share of a recording (`CallRecording`), in order, each command
+        under the call's seq. Only this thread sets it: the commands are this stream's
+        own, and the next call's items queue behind these."""
+        items, seq = arg
+        flush = self.worker.flush
+        for fn, cmd in items:
+            if self._abandoned:
+                return
+            cmd.seq = seq
+            flush()  # what came before goes out before user code runs
+            fn(cmd)  # type: ignore[misc]
 
     @property
     def queued(self) -> int:
