@@ -228,8 +228,14 @@ CONSTRUCTOR_SPAWNS = """
         def kill_leaf(self):
             os.kill(self.leaves.slice(procs=0).pid.call_one().get(timeout=20), signal.SIGKILL)
 
+        @endpoint
+        def after_respawn(self):
+            return self.respawned, self.leaves.slice(procs=0).value.call_one().get(timeout=30)
+
         def __supervise__(self, failure):
             self.failures.append(failure)
+            if "its proc died" in failure.message:  # blocking calls here too
+                self.respawned = self.procs.respawn().get(timeout=60)
             return True
 
     procs = this_host().spawn_procs(per_host={"procs": 1})
@@ -249,6 +255,7 @@ CONSTRUCTOR_SPAWNS = """
         seen = owner.seen.call_one().get(timeout=30)
         time.sleep(0.02)
     print("DIED", seen[1:])
+    print("RESPAWNED", owner.after_respawn.call_one().get(timeout=60))
     procs.stop().get(timeout=30)
 """
 
@@ -260,6 +267,7 @@ def test_a_constructor_spawns_procs_and_actors_waits_on_them_and_supervises_them
     assert lines["MORE"] == "14"  # and a plain def endpoint spawns too
     assert "leaf[0]: processing error: RuntimeError: leaf broke" in lines["SEEN"]
     assert "its proc died: killed by signal 9" in lines["DIED"]  # a proc of its mesh too
+    assert lines["RESPAWNED"] == "([0], 7)"  # __supervise__ respawned it, blocking
     assert "Task was destroyed but it is pending" not in err  # its procs stop cleanly
 
 

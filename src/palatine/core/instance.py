@@ -480,7 +480,7 @@ class ActorInstance:
                     kind, value = self.signals.popleft()
                     if kind == "supervision":
                         self.processed += 1
-                        self._on_child_event(value)
+                        await self._on_child_event(value)
                     elif kind == "fail":  # `ActorInstanceView.abort`
                         raise value
                     continue  # "stop" signals only wake us; stop_mode says what to do
@@ -794,9 +794,29 @@ class ActorInstance:
         self.proc.post(env)
 
     # ---------------------------------------------------------------- supervision
-    def _on_child_event(self, event: SupervisionEvent) -> None:
+    async def _on_child_event(self, event: SupervisionEvent) -> None:
+        """Ask the actor (``__supervise__``) about a failure of what it owns. It runs as a
+        plain ``def`` endpoint does (`palatine.core.suspend`), with the actor's context:
+        it may wait on palatine calls, respawning the procs that died, say."""
+        token = _current_cx.set(self.cx)
         try:
-            handled = self.actor.handle_supervision_event(event)
+            out = suspend.call(self.actor.handle_supervision_event, (event,), {})
+        finally:
+            _current_cx.reset(token)
+        try:
+            if type(out) is suspend.Suspension:
+                self.state = "processing"
+                self.current_handler = "__supervise__"
+                self.processing_since = self.loop.time()
+                try:
+                    handled = await out.outcome
+                finally:
+                    self.state = "idle" if self.state == "processing" else self.state
+                    self.current_handler = None
+            elif type(out) is suspend.Raised:
+                raise out.error
+            else:
+                handled = out
         except Exception as e:
             raise _Failure(
                 f"failed to handle supervision event: {type(e).__name__}: {e}",
