@@ -9,12 +9,8 @@ reader holds its buffer. Each test checks one behaviour in what the script print
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
+from user_scripts import run_script
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -212,18 +208,8 @@ procs.stop().get()
 
 @pytest.fixture(scope="module")
 def out() -> dict[str, str]:
-    env = {**os.environ}
-    env.pop("PALATINE_CLUSTER_TOKEN", None)
-    env.pop("PALATINE_RDMA_BACKEND", None)
-    run = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT)],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        env=env,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return dict(line.split(" ", 1) for line in run.stdout.splitlines() if " " in line)
+    lines, _ = run_script(SCRIPT, timeout_s=110)
+    return lines
 
 
 def test_buffers_travel_in_messages_with_their_size_and_owner(out: dict[str, str]) -> None:

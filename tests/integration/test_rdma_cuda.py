@@ -4,12 +4,8 @@ copy. Runs where a GPU is (one is enough: the procs share it)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
+from user_scripts import run_script
 
 torch = pytest.importorskip("torch")
 
@@ -58,17 +54,7 @@ procs.stop().get()
 
 
 def test_a_cuda_buffer_is_read_into_cpu_and_cuda_tensors_and_written_from_one() -> None:
-    env = {**os.environ}
-    env.pop("PALATINE_CLUSTER_TOKEN", None)
-    run = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT)],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        env=env,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    out = dict(line.split(" ", 1) for line in run.stdout.splitlines() if " " in line)
+    out, _ = run_script(SCRIPT, timeout_s=170)
     assert out["READ_CPU"] == "(523776.0, 'cpu')"
     assert out["READ_CUDA"] == "(523776.0, 'cuda')"
     assert out["HEAD"] == "[0.0, 1.0, -1.0, -2.0]"
