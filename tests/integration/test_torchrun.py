@@ -5,8 +5,10 @@ waiting for it are stuck), torchrun's exit status and failure summary."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -183,3 +185,59 @@ def test_a_rank_killed_with_no_restarts_left_exits_1_naming_the_signal(tmp_path:
     assert "  rank      : 3 (local_rank: 3)" in root, summary
     assert re.search(r"  exitcode  : -9 \(pid: \d+\) \(SIGKILL\)", root), summary
     assert "killed by signal 9 (SIGKILL)" in root
+
+
+HANGS = """
+import time
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+print("ready", dist.get_rank(), flush=True)
+if dist.get_rank() == 1:
+    time.sleep(300)  # rank 1 hangs; the others wait for it in the barrier
+dist.barrier()
+"""
+
+
+def test_a_hung_run_is_a_job_whose_stacks_show_the_stuck_rank_and_ctrl_c_stops_it(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "hangs.py"
+    script.write_text(HANGS)
+    runtime = tmp_path / "run"  # (this test's job records and sockets only)
+    runtime.mkdir(mode=0o700)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    env.pop("PALATINE_CLUSTER_TOKEN", None)
+    cmd = [*palatine_torchrun(), "--nproc-per-node", "3", str(script)]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        assert launcher.stderr is not None
+        ready = set()
+        for line in launcher.stderr:  # (the pytest timeout bounds this)
+            if "] ready " in line:
+                ready.add(line.split()[-1])
+            if len(ready) == 3:
+                break
+        ps = subprocess.run(
+            [sys.executable, "-m", "palatine", "ps", "--json"],
+            capture_output=True, text=True, env=env, timeout=30, check=True,
+        )  # fmt: skip
+        (job,) = [j["id"] for j in json.loads(ps.stdout)]
+        assert job.startswith("torchrun-"), ps.stdout
+        stacks = subprocess.run(
+            [sys.executable, "-m", "palatine", "stacks", "--job", job],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert stacks.returncode == 0, stacks.stdout + stacks.stderr
+        blocks = {b.split("\n", 1)[0]: b for b in stacks.stdout.split("=== ")[1:]}
+        hung = blocks["rank 1 of mesh0 (1 proc)"]
+        assert f'File "{script}", line 8 in <module>' in hung, stacks.stdout
+        waiting = blocks["ranks 0,2 of mesh0 (2 procs)"]
+        assert "in barrier" in waiting and f'File "{script}", line 9 in <module>' in waiting
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=30) == 128 + signal.SIGINT
+        assert "[palatine torchrun] SIGINT: the group was stopped" in launcher.stderr.read()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any
 
@@ -94,6 +95,51 @@ def _say(line: str) -> None:
     print(f"[palatine torchrun] {line}", file=sys.stderr, flush=True)
 
 
+class _Record:
+    """The run's job record while it lasts (`palatine.job.records`): ``palatine ps``
+    lists it, and ``palatine stacks``/``top``/``snapshot --job ID`` reach its procs."""
+
+    def __init__(self, shape: str) -> None:
+        from palatine.job.records import RecordDir
+
+        self.shape = shape
+        self.dir = RecordDir()
+        self.job_id: str | None = None
+
+    def start(self, system_addr: str) -> None:
+        import secrets
+        import socket
+        import time
+
+        from palatine.channel.token import resolve_token
+        from palatine.job.records import JobRecord, announce
+
+        job_id = f"torchrun-{os.getpid()}-{secrets.token_hex(2)}"
+        try:
+            token_file = self.dir.write_token(job_id, resolve_token(create=False).decode())
+            self.dir.write(
+                JobRecord(
+                    id=job_id,
+                    system_addr=system_addr,
+                    token_file=str(token_file),
+                    log_dir="",
+                    pid=os.getpid(),
+                    started=time.time(),
+                    shape=self.shape,
+                    machine=socket.gethostname(),
+                )
+            )
+        except (OSError, ValueError) as e:
+            _say(f"cannot record the job for palatine ps ({self.dir.path}): {e}")
+            return
+        self.job_id = job_id
+        announce(job_id)
+
+    def close(self) -> None:
+        if self.job_id is not None:
+            self.dir.remove(self.job_id)
+
+
 def _print_stuck(stacks: dict[str, str]) -> None:
     """The ranks still running when the group stops for a failure, by stack."""
     from palatine.cli.stacks import group_stacks, rank_ranges
@@ -128,20 +174,37 @@ def run(args: argparse.Namespace) -> int:
     if os.environ.get("PALATINE_LOG_LEVEL"):  # else palatine's warnings and errors only
         setup_logging()
     from palatine.job.hostmesh import this_host
-    from palatine.spmd.launcher import launch
+    from palatine.spmd.launcher import Interrupted, launch
     from palatine.spmd.summary import failure_summary
 
+    record = _Record(f"{nnodes}x{nproc}")
     per_host = {"nodes": nnodes, "procs": nproc} if nnodes > 1 else {"procs": nproc}
-    result = launch(
-        program,
-        this_host(),
-        per_host,
-        max_restarts=args.max_restarts,
-        say=_say,
-        extra_env=extra,
-        master=(args.master_addr, args.master_port),
-        on_stuck=_print_stuck,
-    )
+    signals: list[int] = []
+
+    def note(signum: int, _frame: Any) -> None:
+        signals.append(signum)
+
+    old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        result = launch(
+            program,
+            this_host(),
+            per_host,
+            max_restarts=args.max_restarts,
+            say=_say,
+            extra_env=extra,
+            master=(args.master_addr, args.master_port),
+            on_stuck=_print_stuck,
+            on_start=record.start,
+            interrupted=lambda: bool(signals),
+        )
+    except Interrupted:
+        _say(f"{signal.Signals(signals[0]).name}: the group was stopped")
+        return 128 + signals[0]
+    finally:
+        record.close()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     if result.status:
         print(failure_summary(result), file=sys.stderr, flush=True)
     return result.status

@@ -20,6 +20,7 @@ import msgspec
 
 from palatine.core.actor import Actor, current_rank, endpoint
 from palatine.core.ports import Port
+from palatine.hosting.child_env import Handoff
 from palatine.spmd.env import elastic_env, free_port, master_host
 from palatine.spmd.script import ScriptFailed, program_stack, run_program
 
@@ -62,6 +63,11 @@ class SPMDActor(Actor):
         other ranks reach it (or ``host``), and a port free there now."""
         addr = host or master_host()
         return addr, free_port(addr)
+
+    @endpoint
+    def system_addr(self) -> str:
+        """The address of the system this proc belongs to (for ``palatine stacks``/``top``)."""
+        return Handoff.from_env().bootstrap_addr or ""
 
     @endpoint
     def setup_env(

@@ -38,7 +38,7 @@ from palatine.mesh.actor_mesh import ActorMesh
 from palatine.spmd.actor import RankExited, SPMDActor
 from palatine.spmd.script import ScriptFailed, describe
 
-__all__ = ["ElasticResult", "HostsLike", "Launch", "RankFailure", "launch"]
+__all__ = ["ElasticResult", "HostsLike", "Interrupted", "Launch", "RankFailure", "launch"]
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,12 @@ class Launch:
     extra_env: dict[str, str] | None = None
     master: tuple[str | None, int | None] = (None, None)
     on_stuck: Callable[[dict[str, str]], None] | None = None
+    on_start: Callable[[str], None] | None = None
+    interrupted: Callable[[], bool] = lambda: False
+
+
+class Interrupted(Exception):
+    """The launch was interrupted (``interrupted()`` turned true): its group was stopped."""
 
 
 def launch(
@@ -125,6 +131,8 @@ def launch(
     extra_env: dict[str, str] | None = None,
     master: tuple[str | None, int | None] = (None, None),
     on_stuck: Callable[[dict[str, str]], None] | None = None,
+    on_start: Callable[[str], None] | None = None,
+    interrupted: Callable[[], bool] = lambda: False,
 ) -> ElasticResult:
     """Run ``program`` on ``hosts.spawn_procs(per_host)`` (the last dimension is a node's
     ranks), restarting the group up to ``max_restarts`` times; ``say`` gets the lines
@@ -132,8 +140,22 @@ def launch(
     torchrun's variables. ``master``: ``MASTER_ADDR`` and ``MASTER_PORT`` when given
     (else rank 0's machine and a port free there). ``on_stuck`` gets the stacks of the
     ranks still running when a group is stopped for a failure (by proc: ``{"mesh0[2]":
-    text}``), which are most often waiting in a collective for the failed rank."""
-    plan = Launch(program, hosts, per_host, max_restarts, say, extra_env, master, on_stuck)
+    text}``), which are most often waiting in a collective for the failed rank.
+    ``on_start`` gets the address of the procs' system when the first group starts.
+    ``interrupted`` is asked every `POLL_S` while a group runs: once it is true, the group
+    is stopped and `Interrupted` raised (a launcher's Ctrl-C or SIGTERM)."""
+    plan = Launch(
+        program,
+        hosts,
+        per_host,
+        max_restarts,
+        say,
+        extra_env,
+        master,
+        on_stuck,
+        on_start,
+        interrupted,
+    )
     failures: list[RankFailure] = []
     for attempt in range(max_restarts + 1):
         failures = _attempt(plan, attempt)
@@ -161,6 +183,8 @@ def _attempt(plan: Launch, attempt: int) -> list[RankFailure]:
         rpc_s = config.get().rpc_timeout_s
         addr, port = first.get_host_port.call_one(plan.master[0]).get(rpc_s)
         port = plan.master[1] or port
+        if attempt == 0 and plan.on_start is not None:
+            plan.on_start(first.system_addr.call_one().get(rpc_s))
         actors.start.call(
             addr, port, plan.program, report, attempt, plan.max_restarts, plan.extra_env
         ).get(rpc_s)
@@ -171,6 +195,8 @@ def _attempt(plan: Launch, attempt: int) -> list[RankFailure]:
             wait = POLL_S if gather_until is None else gather_until - time.monotonic()
             if wait <= 0:
                 break
+            if plan.interrupted():
+                raise Interrupted(f"{describe(plan.program)} on {procs.world}")
             try:
                 msg = receiver.recv(timeout=wait).get()
             except TimeoutError:
