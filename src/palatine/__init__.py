@@ -35,6 +35,7 @@ __all__ = [
     "concurrent_endpoint",
     "handler",
     "this_host",
+    "this_proc",
     "context",
     "current_rank",
     "current_size",
@@ -42,6 +43,7 @@ __all__ = [
     "Extent",
     "Future",
     "ActorRef",
+    "Endpoint",
     "ActorMesh",
     "ValueMesh",
     "System",
@@ -127,10 +129,10 @@ if TYPE_CHECKING:
         ValueTooLarge,
     )
     from palatine.job.controllers import get_or_spawn_controller
-    from palatine.job.hostmesh import HostMesh, this_host
+    from palatine.job.hostmesh import HostMesh, this_host, this_proc
     from palatine.job.procmesh import ProcMesh
     from palatine.mesh.accumulator import Accumulator
-    from palatine.mesh.actor_mesh import ActorMesh, ActorRef, ValueMesh, send
+    from palatine.mesh.actor_mesh import ActorMesh, ActorRef, Endpoint, ValueMesh, send
     from palatine.system.service import System
     from palatine.tensor.client.autograd_function import (
         RemoteAutogradFunction,
@@ -178,8 +180,10 @@ _WHERE = {
     "Point": "palatine.core.shape",
     "Extent": "palatine.core.shape",
     "this_host": "palatine.job.hostmesh",
+    "this_proc": "palatine.job.hostmesh",
     "Future": "palatine.core.future",
     "ActorRef": "palatine.mesh.actor_mesh",
+    "Endpoint": "palatine.mesh.actor_mesh",
     "ActorMesh": "palatine.mesh.actor_mesh",
     "ValueMesh": "palatine.mesh.actor_mesh",
     "System": "palatine.system.service",
