@@ -9,6 +9,7 @@ import os
 import select
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -128,3 +129,31 @@ def test_a_reader_on_another_node_reads_and_writes_through_the_owners_server_and
             assert f"(pid {pid})" in what and "[" in what, what
         finally:
             hosts.close()
+
+
+def test_a_read_from_an_owner_whose_node_is_cut_off_fails_when_the_system_declares_it_dead(
+    bed: TestBed,
+) -> None:
+    from palatine.job.jobhosts import JobHosts
+
+    update_timeout_s, interval_s = 3.0, 0.5
+    try:
+        with roles_on_bed(bed, update_timeout_s=update_timeout_s, interval_s=interval_s) as roles:
+            hosts = JobHosts(roles.system_addr, roles.token, "hostworker", 2, sys.executable)
+            try:
+                nodes = hosts.spawn_procs({"procs": 1}).spawn("node", Node)
+                owner, reader = nodes.slice(hosts=1, procs=0), nodes.slice(hosts=0, procs=0)
+                buf = owner.publish.call_one().get()
+                reader.read.call_one(buf).get()  # the reader's proc now watches the owner's
+                bed.cut(1)
+                cut_at = time.monotonic()
+                what = reader.read_failure.call_one(buf).get()
+                took = time.monotonic() - cut_at
+                assert what.startswith("DeviceException: rdma read: the buffer's owner "), what
+                assert "declared dead" in what, what
+                # the heartbeat bound, not the transfer's 20 s timeout
+                assert took < update_timeout_s + interval_s + 3.0, (took, what)
+            finally:
+                hosts.close()
+    finally:
+        bed.heal(1)

@@ -26,8 +26,9 @@ import msgspec
 from palatine import config
 from palatine.core import runtime
 from palatine.core.future import Future
-from palatine.rdma import client, registry, shm
-from palatine.rdma.handle import BufferHandle, locality
+from palatine.errors import CallTimeout
+from palatine.rdma import client, registry, shm, watch
+from palatine.rdma.handle import BufferHandle, locality, owner_gone
 from palatine.rdma.memory import Region, region_of
 from palatine.rdma.server import ensure_server
 
@@ -115,21 +116,39 @@ class RDMABuffer:
     ) -> Future[None]:
         timeout_s = config.get().rdma_timeout_s if timeout is None else float(timeout)
         h = self._handle
+        proc = watch.caller_proc()
 
         async def run() -> None:
+            gone = watch.owner_watch(proc, h) if proc is not None else None
+            if gone is not None and gone.done() and watch.matches(gone.result(), h):
+                raise owner_gone(h.owner, op, f"declared dead: {gone.result().reason}")
+            copy = asyncio.ensure_future(
+                asyncio.to_thread(_copy, h, op, offset, region, n, timeout_s)
+            )
+            waits: list[asyncio.Future[Any]] = [copy] if gone is None else [copy, gone]
             try:
                 async with asyncio.timeout(timeout_s):
-                    await asyncio.to_thread(_copy, h, op, offset, region, n, timeout_s)
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             except TimeoutError:
-                from palatine.errors import CallTimeout
-
+                copy.add_done_callback(_ignore)  # the thread ends at its own socket timeout
                 raise CallTimeout(
                     f"rdma {op}: {n} bytes with {h.owner} took longer than {timeout_s:g} s"
                 ) from None
+            if not copy.done():  # the system declared the owner dead first
+                assert gone is not None
+                copy.add_done_callback(_ignore)
+                raise owner_gone(h.owner, op, f"declared dead: {gone.result().reason}")
+            copy.result()
             if op == "read" and region.finish is not None:
                 region.finish()
 
         return runtime.submit(run)
+
+
+def _ignore(fut: asyncio.Future[Any]) -> None:
+    """Retrieve the outcome of a copy nobody waits for any more."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _copy(h: BufferHandle, op: str, offset: int, region: Region, n: int, timeout_s: float) -> None:
