@@ -74,6 +74,7 @@ from palatine.protocol.worker import (
 )
 from palatine.tensor.worker import torch_warmup
 from palatine.tensor.worker.outbox import Outbox
+from palatine.tensor.worker.prepared import prepare
 from palatine.tensor.worker.scheduling import batch_scheduling, gil_switching
 from palatine.tensor.worker.state import Borrow, Countdown, WorkerState
 from palatine.tensor.worker.stream import InfrastructureError, Stream
@@ -422,7 +423,10 @@ class WorkerActor(Actor):
         for c in cmd.commands:
             if type(c) is CallFunction:
                 s = self._stream(c.stream, c)
-                item = (s.run_call, msgspec.structs.replace(c))
+                pc = prepare(msgspec.structs.replace(c), s.resolve)
+                item = (
+                    (s.run_call, msgspec.structs.replace(c)) if pc is None else (s.run_prepared, pc)
+                )
             elif type(c) is Reduce:
                 s = self._stream(c.stream, c)
                 item = (s.run_collective, msgspec.structs.replace(c))

@@ -54,6 +54,7 @@ from palatine.protocol.worker import (
 from palatine.tensor.worker import collectives, transfer
 from palatine.tensor.worker.functions import Leaves as _Leaves
 from palatine.tensor.worker.functions import tensor_leaves
+from palatine.tensor.worker.prepared import PreparedCall
 from palatine.tensor.worker.reduce import reduce
 from palatine.tensor.worker.state import MISSING, Borrow, Countdown, WorkerState, set_current_stream
 from palatine.tensor.worker.transfer import Transfer
@@ -191,6 +192,34 @@ class Stream:
             cmd.seq = seq
             flush()  # what came before goes out before user code runs
             fn(cmd)  # type: ignore[misc]
+
+    def run_prepared(self, pc: PreparedCall) -> None:
+        """A recorded aten op (`run_call`'s work, its arguments rebuilt by the prepared
+        fillers instead of unpickled)."""
+        seq = pc.seq
+        label = pc.label
+        self.current = (seq, label, time.monotonic())
+        cmd = pc.cmd
+        results = cmd.results
+        try:
+            self.check_fresh(results, seq)
+            try:
+                deps = self._deps = []
+                lookup = self._lookup
+                args = pc.args(lookup)
+                kwargs = pc.kwargs(lookup)
+                if deps:
+                    self.poison(results, deps[0])
+                    self.poison(cmd.mutates, deps[0])
+                    return
+                self._bind(results, pc.fn(*args, **kwargs), label)
+            except (InfrastructureError, _Stopped):
+                raise
+            except BaseException as e:  # noqa: BLE001 - as run_call
+                self.user_error(seq, label, e, [*results, *cmd.mutates])
+        finally:
+            self.current = None
+            self.last_completed_seq = seq
 
     @property
     def queued(self) -> int:
