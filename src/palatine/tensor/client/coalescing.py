@@ -59,7 +59,7 @@ from palatine.protocol.worker import (
 from palatine.tensor.client.context import get_active_mesh
 from palatine.tensor.client.drops import slice_key
 from palatine.tensor.client.fake import Meta
-from palatine.tensor.client.recording import Recorder
+from palatine.tensor.client.recording import Recorder, fuse_reduces
 from palatine.tensor.client.tensor import Tensor, pickle_op
 from palatine.tensor.client.values import RemoteValue, function_ref
 from palatine.wire.codec import Message
@@ -258,16 +258,18 @@ def _record(fn: Callable[..., Any], leaves: list[Any], spec: Any) -> tuple[_Entr
     entry.outputs = outs
     entry.out_spec = out_spec
     entry.out_leaves = out_leaves
-    entry.defs = sorted(rec.defs)
+    recorded, buckets = fuse_reduces(rec.commands, rec.touched, session.ids.new_ref)
+    rec.dead.update(buckets)  # a bucket's flat tensor is freed after each call
+    entry.defs = sorted(rec.defs | set(buckets))
     aliases = {h._value.ref for h in entry.inputs}  # bound again by each call itself
     entry.uses = sorted(rec.uses - aliases)
-    ranks = sorted({r for sl, _ in rec.commands for r in sl.ranks()})
-    whole = [sl for sl, _ in rec.commands if sorted(sl.ranks()) == ranks]
+    ranks = sorted({r for sl, _ in recorded for r in sl.ranks()})
+    whole = [sl for sl, _ in recorded if sorted(sl.ranks()) == ranks]
     entry.slices = whole[:1] or [Slice(offset=r, sizes=[1], strides=[1]) for r in ranks]
     entry.fresh = fresh = [r for r in entry.defs if r >= rec.start_ref]
     defines: list[tuple[Slice, Message]] = []
     for r in ranks:
-        mine = [c for sl, c in rec.commands if r in sl.ranks()]
+        mine = [c for sl, c in recorded if r in sl.ranks()]
         one = Slice(offset=r, sizes=[1], strides=[1])
         defines.append((one, DefineRecording(recording=entry.id, commands=mine, fresh=fresh)))
     session.send_commands(defines)

@@ -43,6 +43,26 @@ def ready(*values: Any) -> None:
     broadcast that every rank must join)."""
 
 
+def pack_flat(*values: Any) -> Any:
+    """One flat tensor of ``values`` in order (a bucket of reduces, `fuse_reduces`)."""
+    import torch
+
+    return torch.cat([v.reshape(-1) for v in values])
+
+
+def unpack_flat(flat: Any, *values: Any, bind: tuple[int, ...] = ()) -> Any:
+    """Write the pieces of ``flat`` back into ``values`` in place. Returns the values
+    at ``bind`` (the reduces whose result is a new ref for their value): one of them
+    as itself, several as a list, none as None."""
+    offset = 0
+    for v in values:
+        n = v.numel()
+        v.copy_(flat[offset : offset + n].view_as(v))
+        offset += n
+    out = [values[i] for i in bind]
+    return out[0] if len(out) == 1 else (out or None)
+
+
 def broadcast_state(value: Any, src: int) -> None:
     """Make ``value`` on every rank what it is on rank ``src`` (`palatine.resync`):
     modules' parameters and buffers and tensors in place, optimizers through their state
