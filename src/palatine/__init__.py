@@ -36,6 +36,7 @@ __all__ = [
     "handler",
     "this_host",
     "this_proc",
+    "spawn_tensor_engine",
     "context",
     "current_rank",
     "current_size",
@@ -129,6 +130,7 @@ if TYPE_CHECKING:
         ValueTooLarge,
     )
     from palatine.job.controllers import get_or_spawn_controller
+    from palatine.job.engine import spawn_tensor_engine
     from palatine.job.hostmesh import HostMesh, this_host, this_proc
     from palatine.job.procmesh import ProcMesh
     from palatine.mesh.accumulator import Accumulator
@@ -181,6 +183,7 @@ _WHERE = {
     "Extent": "palatine.core.shape",
     "this_host": "palatine.job.hostmesh",
     "this_proc": "palatine.job.hostmesh",
+    "spawn_tensor_engine": "palatine.job.engine",
     "Future": "palatine.core.future",
     "ActorRef": "palatine.mesh.actor_mesh",
     "Endpoint": "palatine.mesh.actor_mesh",

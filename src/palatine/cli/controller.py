@@ -51,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     roles.add_arguments(p, ControllerOptions)  # the options, declared there
     p.add_argument("--is-cpu-worker", action="store_true", help="workers use the CPU")
     p.add_argument(
+        "--adopt-world",
+        action="store_true",
+        help="the worker world exists (an actor proc mesh): spawn the worker actors in its "
+        "procs, and leave it running when the controller stops",
+    )
+    p.add_argument(
         "--extra-proc-labels",
         type=parse_label,
         nargs="+",

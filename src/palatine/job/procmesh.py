@@ -33,6 +33,7 @@ from palatine.core.shape import Extent
 from palatine.errors import PalatineError, SpawnError
 from palatine.hosting.output import watch_output
 from palatine.ids import GangId, ProcId, WorldId
+from palatine.job.engine import spawn_tensor_engine
 from palatine.mesh.actor_mesh import ActorMesh
 from palatine.protocol.agent import Spawn, Spawned
 from palatine.system.service import SystemClient
@@ -71,6 +72,7 @@ class ProcMesh:
         # The actors that set the procs' logging level, and the level set (`logging_option`).
         self._log_levels: list[ActorMesh] = []
         self._log_level: list[int] = []
+        self._engine: Any = None  # the DeviceMesh `activate` made (`spawn_tensor_engine`)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """A proc mesh travels as its world and dimensions: an actor that receives one
@@ -256,8 +258,20 @@ class ProcMesh:
         )
         return ActorMesh(GangId(self.world, name), self._dims, self._ranks, cls)
 
+    def activate(self) -> Any:
+        """``with procs.activate():`` torch ops make mesh tensors in these procs, beside
+        their actors: the tensor engine of this proc mesh (`spawn_tensor_engine`, made on
+        first use and ended with the mesh), activated."""
+        if self._engine is None:
+            self._engine = spawn_tensor_engine(self)
+        return self._engine.activate()
+
     def stop(self) -> Future[None]:
-        """Stop the world's procs; a Future that completes when the world is gone."""
+        """Stop the world's procs (and its tensor engine, if it has one); a Future that
+        completes when the world is gone."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
         return runtime.submit(self._stop)
 
     async def _stop(self) -> None:

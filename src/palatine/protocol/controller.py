@@ -207,6 +207,9 @@ class ControllerParams(msgspec.Struct, frozen=True, kw_only=True):
     worker_actor_type: str = "palatine.tensor.worker.WorkerActor"
     worker_device_index: int | None = None
     spawn_timeout_s: float = 120.0
+    #: The worker world belongs to someone else (an actor proc mesh): stopping stops
+    #: only the controller's own world.
+    adopted: bool = False
 
 
 # --------------------------------------------------------------------------- client -> controller

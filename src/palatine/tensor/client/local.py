@@ -46,6 +46,7 @@ from palatine.tensor.client.liveness import controller_lost
 from palatine.tensor.client.mesh import DeviceMesh
 from palatine.tensor.client.procs import RoleProcess
 from palatine.tensor.client.session import Session
+from palatine.tensor.client.shutdown import LocalRoles
 
 __all__ = [
     "LocalCluster",
@@ -128,6 +129,8 @@ class LocalCluster:
     ``on_controller_lost`` is told at once, whatever else ended with it (a lost node, the
     OOM killer), and both tellings name the roles found ended by then (`ended_roles`).
     """
+
+    owns_worlds = True  # (`LocalRoles`: its session stops the system and every world)
 
     def __init__(
         self,
@@ -681,6 +684,9 @@ def connect(
     timeout: float | None = None,
     _local: LocalCluster | None = None,
     _token: str | None = None,
+    _dims: list[tuple[str, int]] | None = None,
+    _roles: LocalRoles | None = None,
+    _controller: ActorId | None = None,
 ) -> DeviceMesh:
     """Attach to the controller of a running worker world; its `DeviceMesh`.
 
@@ -708,7 +714,10 @@ def connect(
     # (text from the caller or the handoff, parsed here once)
     addr = ChannelAddr.parse(system_addr) if isinstance(system_addr, str) else system_addr
     require_addr(addr, "connect(system_addr=)")
-    session = runtime.submit(lambda: _connect(addr, worker_world, wait_s)).get()
+    if _controller is None:
+        session = runtime.submit(lambda: _connect(addr, worker_world, wait_s)).get()
+    else:
+        session = runtime.submit(lambda: _connect(addr, worker_world, wait_s, _controller)).get()
     if _local is not None:
         session.controller_log = _local.logs.file("controller.log")
         _local.on_system_lost = _system_lost_to(session, _local)
@@ -716,7 +725,11 @@ def connect(
         session.launcher_watches_controller = True
     world = session.world_size
     per = session.per_host if session.per_host and world % session.per_host == 0 else world
-    mesh = DeviceMesh(session, ["host", "proc"], [world // per, per], local=_local)
+    roles_ = _local if _local is not None else _roles
+    if _dims is not None:  # the dims of the actor proc mesh it runs on (spawn_tensor_engine)
+        mesh = DeviceMesh(session, [n for n, _ in _dims], [k for _, k in _dims], local=roles_)
+    else:
+        mesh = DeviceMesh(session, ["host", "proc"], [world // per, per], local=roles_)
     session.root_mesh = mesh
     mesh.stream("main")
     return mesh
@@ -778,7 +791,12 @@ def _fail_soon(session: Session, exc: DeviceException) -> None:
         session.loop.call_soon_threadsafe(session.fail, exc)
 
 
-async def _connect(system_addr: ChannelAddr, worker_world: str | None, timeout: float) -> Session:
+async def _connect(
+    system_addr: ChannelAddr,
+    worker_world: str | None,
+    timeout: float,
+    controller_id: ActorId | None = None,
+) -> Session:
     from palatine.system.service import System
 
     loop = asyncio.get_running_loop()
@@ -787,7 +805,7 @@ async def _connect(system_addr: ChannelAddr, worker_world: str | None, timeout: 
     session: Session | None = None
     try:
         world, controller, hosts = await _find_worlds(
-            client, system_addr, worker_world, deadline, timeout
+            client, system_addr, worker_world, deadline, timeout, controller_id
         )
         actor = ClientActor()
         await client.proc.spawn_instance("client_actor", actor, internal=True)
@@ -825,14 +843,23 @@ async def _connect(system_addr: ChannelAddr, worker_world: str | None, timeout: 
 
 
 async def _find_worlds(
-    client: Any, addr: ChannelAddr, wanted: str | None, deadline: float, timeout: float
+    client: Any,
+    addr: ChannelAddr,
+    wanted: str | None,
+    deadline: float,
+    timeout: float,
+    controller_id: ActorId | None = None,
 ) -> tuple[str, ActorId, list[ProcId]]:
     """The worker world, its controller and the hosts its procs run on, once both worlds
-    are Live."""
+    are Live. ``controller_id``: the controller is known (an engine on an actor proc
+    mesh, whose world carries no worker labels)."""
     loop = asyncio.get_running_loop()
     last = "no worker world"
     while True:
-        snap = await client.snapshot(world_labels={WORKER_LABEL: "1"})
+        if controller_id is not None and wanted is not None:
+            snap = await client.snapshot(worlds=[wanted])
+        else:
+            snap = await client.snapshot(world_labels={WORKER_LABEL: "1"})
         names = [w for w in snap.worlds if wanted is None or w == wanted]
         if wanted is None and len(names) > 1:
             raise ValueError(
@@ -841,7 +868,9 @@ async def _find_worlds(
         if names:
             name = names[0]
             w = snap.worlds[name]
-            cid = w.labels.get(CONTROLLER_LABEL)
+            cid = (
+                str(controller_id) if controller_id is not None else w.labels.get(CONTROLLER_LABEL)
+            )
             ctl_status = "absent"
             if cid:
                 controller = ActorId.parse(cid)

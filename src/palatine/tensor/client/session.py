@@ -244,6 +244,9 @@ class Session:
         #: The call `palatine.compile` is recording (None: none is): `issue` hands it
         #: every seq the recording thread issues.
         self.recorder: Recorder | None = None
+        #: Its workers run in the procs of an actor proc mesh (`palatine.job.engine`): a
+        #: mesh tensor in an actor call there arrives as the proc's own shard.
+        self.actors_colocated = False
         client_actor.session = self
 
     @property

@@ -35,8 +35,13 @@ log = logging.getLogger("palatine")
 
 
 class LocalRoles(Protocol):
-    """The processes a local mesh started (system, hosts, controller), which the end of its
-    session stops. `palatine.tensor.client.local.LocalCluster` is the one implementation."""
+    """The processes a mesh's program started, which the end of its session stops: a
+    local mesh's system, hosts and controller (`palatine.tensor.client.local.LocalCluster`),
+    or the controller of a tensor engine on an actor proc mesh (`palatine.job.engine`),
+    whose system and worker procs belong to the proc mesh (``owns_worlds`` False: the
+    session stops only the controller's world)."""
+
+    owns_worlds: bool
 
     def stop(self, grace_s: float = 5.0, *, clean: bool = True) -> None:
         """Stop every role; keep the logs unless ``clean``."""
@@ -86,6 +91,8 @@ def shutdown_session(
 
         async def end_worlds() -> None:
             worlds = [session.worker_world, session.controller.proc.world.name]
+            if local is not None and not local.owns_worlds:
+                worlds = worlds[1:]
             direct = session.direct
             if direct is not None:  # Detach and all before it are written: let it go
                 try:
@@ -100,7 +107,7 @@ def shutdown_session(
                     log.debug("closing the system client: %s", e)
                 return
             await stop_worlds(client, worlds, stop_s, gone_s)
-            if local is not None:  # the local system itself: its own process is stopped below
+            if local is not None and local.owns_worlds:  # the local system: stopped below
                 try:
                     async with asyncio.timeout(min(2.0, stop_s) + 1.0):
                         await client.stop(None, min(2.0, stop_s))

@@ -33,6 +33,8 @@ from typing import Any, Final, cast
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
+from palatine import config
+from palatine.core.future import Future
 from palatine.errors import CoalescingError
 from palatine.protocol.worker import (
     REDUCE_OPS,
@@ -40,6 +42,7 @@ from palatine.protocol.worker import (
     FunctionPath,
     FunctionRef,
     Pickled,
+    RequestStatus,
     Slice,
 )
 from palatine.tensor.client import known
@@ -52,7 +55,8 @@ from palatine.tensor.client.session import Stream
 from palatine.tensor.client.sites import capture_site
 from palatine.tensor.client.transfer import to_mesh as move
 from palatine.tensor.client.values import RemoteValue, SlicedValue, ValueMesh, pickle_args
-from palatine.tensor.worker.values import REF_TAG
+from palatine.tensor.worker.local_shard import local_shard
+from palatine.tensor.worker.values import REF_TAG, dumps_args
 
 __all__ = [
     "LOCAL_TENSOR",
@@ -204,10 +208,17 @@ class Tensor(torch.Tensor):
     __str__ = __repr__
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(
-            f"{self!r} cannot be pickled: its data lives on the workers "
-            "(pass it to a remote function, or fetch it with palatine.inspect)"
-        )
+        """Into an actor call on the procs of its tensor engine (`palatine.job.engine`):
+        as that proc's own shard, after every op issued before the call. Anywhere else
+        it cannot travel: its data lives on the workers."""
+        session = self._value.session
+        if not session.actors_colocated:
+            raise TypeError(
+                f"{self!r} cannot be pickled: its data lives on the workers "
+                "(pass it to a remote function, or fetch it with palatine.inspect)"
+            )
+        known.forget(list(self._storage.members))  # the actor may write it
+        return (local_shard, (session.worker_world, self._value.ref, *_barrier(self)))
 
     def __bool__(self) -> bool:
         return bool(known_here(self, "bool()"))
@@ -553,6 +564,34 @@ def known_here(t: Tensor, what: str) -> torch.Tensor:
     if t._known is None:
         raise TypeError(_needs_data(what))
     return t._known
+
+
+def _barrier(t: Tensor) -> tuple[int, int]:
+    """A no-op on ``t``'s stream and ranks, waited for (at most `Config.rpc_timeout_s`):
+    once it returns, every op issued before it has run on that stream, so an actor in
+    the same proc reads ``t`` as the program left it. Its stream id and seq."""
+    v = t._value
+    sid = v.stream.id
+    session = v.session
+    spec = v.mesh.slice_spec
+    whole = Slice(offset=0, sizes=[session.world_size], strides=[1])
+    done: Future[Any] = Future(session.loop)
+
+    def commands(seq: int) -> list[tuple[Slice, Any]]:
+        return [
+            (spec, CallFunction(seq=seq, results=[], function=_READY, args=_NO_ARGS, stream=sid)),
+            (whole, RequestStatus(seq=seq, controller=False)),  # its completion comes back
+        ]
+
+    seq = session.issue(
+        "barrier for an actor call", [], [v.ref], [], future=done, make_commands=commands
+    )
+    done.result(timeout=config.get().rpc_timeout_s)
+    return sid, seq
+
+
+_READY: Final = FunctionPath(path="palatine.tensor.worker.functions.ready")
+_NO_ARGS: Final = dumps_args((), {})
 
 
 def _known_of(t: Tensor) -> torch.Tensor | None:

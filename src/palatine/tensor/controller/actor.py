@@ -806,12 +806,15 @@ class ControllerActor(Actor):
         self._spawn(self._stop_worlds_task())
 
     async def _stop_worlds_task(self) -> None:
-        worlds = [self.world, self.cx.actor_id.world]
+        own = self.cx.actor_id.world
+        worlds = [own] if self.params.adopted else [self.world, own]
         try:
             await self.cx.mailbox.ask(
                 SYSTEM_ACTOR, Stop(worlds=worlds, proc_timeout_s=5.0), self._rpc_s
             )
         except Exception as e:  # noqa: BLE001 - logged; the proc stops itself if the system is gone
             log.error(
-                "cannot ask the system to stop %s and %s: %s", worlds[0], worlds[1], error_text(e)
+                "cannot ask the system to stop %s: %s",
+                " and ".join(str(w) for w in worlds),
+                error_text(e),
             )

@@ -231,6 +231,7 @@ def _controller_params(
         worker_actor_type=actor_type,
         worker_device_index=None if cmd.is_cpu_worker else 0,
         spawn_timeout_s=timeouts.spawn_s,
+        adopted=cmd.adopt_world,
     )
 
 
@@ -281,19 +282,20 @@ async def run_controller(
     handle = None
     created = False
     try:
-        # 2. upsert the worker world
-        try:
-            await client.upsert_world(
-                cmd.worker_world,
-                [cmd.world_size],
-                cmd.num_procs_per_host,
-                cmd.program,
-                world_labels(cmd),
-            )
-        except Exception as e:  # noqa: BLE001 - every failure is the bootstrap's message
-            raise BootstrapError(error_text(e)) from None
-        created = True
-        log.info("created worker world %s; waiting for it to be Live", cmd.worker_world)
+        # 2. upsert the worker world (an adopted one exists: its owner keeps it)
+        if not cmd.adopt_world:
+            try:
+                await client.upsert_world(
+                    cmd.worker_world,
+                    [cmd.world_size],
+                    cmd.num_procs_per_host,
+                    cmd.program,
+                    world_labels(cmd),
+                )
+            except Exception as e:  # noqa: BLE001 - every failure is the bootstrap's message
+                raise BootstrapError(error_text(e)) from None
+            created = True
+            log.info("created worker world %s; waiting for it to be Live", cmd.worker_world)
         # 3. wait until Live
         world = await _wait_live(client, cmd, timeouts, stop)
         records = worker_records(cmd.worker_world, cmd.world_size, world)
@@ -361,7 +363,8 @@ async def run_controller(
     # 8. ready
     on_ready(str(handle.addr))
     assert isinstance(controller, ControllerActor) or controller is None
-    return await _serve(cmd, client, handle, controller, inst, stop, [cmd.worker_world, x_world])
+    mine = [x_world] if cmd.adopt_world else [cmd.worker_world, x_world]
+    return await _serve(cmd, client, handle, controller, inst, stop, mine)
 
 
 async def _close_client(client: Any) -> None:

@@ -86,6 +86,9 @@ class ControllerCommand(ControllerOptions, kw_only=True, forbid_unknown_fields=T
     program: str | None = None
     is_cpu_worker: bool = False
     extra_proc_labels: list[tuple[str, str]] | None = None
+    #: The worker world exists already (an actor proc mesh, `spawn_tensor_engine`): the
+    #: controller spawns its worker actors there and leaves the world running at its end.
+    adopt_world: bool = False
 
 
 class ControllerTimeouts(msgspec.Struct, frozen=True, kw_only=True):

@@ -72,7 +72,7 @@ from palatine.protocol.worker import (
     WorkerProgress,
     with_seq,
 )
-from palatine.tensor.worker import torch_warmup
+from palatine.tensor.worker import local_shard, torch_warmup
 from palatine.tensor.worker.outbox import Outbox
 from palatine.tensor.worker.prepared import prepare
 from palatine.tensor.worker.scheduling import batch_scheduling, gil_switching
@@ -212,6 +212,7 @@ class WorkerActor(Actor):
             await open_direct(proc, p.controller_actor),
         )
         self._install_command_ports()
+        local_shard.register(self.state.world, self.streams)
         log.debug("worker rank %d ready on %s (%s)", p.rank, proc.proc_id, device)
 
     def _install_command_ports(self) -> None:
@@ -228,6 +229,8 @@ class WorkerActor(Actor):
 
     async def on_stop(self, reason: str) -> None:
         self._exiting = True
+        if self.state is not None:
+            local_shard.unregister(self.state.world)
         streams = list(self.streams.values())
         for s in streams:
             s.close(drain=False)
