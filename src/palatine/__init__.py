@@ -37,6 +37,7 @@ __all__ = [
     "this_host",
     "this_proc",
     "spawn_tensor_engine",
+    "as_endpoint",
     "context",
     "current_rank",
     "current_size",
@@ -136,6 +137,7 @@ if TYPE_CHECKING:
     from palatine.mesh.accumulator import Accumulator
     from palatine.mesh.actor_mesh import ActorMesh, ActorRef, Endpoint, ValueMesh, send
     from palatine.system.service import System
+    from palatine.tensor.client.actor_calls import as_endpoint
     from palatine.tensor.client.autograd_function import (
         RemoteAutogradFunction,
         remote_autograd_function,
@@ -184,6 +186,7 @@ _WHERE = {
     "this_host": "palatine.job.hostmesh",
     "this_proc": "palatine.job.hostmesh",
     "spawn_tensor_engine": "palatine.job.engine",
+    "as_endpoint": "palatine.tensor.client.actor_calls",
     "Future": "palatine.core.future",
     "ActorRef": "palatine.mesh.actor_mesh",
     "Endpoint": "palatine.mesh.actor_mesh",

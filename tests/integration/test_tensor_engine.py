@@ -77,3 +77,35 @@ def test_a_mesh_tensor_of_another_mesh_cannot_be_sent_to_an_actor(procs: Any) ->
         y = torch.ones(2)
         with pytest.raises(TypeError, match="cannot be pickled"):
             actors.total.call(y).get()
+
+
+class Linear(Actor):
+    """Monarch's rref example: an actor's state used and updated in order with the
+    engine's ops."""
+
+    def __init__(self, n: int, m: int) -> None:
+        self.weight = torch.zeros((n, m))
+
+    @endpoint
+    def forward(self, x: Any) -> Any:
+        return x @ self.weight
+
+    @endpoint(propagate="inspect")
+    def update(self, w: Any) -> None:
+        self.weight += w
+
+
+def test_an_endpoint_called_from_the_engine_returns_mesh_tensors_in_order(procs: Any) -> None:
+    linear = procs.spawn("linear", Linear, 3, 4)
+    with procs.activate():
+        y = torch.ones((4, 3))
+        forward = palatine.as_endpoint(linear.forward, propagate=lambda x: torch.rand(4, 4))
+        t = forward.rref(y)
+        assert isinstance(t, palatine.Tensor)
+        assert inspect(t.sum()).item() == 0
+        linear.update.rref(torch.ones((3, 4)))  # runs before the next op on its stream
+        t = forward.rref(y)
+        assert inspect(t.sum()).item() == 4 * 4 * 3
+        assert inspect(t.sum(), gpus=1).item() == 4 * 4 * 3
+        with pytest.raises(ValueError, match="propagate"):
+            linear.forward.rref(y)  # no shapes declared for it

@@ -83,7 +83,7 @@ class SupervisionEvent(Message, kw_only=True):
 class EndpointInfo:
     """What ``@endpoint`` records on a method."""
 
-    __slots__ = ("name", "is_async", "timeout_s", "explicit_port", "concurrent")
+    __slots__ = ("name", "is_async", "timeout_s", "explicit_port", "concurrent", "propagate")
 
     def __init__(
         self,
@@ -92,12 +92,15 @@ class EndpointInfo:
         timeout_s: float | None,
         explicit_port: bool = False,
         concurrent: bool = False,
+        propagate: Any = None,
     ) -> None:
         self.name = name
         self.is_async = is_async
         self.timeout_s = timeout_s
         self.explicit_port = explicit_port
         self.concurrent = concurrent
+        #: How ``.rref`` learns the shapes of the endpoint's results (as `remote`'s).
+        self.propagate = propagate
 
 
 @overload
@@ -108,6 +111,7 @@ def endpoint(
     timeout: float | None = None,
     explicit_response_port: bool = False,
     concurrent: bool = False,
+    propagate: Any = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -117,6 +121,7 @@ def endpoint(
     timeout: float | None = None,
     explicit_response_port: bool = False,
     concurrent: bool = False,
+    propagate: Any = None,
 ) -> Any:
     """Mark a ``def`` or ``async def`` method as an endpoint (callable through refs/meshes).
 
@@ -128,6 +133,9 @@ def endpoint(
     ``def``), the actor goes on with its next messages instead of waiting for it: two
     actors that call each other back do not deadlock. Such calls may interleave, so
     they must not rely on the actor's state staying put across a wait.
+    ``propagate``: the endpoint may also be called from a tensor engine on its actors'
+    procs (``mesh.<name>.rref(...)``), its results mesh tensors shaped by this function
+    of its arguments; ``"inspect"``: called for its effect (``rref`` returns None).
     """
 
     def mark(f: F) -> F:
@@ -137,6 +145,7 @@ def endpoint(
             timeout,
             explicit_response_port,
             concurrent,
+            propagate,
         )
         return f
 

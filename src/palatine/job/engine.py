@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from palatine.channel import token as token_mod
 from palatine.errors import SpawnError
 from palatine.ids import ActorId
+from palatine.tensor.client import actor_calls  # noqa: F401 - installs Endpoint.rref
 from palatine.tensor.client.local import connect
 
 if TYPE_CHECKING:

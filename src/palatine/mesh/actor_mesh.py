@@ -337,6 +337,21 @@ class Endpoint(Generic[P, R]):
         """Replies as ``(rank, reply)`` in arrival order (sync and async iterator)."""
         return self._target._as_mesh()._stream(self._name, args, kwargs, self._timeout())
 
+    def rref(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """Call the endpoint from the active tensor engine on its actors' procs, in order
+        with the engine's ops: its results are mesh tensors (shapes from the endpoint's
+        ``propagate``). Monarch's ``rref``; the tensor layer provides it (`RREF`)."""
+        if RREF[0] is None:
+            raise RuntimeError("rref needs a tensor engine: activate one (procs.activate())")
+        info = self._target._endpoint_info(self._name)
+        propagate = info.propagate if info is not None else None
+        return RREF[0](self._target._as_mesh(), self._name, propagate, args, kwargs)
+
+
+#: How `Endpoint.rref` calls an endpoint from a tensor engine, set by the tensor layer
+#: above this one when it loads (``palatine.tensor.client.actor_calls``).
+RREF: list[Callable[..., Any] | None] = [None]
+
 
 def send(
     endpoint: Endpoint[..., Any],

@@ -212,7 +212,7 @@ class WorkerActor(Actor):
             await open_direct(proc, p.controller_actor),
         )
         self._install_command_ports()
-        local_shard.register(self.state.world, self.streams)
+        local_shard.register(self.state.world, self.streams, Proc.of(self.cx))
         log.debug("worker rank %d ready on %s (%s)", p.rank, proc.proc_id, device)
 
     def _install_command_ports(self) -> None:

@@ -16,24 +16,58 @@ import threading
 from typing import Any
 
 from palatine.errors import RemoteException
+from palatine.ids import GangId
+from palatine.tensor.worker.state import current_stream
 from palatine.tensor.worker.values import SeqError
 
-__all__ = ["local_shard", "register", "unregister"]
+__all__ = ["call_endpoint", "local_shard", "register", "unregister"]
 
-# Guards `_workers`: world name -> that world's streams in this proc (id -> stream).
+# Guards `_workers` and `_procs`: world name -> that world's streams in this proc (id
+# -> stream), and the proc its worker actor runs in.
 _lock = threading.Lock()
 _workers: dict[str, dict[int, Any]] = {}
+_procs: dict[str, Any] = {}
 
 
-def register(world: str, streams: dict[int, Any]) -> None:
-    """The worker actor of ``world`` in this proc runs ``streams`` (its live table)."""
+def register(world: str, streams: dict[int, Any], proc: Any) -> None:
+    """The worker actor of ``world`` in this proc (``proc``) runs ``streams`` (its live
+    table)."""
     with _lock:
         _workers[world] = streams
+        _procs[world] = proc
 
 
 def unregister(world: str) -> None:
     with _lock:
         _workers.pop(world, None)
+        _procs.pop(world, None)
+
+
+def call_endpoint(name: str, *args: Any, **kwargs: Any) -> Any:
+    """Run endpoint ``name`` of the actor ``kwargs["__gang__"]`` names in this proc,
+    on the calling stream's thread (`Endpoint.rref`: in order with the stream's ops; its
+    arguments are this proc's shards). A plain ``def`` endpoint only: it runs here, not on
+    the actor's loop, so it must not wait for the actor's other calls."""
+    gang = kwargs.pop("__gang__")
+    stream = current_stream()
+    if stream is None:
+        raise RuntimeError("call_endpoint runs on a tensor worker's stream")
+    world = stream.worker.world
+    with _lock:
+        proc = _procs.get(world)
+    if proc is None:
+        raise LookupError(f"no tensor engine of world {world} in this proc")
+    actor_id = GangId.parse(gang).actor(stream.worker.rank)
+    inst = proc.instance(actor_id)
+    if inst is None or inst.actor is None:
+        raise LookupError(f"actor {actor_id} is not in this proc ({proc.proc_id})")
+    fn = getattr(type(inst.actor), name, None)
+    info = getattr(fn, "__palatine_endpoint__", None)
+    if info is None:
+        raise AttributeError(f"{type(inst.actor).__qualname__} has no endpoint {name!r}")
+    if info.is_async:
+        raise TypeError(f"rref calls plain def endpoints; {name!r} is async")
+    return fn(inst.actor, *args, **kwargs)  # type: ignore[misc]
 
 
 def local_shard(world: str, ref: int, stream: int, barrier: int) -> Any:
