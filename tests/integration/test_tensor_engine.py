@@ -109,3 +109,34 @@ def test_an_endpoint_called_from_the_engine_returns_mesh_tensors_in_order(procs:
         assert inspect(t.sum(), gpus=1).item() == 4 * 4 * 3
         with pytest.raises(ValueError, match="propagate"):
             linear.forward.rref(y)  # no shapes declared for it
+
+
+class AddWithState(Actor):
+    def __init__(self, state: Any) -> None:
+        self.state = state.clone()  # its proc's shard, given to the constructor
+
+    @endpoint
+    def forward(self, x: Any) -> float:
+        return float((x + self.state).sum())
+
+
+class Counter(Actor):
+    def __init__(self) -> None:
+        self.c = 0
+
+    @endpoint
+    def incr(self, x: Any) -> int:
+        self.c += 1
+        return self.c - 1
+
+
+def test_actors_take_shards_in_constructors_and_calls_keep_their_order(procs: Any) -> None:
+    with procs.activate():
+        adders = procs.spawn("adder", AddWithState, torch.ones(()))
+        assert list(adders.forward.call(torch.ones(())).get().values()) == [2.0, 2.0]
+        counter = procs.spawn("counter", Counter)
+        calls = []
+        for _ in range(5):
+            calls.append(counter.incr.call(torch.ones(())))  # with a mesh tensor
+            calls.append(counter.incr.call(1))  # without
+        assert [c.get().item(gpus=0) for c in calls] == list(range(10))

@@ -198,7 +198,12 @@ class ProcMesh:
         if self._stopped:
             raise SpawnError(f"cannot spawn {name} on {self}: it was stopped")
         owner = _current_cx.get()
-        mesh = runtime.submit(lambda: self._spawn(name, cls, args, kwargs, owner)).get()
+        # Pickled here, on the caller's thread: a mesh tensor among the arguments waits
+        # for the ops before it (`palatine.job.engine`), which the loop thread cannot.
+        params, _ = dumps((args, kwargs))
+        mesh = runtime.submit(
+            lambda: self._spawn(name, cls, args, kwargs, owner, None, params)
+        ).get()
         self._spawned.append((name, cls, args, kwargs, owner, self._ranks))
         return mesh
 
@@ -249,12 +254,13 @@ class ProcMesh:
         kwargs: dict[str, Any],
         owner: Context | None = None,
         only: list[int] | None = None,
+        params: bytes | None = None,
     ) -> ActorMesh[A]:
         ranks = self._ranks if self._ranks is not None else list(range(len(self)))
         if only is not None:
             ranks = only
         await spawn_on(
-            [self.world.proc(r) for r in ranks], self._dims, name, cls, args, kwargs, owner
+            [self.world.proc(r) for r in ranks], self._dims, name, cls, args, kwargs, owner, params
         )
         return ActorMesh(GangId(self.world, name), self._dims, self._ranks, cls)
 
@@ -310,11 +316,14 @@ async def spawn_on(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     owner: Context | None,
+    params: bytes | None = None,
 ) -> None:
     """Spawn ``cls(*args, **kwargs)`` as root actor ``name`` on each of ``procs`` (their
     agents do), owned by ``owner`` (an actor's context; None: this process's client):
-    its failures go there. Raises `SpawnError` naming the first proc that refused."""
-    params, _ = dumps((args, kwargs))
+    its failures go there. ``params``: the arguments pickled already. Raises `SpawnError`
+    naming the first proc that refused."""
+    if params is None:
+        params, _ = dumps((args, kwargs))
     # The class itself travels: by reference when the procs can import it, by value
     # when they cannot (``__main__``, a local class, a module cloudpickle was told to
     # ship by value).
