@@ -27,8 +27,11 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from palatine import config
+from palatine.core import runtime
 from palatine.core.actor import Actor, handler
+from palatine.core.future import on_loop_thread
 from palatine.core.mailbox import Mailbox
+from palatine.hosting.notebook import flush_each_cell
 from palatine.ids import ActorId, ProcId
 from palatine.output.aggregate import OutputAggregator
 from palatine.output.console import (
@@ -206,6 +209,7 @@ class OutputSink(Actor):
         self.windows: dict[str, float] = {}
         self._aggs: dict[str, OutputAggregator] = {}
         self._timer: asyncio.TimerHandle | None = None
+        flush_each_cell(self)  # in a notebook, each cell's output stays in that cell
 
     def _agg(self, world: str) -> OutputAggregator:
         agg = self._aggs.get(world)
@@ -271,8 +275,24 @@ class OutputSink(Actor):
 
     def flush(self, timeout_s: float = 1.0) -> None:
         """Write everything held now, and wait (bounded) until it is written."""
+        self._write_held()
+        self.console.flush(timeout_s)
+
+    def _write_held(self) -> None:
         for agg in self._aggs.values():
             self._write(agg.flush())
+
+    def flush_cell(self, timeout_s: float) -> None:
+        """`flush` from another thread (a notebook cell's end): the held lines are
+        written on the loop, then the console is waited for, both within ``timeout_s``."""
+        if on_loop_thread():
+            self._write_held()
+            return
+
+        async def write_held() -> None:
+            self._write_held()
+
+        runtime.submit(write_held).get(timeout_s)
         self.console.flush(timeout_s)
 
     async def on_stop(self, reason: str) -> None:
