@@ -1,14 +1,22 @@
 """The system's Prometheus metrics (``--metrics-addr``), scraped with prometheus_client's
-own parser: procs by world and health, a killed worker counted and shown; a wrong token
-is refused and the server serves on."""
+own parser: procs by world and health, a killed worker counted and shown; the read-only
+scrape token is served, the cluster token refused (403), a wrong token refused (401), and
+the server serves on; what workers publish with ``palatine.metrics`` is served per world
+and rank; an idle connection does not stall a scrape; under TLS the endpoint is HTTPS."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import socket
+import ssl
+import stat
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,12 +26,14 @@ from palatine import fetch, local_mesh, remote
 pytestmark = pytest.mark.timeout(120)
 
 
-def scrape(addr: str, token: str) -> tuple[int, str]:
+def scrape(
+    addr: str, token: str, scheme: str = "http", context: ssl.SSLContext | None = None
+) -> tuple[int, str]:
     req = urllib.request.Request(
-        f"http://{addr}/metrics", headers={"Authorization": f"Bearer {token}"}
+        f"{scheme}://{addr}/metrics", headers={"Authorization": f"Bearer {token}"}
     )
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=10, context=context) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -41,10 +51,17 @@ def test_metrics_show_procs_by_health_and_count_a_killed_worker() -> None:
     with local_mesh(1, 2, metrics_addr="127.0.0.1:0") as mesh:
         cluster = mesh._local
         assert cluster is not None and cluster.procs[0].ready is not None
-        addr = cluster.procs[0].ready["metrics_addr"]
-        token = cluster.env["PALATINE_CLUSTER_TOKEN"]
+        ready = cluster.procs[0].ready
+        addr = ready["metrics_addr"]
+        token_file = Path(ready["metrics_token_file"])
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        cluster_token = cluster.env["PALATINE_CLUSTER_TOKEN"]
+        assert token != cluster_token
         status, text = scrape(addr, "0" * 64)
         assert status == 401 and "authentication failed" in text
+        status, text = scrape(addr, cluster_token)
+        assert status == 403 and "not a scrape token" in text
         status, text = scrape(addr, token)
         assert status == 200, text
         got = samples(text)
@@ -86,3 +103,105 @@ def test_metrics_show_procs_by_health_and_count_a_killed_worker() -> None:
         assert got[("palatine_procs", (("health", "Exited"), ("world", "worker")))] == 1
         status, _ = scrape(addr, token)  # still serving
         assert status == 200
+
+
+def endpoint(mesh: Any) -> tuple[str, str]:
+    """The mesh system's metrics address and scrape token, as its ready line says."""
+    cluster = mesh._local
+    assert cluster is not None and cluster.procs[0].ready is not None
+    ready = cluster.procs[0].ready
+    return ready["metrics_addr"], Path(ready["metrics_token_file"]).read_text().strip()
+
+
+def by_rank(text: str, name: str, **labels: str) -> dict[str, float]:
+    """``name``'s samples of world ``worker`` with ``labels``, by rank (host ignored)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            rest = {k: v for k, v in s.labels.items() if k not in ("rank", "host")}
+            if s.name == name and rest == {"world": "worker", **labels}:
+                out[s.labels["rank"]] = s.value
+    return out
+
+
+def test_worker_metrics_are_served_per_world_and_rank() -> None:
+    with local_mesh(1, 2, metrics_addr="127.0.0.1:0") as mesh:
+        addr, token = endpoint(mesh)
+
+        def publish(step: int) -> None:
+            """What a training loop on a worker publishes (run there by ``remote``)."""
+            from palatine.hosting import user_metrics as metrics
+
+            metrics.counter("steps").inc()
+            metrics.gauge("loss").set(1.0 / (step + 1))
+            metrics.histogram("step_seconds", buckets=(0.1, 1.0)).observe(0.5)
+
+        with mesh.activate():
+            for step in range(3):
+                done = remote(publish)(step)
+            fetch(done, shard={"host": 0, "proc": 1}).result(30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            text = scrape(addr, token)[1]
+            if by_rank(text, "palatine_user_steps_total") == {"0": 3, "1": 3}:
+                break
+            time.sleep(0.2)
+        assert by_rank(text, "palatine_user_steps_total") == {"0": 3, "1": 3}, text
+        assert by_rank(text, "palatine_user_loss") == {"0": 1 / 3, "1": 1 / 3}
+        assert by_rank(text, "palatine_user_step_seconds_count") == {"0": 3, "1": 3}
+        assert by_rank(text, "palatine_user_step_seconds_sum") == {"0": 1.5, "1": 1.5}
+        assert by_rank(text, "palatine_user_step_seconds_bucket", le="0.1") == {"0": 0, "1": 0}
+        assert by_rank(text, "palatine_user_step_seconds_bucket", le="1.0") == {"0": 3, "1": 3}
+        assert by_rank(text, "palatine_user_step_seconds_bucket", le="+Inf") == {"0": 3, "1": 3}
+
+
+def test_an_idle_connection_does_not_stall_a_scrape() -> None:
+    with local_mesh(1, 1, metrics_addr="127.0.0.1:0") as mesh:
+        addr, token = endpoint(mesh)
+        host, _, port = addr.rpartition(":")
+        idle = socket.create_connection((host, int(port)), timeout=5)
+        half = socket.create_connection((host, int(port)), timeout=5)
+        try:
+            half.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+            start = time.monotonic()
+            status, text = scrape(addr, token)
+            assert status == 200, text
+            assert time.monotonic() - start < 1.0
+        finally:
+            idle.close()
+            half.close()
+
+
+async def test_under_tls_the_endpoint_is_https(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from palatine.channel.token import generate_token, reset_token_cache, set_token
+    from palatine.system.metrics import MetricsServer
+    from palatine.system.service import System
+    from palatine.testing.certs import make_node_pki
+
+    env = make_node_pki(tmp_path / "pki", ["127.0.0.1"])["127.0.0.1"]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PALATINE_METRICS_TOKEN_FILE", str(tmp_path / "metrics-token"))
+    set_token(generate_token())
+    handle = await System.serve("tls:127.0.0.1:0")
+    try:
+        server = await asyncio.to_thread(
+            MetricsServer, "127.0.0.1", 0, handle.proc, handle.actor.reg
+        )
+        try:
+            assert server.scheme == "https"
+            token = (tmp_path / "metrics-token").read_text().strip()
+            trusting = ssl.create_default_context(cafile=env["PALATINE_TLS_CA"])
+            status, text = await asyncio.to_thread(scrape, server.addr, token, "https", trusting)
+            assert status == 200 and "palatine_worlds" in text, text
+            with pytest.raises(OSError):  # plain HTTP gets no answer
+                await asyncio.to_thread(
+                    urllib.request.urlopen, f"http://{server.addr}/metrics", timeout=5
+                )
+        finally:
+            await asyncio.to_thread(server.close)
+    finally:
+        await handle.close()
+        reset_token_cache()

@@ -467,7 +467,12 @@ async def run_system(
         if metrics is None:
             on_ready("system", str(handle.addr))
         else:
-            on_ready("system", str(handle.addr), metrics_addr=metrics.addr)
+            on_ready(
+                "system",
+                str(handle.addr),
+                metrics_addr=metrics.addr,
+                metrics_token_file=str(metrics.token_file),
+            )
         if await _until(handle.wait(), stop):
             await handle.close()
         else:

@@ -34,7 +34,9 @@ connection is still "blocking": the thread owns it and no loop is involved.
 
 Each beat also carries what the proc uses of its machine (``resources``: CPU, RSS and,
 with NVML, its GPU), read on this thread at most once a second
-(`palatine.hosting.resources`), so that ``palatine top`` shows every host's procs.
+(`palatine.hosting.resources`), so that ``palatine top`` shows every host's procs, and
+the counters, gauges and histograms its code published (`palatine.hosting.user_metrics`,
+in ``counters``), which the system serves on its metrics endpoint.
 
 On local transport (``local:N``) there is nothing to dial: the owner supplies
 ``post_via_loop``, which the thread calls once per beat (it typically schedules the
@@ -61,6 +63,7 @@ from palatine.channel.addr import ChannelAddr, require_addr
 from palatine.config import format_seconds
 from palatine.errors import error_text
 from palatine.fastpath.blocking import BlockingConn, LinkLost, Stopped, Waiter
+from palatine.hosting import user_metrics
 from palatine.hosting.resources import ResourceSampler
 from palatine.ids import SYSTEM_ACTOR, ActorId
 from palatine.protocol.supervision import ProcSupervisionState
@@ -521,6 +524,7 @@ class HeartbeatThread:
             state = getattr(msg, "state", None)
             if isinstance(state, ProcSupervisionState):  # (read here: off the proc's loop)
                 state.resources = self._resources.sample()
+                state.counters.update(user_metrics.report())
             data = codec.encode_message(msg)
             type_id = type(msg).__palatine_type_id__
         except Exception:
