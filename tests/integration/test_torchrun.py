@@ -76,6 +76,8 @@ for step in range(start, a.steps):
 if rank == 0:
     torch.save(model.module.state_dict(), os.path.join(a.dir, "final.pt"))
 dist.barrier()
+del model, opt  # (DDP's reducer holds the group: gloo aborts at exit when it outlives it)
+dist.destroy_process_group()
 """
 
 _LOSS = re.compile(r"step (\d+) loss (\S+)")
@@ -127,7 +129,7 @@ def test_a_ddp_script_gives_torchruns_losses_and_final_model(
     import torch
 
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    out = run([torchrun], tmp_path)
+    out = run([torchrun, "--standalone"], tmp_path)  # (a free port, not 29500)
     assert out.returncode == 0, out.stderr[-4000:]
     ours, seen = clean_run
     assert losses(out.stdout) == seen

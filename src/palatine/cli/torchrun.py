@@ -46,6 +46,12 @@ IGNORED = (
 )
 
 
+#: What the fork server imports once the first group runs (`palatine.hosting.forkserver`),
+#: so that a restarted group's procs start with it: torch, and what ``init_process_group``
+#: and DDP's constructor import on first use (torch._dynamo alone is ≈ 1.5 s of CPU).
+WARM = "torch,torch._dynamo,torch.distributed,torch.nn.parallel,palatine.spmd.actor"
+
+
 def _flag(p: argparse.ArgumentParser, name: str, **kw: Any) -> None:
     """``--a-b`` and torchrun's other spelling ``--a_b``."""
     p.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kw)
@@ -173,6 +179,12 @@ def run(args: argparse.Namespace) -> int:
         _say("OMP_NUM_THREADS=1 for each rank (as torchrun sets it); set it to choose")
     if os.environ.get("PALATINE_LOG_LEVEL"):  # else palatine's warnings and errors only
         setup_logging()
+    from palatine import config
+
+    # The fork server imports torch once the first group is up: a restarted group's
+    # procs are forked with it imported (unless PALATINE_FORK_SERVER_WARM says otherwise).
+    os.environ.setdefault(config.env_var("fork_server_warm"), WARM)
+    config.reload()
     from palatine.job.hostmesh import this_host
     from palatine.spmd.launcher import Interrupted, launch
     from palatine.spmd.summary import failure_summary

@@ -12,6 +12,7 @@ import asyncio
 import contextvars
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -56,6 +57,7 @@ class SPMDActor(Actor):
         self._dims: list[tuple[str, int]] = list(extent.items()) if extent is not None else []
         self._rank: int = getattr(point, "rank", 0)
         self._running: threading.Thread | None = None
+        self._store: Any = None  # the group's TCPStore server (`serve_store`), if here
 
     @endpoint
     def get_host_port(self, host: str | None = None) -> tuple[str, int]:
@@ -63,6 +65,23 @@ class SPMDActor(Actor):
         other ranks reach it (or ``host``), and a port free there now."""
         addr = host or master_host()
         return addr, free_port(addr)
+
+    @endpoint
+    def serve_store(
+        self, world_size: int, host: str | None = None, port: int = 0
+    ) -> tuple[str, int]:
+        """Host the group's rendezvous store here, as torchrun's agent does: a TCPStore
+        server on ``host`` (this proc's machine as the others reach it) and ``port`` (0:
+        one the OS picks); (address, port) for ``MASTER_ADDR``/``MASTER_PORT``. With
+        ``TORCHELASTIC_USE_AGENT_STORE=True`` every rank's ``init_process_group`` is then
+        its client, so no rank waits for rank 0's program to have made it."""
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        addr = host or master_host()
+        self._store = TCPStore(
+            addr, port, world_size, is_master=True, wait_for_workers=False, use_libuv=True
+        )
+        return addr, int(self._store.port)
 
     @endpoint
     def system_addr(self) -> str:
@@ -94,6 +113,10 @@ class SPMDActor(Actor):
         )
         env.update(extra or {})
         os.environ.update(env)
+        threads = env.get("OMP_NUM_THREADS", "")
+        torch = sys.modules.get("torch")  # imported already (a warm fork server's proc)
+        if torch is not None and threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))  # (read at its import otherwise)
         return env
 
     @endpoint

@@ -12,8 +12,9 @@ interpreters), an `SPMDActor` on each proc, and starts the program on every rank
 
 On a failure the launcher says so at once, gathers what else fails in the next moments
 (a rank's death makes its peers' collectives fail: the death, not those, is the root
-cause), stops the group (a process group cannot lose a member) and starts the next
-attempt, up to ``max_restarts`` restarts; the failures of the last one are its result.
+cause), shows where the ranks still running are, stops the group (a process group cannot
+lose a member) and starts the next attempt while the old group stops, up to
+``max_restarts`` restarts; the failures of the last one are its result.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from palatine import config
+from palatine.core.future import Future
 from palatine.core.ports import Channel, Port, PortReceiver
 from palatine.core.shape import Extent
 from palatine.core.supervision_hook import set_unhandled_fault_hook
@@ -42,9 +44,13 @@ __all__ = ["ElasticResult", "HostsLike", "Interrupted", "Launch", "RankFailure",
 
 log = logging.getLogger(__name__)
 
-#: How long, after a group's first failure, further failures of it are gathered before
-#: it is stopped (the root cause is then a death, not its peers' broken collectives).
+#: How long, after a group's first failure that is not a death, further failures of it
+#: are gathered before it is stopped (the root cause is then a death reported just after,
+#: not its peers' broken collectives).
 GATHER_S = 0.25
+#: How long rank 0 may take to host the rendezvous store (importing torch, when its fork
+#: server had not).
+STORE_S = 120.0
 #: How long a running rank has to tell its program's stack.
 STACK_S = 5.0
 #: How often the wait for the ranks wakes up (to notice Ctrl-C).
@@ -157,20 +163,51 @@ def launch(
         interrupted,
     )
     failures: list[RankFailure] = []
-    for attempt in range(max_restarts + 1):
-        failures = _attempt(plan, attempt)
-        if not failures:
-            return ElasticResult(0, [], attempt, describe(program))
-        if attempt < max_restarts:
-            say(
-                f"restarting the group ({attempt + 1} of {max_restarts} restarts; "
-                f"TORCHELASTIC_RESTART_COUNT={attempt + 1})"
-            )
-    return ElasticResult(1, failures, max_restarts, describe(program))
+    stopping: Future[None] | None = None  # the last group's stop, overlapping the next
+    try:
+        for attempt in range(max_restarts + 1):
+            failures, stopping = _attempt(plan, attempt, stopping)
+            if not failures:
+                return ElasticResult(0, [], attempt, describe(program))
+            if attempt < max_restarts:
+                say(
+                    f"restarting the group ({attempt + 1} of {max_restarts} restarts; "
+                    f"TORCHELASTIC_RESTART_COUNT={attempt + 1})"
+                )
+        return ElasticResult(1, failures, max_restarts, describe(program))
+    finally:
+        if stopping is not None:
+            stopping.get(_stop_s())
 
 
-def _attempt(plan: Launch, attempt: int) -> list[RankFailure]:
-    procs = plan.hosts.spawn_procs(per_host=plan.per_host)
+def _stop_s() -> float:
+    """The bound of a group's stop (its procs' stop timeout, and the world's removal)."""
+    return config.get().proc_stop_timeout_s + 30
+
+
+def _attempt(
+    plan: Launch, attempt: int, previous: Future[None] | None
+) -> tuple[list[RankFailure], Future[None]]:
+    """One group: spawn it, run the program until it ended or failed; its failures and
+    its stop, begun (a failed group stops while the next one starts: ``previous`` is
+    waited for once this group runs)."""
+    try:
+        procs = plan.hosts.spawn_procs(per_host=plan.per_host)
+    except BaseException:
+        if previous is not None:
+            previous.get(_stop_s())
+        raise
+    try:
+        failures = _run_group(plan, attempt, procs, previous)
+    except BaseException:
+        procs.stop().get(_stop_s())
+        raise
+    return failures, procs.stop()
+
+
+def _run_group(
+    plan: Launch, attempt: int, procs: ProcMesh, previous: Future[None] | None
+) -> list[RankFailure]:
     report: Port[Any]
     receiver: PortReceiver[Any]
     report, receiver = Channel.open()
@@ -181,19 +218,24 @@ def _attempt(plan: Launch, attempt: int) -> list[RankFailure]:
         actors = procs.spawn("spmd", SPMDActor)
         first = actors.slice(**dict.fromkeys(procs.sizes, 0))
         rpc_s = config.get().rpc_timeout_s
-        addr, port = first.get_host_port.call_one(plan.master[0]).get(rpc_s)
-        port = plan.master[1] or port
+        # The rendezvous store is up before any rank's program starts (torchrun's agent
+        # store): no rank retries its connection while rank 0's program imports torch.
+        addr, port = first.serve_store.call_one(n, plan.master[0], plan.master[1] or 0).get(STORE_S)
+        env = {**(plan.extra_env or {}), "TORCHELASTIC_USE_AGENT_STORE": "True"}
         if attempt == 0 and plan.on_start is not None:
             plan.on_start(first.system_addr.call_one().get(rpc_s))
-        actors.start.call(
-            addr, port, plan.program, report, attempt, plan.max_restarts, plan.extra_env
-        ).get(rpc_s)
+        started = actors.start.call(
+            addr, port, plan.program, report, attempt, plan.max_restarts, env
+        )
+        if previous is not None:  # (the last group stopped meanwhile)
+            previous.get(_stop_s())
+        started.get(rpc_s)
         ok: set[int] = set()
         failures: list[RankFailure] = []
         gather_until: float | None = None
         while len(ok) < n:
             wait = POLL_S if gather_until is None else gather_until - time.monotonic()
-            if wait <= 0:
+            if wait <= 0 and gather_until is not None:
                 break
             if plan.interrupted():
                 raise Interrupted(f"{describe(plan.program)} on {procs.world}")
@@ -207,15 +249,17 @@ def _attempt(plan: Launch, attempt: int) -> list[RankFailure]:
             elif failure is not None and failure.rank not in {f.rank for f in failures}:
                 plan.say(failure.describe())
                 if not failures:
-                    gather_until = time.monotonic() + GATHER_S
+                    # A death is the root cause: stop at once. Another failure may be a
+                    # death's consequence: wait a moment for that death to be reported.
+                    gather_until = time.monotonic() + (0.0 if failure.died else GATHER_S)
                 failures.append(failure)
         running = set(range(n)) - ok - {f.rank for f in failures}
-        if failures and running and plan.on_stuck is not None:
+        died = any(f.died for f in failures)  # (then the others' collectives fail anyway)
+        if failures and running and not died and plan.on_stuck is not None:
             plan.on_stuck(_stacks(actors, procs, sorted(running)))
         return _root_first(failures)
     finally:
         set_unhandled_fault_hook(before)
-        procs.stop().get(config.get().proc_stop_timeout_s + 30)
         receiver.close()
 
 
