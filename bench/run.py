@@ -109,6 +109,13 @@ PROGRAMS = (
     Program("bench/train_bench.py", None, TRAIN_METRICS),
     Program("bench/recovery_bench.py", None, frozenset({"recover_after_sigkill_s"})),
     Program(
+        "bench/spmd_bench.py",
+        None,
+        frozenset(
+            {"spmd_start_to_first_step_s", "spmd_restart_after_sigkill_s", "spmd_steps_per_s"}
+        ),
+    ),
+    Program(
         "bench/control_plane_bench.py",
         None,
         frozenset(
@@ -197,6 +204,25 @@ METRICS: dict[str, tuple[str, bool, Target]] = {
         "s",
         False,
         Target("≤ 2 s and ≥ 10× faster than torchrun --max-restarts=1", 2.0, 10),
+    ),
+    # A torchrun script under palatine torchrun and torchrun (bench/spmd_bench.py): start
+    # to first step, SIGKILL of a rank to the first step after the group's restart, steps/s
+    "spmd_start_to_first_step_s": (
+        "s",
+        False,
+        Target("≥ 2× faster than torchrun", peer_factors=(("torchrun", 2.0),)),
+    ),
+    "spmd_restart_after_sigkill_s": (
+        "s",
+        False,
+        Target(
+            "≥ 10× faster than torchrun --max-restarts=1", peer_factors=(("torchrun", 10.0),)
+        ),
+    ),
+    "spmd_steps_per_s": (
+        "steps/s",
+        True,
+        Target("≥ 1.0× torchrun", peer_factors=(("torchrun", 1.0),)),
     ),
     # Control-plane faults and big values (bench/control_plane_bench.py): a SIGKILLed
     # system seen by a pending fetch; Ctrl-C to the script's exit; the whole job's peak
