@@ -215,9 +215,7 @@ METRICS: dict[str, tuple[str, bool, Target]] = {
     "spmd_restart_after_sigkill_s": (
         "s",
         False,
-        Target(
-            "≥ 10× faster than torchrun --max-restarts=1", peer_factors=(("torchrun", 10.0),)
-        ),
+        Target("≥ 10× faster than torchrun --max-restarts=1", peer_factors=(("torchrun", 10.0),)),
     ),
     "spmd_steps_per_s": (
         "steps/s",
