@@ -4,8 +4,9 @@ Python (nbclient), cell by cell, as a person would run it.
 The cells cover the quickstart (`local_mesh`, `remote`/`fetch`), workers that print (their
 lines in the cell that made them print), an actor mesh (`this_host().spawn_procs`), a
 top-level ``await`` of an endpoint call, and a killed worker (the next fetch raises a
-`DeviceException` naming the rank); ``palatine ps`` lists the kernel's mesh. The kernel spec is written to a temporary prefix, so
-nothing outside the test's own directory is touched.
+`DeviceException` naming the rank); ``palatine ps`` lists the kernel's mesh. The
+kernel spec is written to a temporary prefix, so nothing outside the test's own
+directory is touched.
 """
 
 from __future__ import annotations
