@@ -22,7 +22,7 @@ import msgspec
 from palatine.core.actor import Actor, current_rank, endpoint
 from palatine.core.ports import Port
 from palatine.hosting.child_env import Handoff
-from palatine.spmd.env import elastic_env, free_port, master_host
+from palatine.spmd.env import elastic_env, free_port, interface_to, master_host
 from palatine.spmd.script import ScriptFailed, program_stack, run_program
 
 __all__ = ["RankExited", "SPMDActor"]
@@ -111,6 +111,10 @@ class SPMDActor(Actor):
         env = elastic_env(
             self._dims, self._rank, master_addr, master_port, restart_count, max_restarts
         )
+        if "GLOO_SOCKET_IFNAME" not in os.environ:
+            ifname = interface_to(master_addr)
+            if ifname is not None:
+                env["GLOO_SOCKET_IFNAME"] = ifname
         env.update(extra or {})
         os.environ.update(env)
         threads = env.get("OMP_NUM_THREADS", "")

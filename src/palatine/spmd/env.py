@@ -12,11 +12,13 @@ from __future__ import annotations
 import math
 import socket
 
-from palatine.channel.addr import ChannelAddr, pick_host
+import psutil
+
+from palatine.channel.addr import ChannelAddr, is_loopback_host, pick_host
 from palatine.errors import AddrParseError
 from palatine.hosting.child_env import Handoff
 
-__all__ = ["elastic_env", "free_port", "master_host"]
+__all__ = ["elastic_env", "free_port", "interface_to", "master_host"]
 
 
 def elastic_env(
@@ -76,3 +78,18 @@ def free_port(host: str) -> int:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def interface_to(master_addr: str) -> str | None:
+    """The network interface this machine reaches ``master_addr`` through (None when it
+    is this machine's loopback, or no interface has the address): gloo's
+    ``GLOO_SOCKET_IFNAME``. Without it gloo takes the address the hostname resolves to,
+    which on many containers and test beds is a loopback one, that other machines cannot
+    connect to."""
+    if is_loopback_host(master_addr):
+        return None
+    local, _ = pick_host([ChannelAddr.tcp(master_addr, 9)])
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%", 1)[0] == local for a in addrs):
+            return str(name)
+    return None
