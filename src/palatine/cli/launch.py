@@ -15,8 +15,17 @@ and the system), and the launcher exits with the program's status. Inside an all
 batch script, ``salloc``) nothing is submitted: the hosts run as a step of that
 allocation, and that step is what ends (``--submit`` submits a job anyway).
 
-Ctrl-C or SIGTERM goes to the program; a second one kills it. A scheduler that refuses
-the job, or a job that ends before its hosts joined, is one line on stderr and exit 1.
+Ctrl-C or SIGTERM goes to the program; a second one kills it. SIGHUP (an ssh session
+that drops) is ignored, by the launcher and the program alike: the job goes on.
+``--detach`` runs the launcher in a session of its own, its output in
+``./palatine-logs/launch-*.out``, and returns at once: the job stays running. A scheduler
+that refuses the job, or a job that ends before its hosts joined, is one line on stderr
+and exit 1.
+
+Inside an allocation ``--hosts`` defaults to its node count (``SLURM_JOB_NUM_NODES``);
+``--procs-per-host gpu`` takes the node's GPU count (``SLURM_GPUS_ON_NODE`` inside an
+allocation, else ``--gpus-per-node``, else this machine's NVIDIA GPUs) and makes the
+workers CUDA workers.
 """
 
 from __future__ import annotations
@@ -42,8 +51,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="slurm",
         help="where the hosts run: Slurm nodes, or this machine",
     )
-    p.add_argument("--hosts", type=int, required=True, help="hosts (nodes) of the job")
-    p.add_argument("--procs-per-host", type=int, required=True, help="worker procs per host")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        help="hosts (nodes) of the job (default inside a Slurm allocation: its node count)",
+    )
+    p.add_argument(
+        "--procs-per-host",
+        type=_procs_per_host,
+        required=True,
+        metavar="N|gpu",
+        help="worker procs per host, or 'gpu': one per GPU of the node",
+    )
     p.add_argument("--partition", help="Slurm partition")
     p.add_argument("--time-limit", help="Slurm time limit (sbatch --time)")
     p.add_argument("--account", help="Slurm account")
@@ -68,12 +87,84 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-dir", help="where the job's logs go (kept)")
     p.add_argument(
+        "--detach",
+        action="store_true",
+        help="return at once and leave the launcher (and the job) running in the background",
+    )
+    p.add_argument(
         "--start-timeout-in-sec",
         type=float,
         default=300.0,
         help="bound on queue time plus start-up",
     )
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
+
+
+def _procs_per_host(text: str) -> int | str:
+    if text == "gpu":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number or 'gpu', not {text!r}") from None
+    return n
+
+
+def _node_gpus(args: argparse.Namespace) -> int:
+    """The GPUs of a node of the job (`--procs-per-host gpu`); 0 if nobody says."""
+    on_node = os.environ.get("SLURM_GPUS_ON_NODE", "")
+    if args.scheduler == "slurm" and not args.submit and on_node.isdigit():
+        return int(on_node)
+    if args.gpus_per_node:
+        return int(args.gpus_per_node)
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def _resolve_shape(args: argparse.Namespace) -> None:
+    """Fill in ``--hosts`` (an allocation's node count) and ``--procs-per-host gpu``;
+    `ValueError` saying what to give when neither is known."""
+    if args.hosts is None:
+        nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or ""
+        inside = args.scheduler == "slurm" and not args.submit and os.environ.get("SLURM_JOB_ID")
+        if not (inside and nodes.isdigit()):
+            raise ValueError("give --hosts (only inside a Slurm allocation is it its node count)")
+        args.hosts = int(nodes)
+    if args.procs_per_host == "gpu":
+        gpus = _node_gpus(args)
+        if gpus < 1:
+            raise ValueError(
+                "--procs-per-host gpu: no GPU count known (no SLURM_GPUS_ON_NODE, no "
+                "--gpus-per-node, no NVIDIA GPU here): give a number"
+            )
+        args.procs_per_host = gpus
+        args.gpus_per_node = args.gpus_per_node or gpus
+
+
+def _detach(argv: list[str]) -> int:
+    """Run ``palatine launch argv`` (less ``--detach``) in a session of its own, its
+    output in ``./palatine-logs/launch-<time>-<pid>.out``; report where, and return."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    own = [a for a in argv[:cut] if a != "--detach"] + argv[cut:]
+    logs = os.path.join(os.getcwd(), "palatine-logs")
+    os.makedirs(logs, exist_ok=True)
+    path = os.path.join(logs, f"launch-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.out")
+    with open(path, "ab") as out:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "palatine", "launch", *own],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    print(
+        f"palatine launch: detached (pid {child.pid}); its output goes to {path}; "
+        "'palatine ps' lists the job once it is up",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _job(args: argparse.Namespace) -> Any:
@@ -111,6 +202,16 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         print("palatine launch: give the program to run after '--'", file=sys.stderr)
         return 2
+    try:
+        _resolve_shape(args)
+    except ValueError as e:
+        print(f"palatine launch: {e}", file=sys.stderr)
+        return 2
+    if args.detach:
+        if "launch" not in sys.argv:
+            print("palatine launch: --detach is for the command line", file=sys.stderr)
+            return 2
+        return _detach(sys.argv[sys.argv.index("launch") + 1 :])
     setup_logging()
     try:
         job = _job(args)
@@ -123,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
         interrupted.append(signum)
 
     old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    old[signal.SIGHUP] = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (the program's too)
     status = 1
     try:
         t0 = time.monotonic()

@@ -19,6 +19,15 @@ Where things run, and why:
   its identity from the scheduler (``--host-rank $SLURM_NODEID``), joins the system over
   TCP or TLS and starts that node's worker procs when the controller's world is placed.
   Its output goes to ``<log dir>/slurm-<job id>.out``.
+* **The log dir is on the submit directory's filesystem** by default
+  (``./palatine-logs/<job>``, unless ``log_dir`` or ``PALATINE_LOG_DIR`` says otherwise),
+  not this machine's temp dir, which the nodes do not share: Slurm writes the hosts'
+  output there, and the hosts write their procs' logs there.
+* **One short probe step checks the nodes first**: each node says whether it sees the log
+  dir and the Python interpreter. The batch script runs it before the hosts (its words
+  reach the client through the log dir, which the batch node sees: else Slurm could not
+  have started it); inside an allocation, `apply` runs it before the hosts' step. A node
+  that lacks either is a `SchedulerError` naming the node and what it lacks.
 
 ``sbatch``'s refusals arrive as `SchedulerError` with its own words (``sbatch: error:
 invalid partition specified``); a job that fails, is cancelled or times out in the queue
@@ -85,6 +94,8 @@ log = logging.getLogger(__name__)
 
 _COMMENT = "palatine:"  # sbatch --comment=palatine:<log dir>: where the job's record is
 
+_PROBE_MARK = "palatine probe:"  # a probe's line naming what a node lacks
+_PROBE_TIMEOUT_S = 60.0  # the probe step inside an allocation (srun, one task per node)
 _STEP_STOP_S = 10.0  # the hosts' step, after SIGTERM, before SIGKILL
 _GONE_TIMEOUT_S = 30.0  # a cancelled job leaving squeue
 _COMPLETING_WAIT_S = 2.0  # ... once it is COMPLETING: ended, its nodes yet to confirm
@@ -194,7 +205,7 @@ class SlurmJob:
         )
         allocation = self._allocation()
         host = self._host = self._listen_host(allocation)
-        logs = LogSession.create("slurm", self.log_dir)
+        logs = _log_session(self.log_dir)
         self._token = secrets.token_hex(32)
         env = {"PALATINE_CLUSTER_TOKEN": self._token, "PALATINE_LOG_DIR": str(logs.path)}
         env[RECORD_ENV] = "launcher"  # (the job's record is this object's: `_record`)
@@ -216,6 +227,7 @@ class SlurmJob:
             cluster.system_addr = system.addr
             if allocation:
                 self._in_allocation = True  # (never scancel it: it is not ours)
+                self._probe(logs, allocation)
                 self._step = self._srun(system.addr, logs, allocation)
                 self.job_id = allocation
             else:
@@ -305,6 +317,35 @@ class SlurmJob:
             )
         return job
 
+    def _probe(self, logs: LogSession, allocation: str) -> None:
+        """Inside an allocation: one short step on the job's nodes; a `SchedulerError`
+        naming each node that does not see the log dir or the Python interpreter."""
+        argv = [
+            "srun", "--overlap", f"--nodes={self.hosts}", f"--ntasks={self.hosts}",
+            "--ntasks-per-node=1", f"--job-name={self.job_name}-probe",
+            *_probe_argv(logs, self.python),
+        ]  # fmt: skip
+        try:
+            done = subprocess.run(
+                argv, env=self._job_env(), stdin=subprocess.DEVNULL, capture_output=True,
+                text=True, timeout=_PROBE_TIMEOUT_S, check=False,
+            )  # fmt: skip
+        except FileNotFoundError:
+            raise SchedulerError("srun not found in this allocation") from None
+        except subprocess.TimeoutExpired:
+            raise SchedulerError(
+                f"Slurm allocation {allocation}: the probe step on its nodes did not end "
+                f"within {_PROBE_TIMEOUT_S:g} s"
+            ) from None
+        lacking = _probe_findings(done.stdout)
+        if lacking:
+            raise SchedulerError(_probe_text(f"Slurm allocation {allocation}", lacking))
+        if done.returncode != 0:
+            words = done.stderr.strip() or f"exit status {done.returncode}"
+            raise SchedulerError(
+                f"Slurm allocation {allocation}: the probe step on its nodes failed: {words}"
+            )
+
     def _srun(self, system_addr: str, logs: LogSession, allocation: str) -> subprocess.Popen[bytes]:
         """The hosts as one step of this allocation: one task per node. ``--overlap``:
         the step shares the allocation with any step already holding it (an interactive
@@ -328,6 +369,8 @@ class SlurmJob:
         script = Path(logs.file("palatine-hosts.sbatch"))
         script.write_text(
             "#!/bin/bash\n"
+            "# Every node must see the log dir and the Python interpreter (a probe step).\n"
+            f"srun --ntasks-per-node=1 {shlex.join(_probe_argv(logs, self.python))} || exit 1\n"
             "# One palatine host per allocated node; each joins the client's system.\n"
             "exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c "
             f"{shlex.quote(_host_command('SLURM_NODEID', self.host_options))} "
@@ -503,7 +546,11 @@ class SlurmJob:
         if self._cluster is not None and self.job_id is not None:
             path = self._cluster.logs.path / f"slurm-{self.job_id}.out"
             if path.exists():
-                out = "\n" + "\n".join(path.read_text(errors="replace").splitlines()[-20:])
+                text = path.read_text(errors="replace")
+                lacking = _probe_findings(text)
+                if lacking:  # the batch script's probe step: that is why it ended
+                    return _probe_text(f"Slurm job {self.job_id}", lacking)
+                out = "\n" + "\n".join(text.splitlines()[-20:])
         return (
             f"Slurm job {self.job_id} ended before its hosts joined: "
             f"{state or 'gone from the queue'}{self._loopback_note}{out}"
@@ -717,6 +764,43 @@ def find_job(job_id: str) -> tuple[dict[str, str] | None, JobRecord | None]:
         except (OSError, msgspec.DecodeError):
             record = None
     return info, record
+
+
+def _log_session(log_dir: str | None) -> LogSession:
+    """The job's log dir: ``log_dir``; else a fresh one under ``PALATINE_LOG_DIR``, if
+    set; else under ``./palatine-logs``, on the submit directory's filesystem, which the
+    nodes are far likelier to share than this machine's temp dir (module doc)."""
+    if log_dir is not None or config.get().log_dir:
+        return LogSession.create("slurm", log_dir)
+    with config.override(log_dir=str(Path.cwd() / "palatine-logs")):
+        return LogSession.create("slurm")
+
+
+def _probe_argv(logs: LogSession, python: str) -> list[str]:
+    """The probe's task: one line naming what this node lacks (the log dir, the Python
+    interpreter), and exit status 1, or nothing and 0."""
+    script = (
+        'node="${SLURMD_NODENAME:-$(hostname)}"; lacks=""; '
+        '[ -d "$1" ] && [ -w "$1" ] || lacks="the log dir $1"; '
+        'command -v "$2" >/dev/null 2>&1 || lacks="${lacks:+$lacks and }the Python interpreter $2"; '
+        f'[ -z "$lacks" ] || {{ echo "{_PROBE_MARK} node $node does not see $lacks"; exit 1; }}'
+    )
+    return ["bash", "-c", script, "palatine-probe", str(logs.path), python]
+
+
+def _probe_findings(text: str) -> list[str]:
+    """What the probe's lines in ``text`` say the nodes lack, one entry per node."""
+    return sorted(
+        {line.split(_PROBE_MARK, 1)[1].strip() for line in text.splitlines() if _PROBE_MARK in line}
+    )
+
+
+def _probe_text(what: str, lacking: list[str]) -> str:
+    return (
+        f"{what}: the nodes cannot run the job: {'; '.join(lacking)} (the log dir and the "
+        "Python interpreter must be on a filesystem every node mounts: run from such a "
+        "directory, or give log_dir / --log-dir and python there)"
+    )
 
 
 def _host_command(rank_var: str, options: HostOptions) -> str:

@@ -77,12 +77,16 @@ class SlurmTestCluster:
         workdir: str | os.PathLike[str] | None = None,
         *,
         node_env: dict[int, dict[str, str]] | None = None,
+        node_hidden: dict[int, str] | None = None,
     ) -> None:
         """``node_env``: variables each node's tasks get on top of the submitter's (the
         node's own TLS certificate, say), through Slurm's ``TaskProlog`` as a site
-        would set them."""
+        would set them. ``node_hidden``: a directory that node's ``slurmd`` (and every
+        task it starts) sees empty, an empty tmpfs in a mount namespace of its own over
+        it: a filesystem that node does not mount."""
         self.bed = bed
         self.node_env = node_env or {}
+        self.node_hidden = node_hidden or {}
         # munged runs as user munge: every directory above its files must be searchable
         self._own_dir = workdir is None
         self.dir = Path(tempfile.mkdtemp(prefix="palatine-slurm-") if workdir is None else workdir)
@@ -101,6 +105,13 @@ class SlurmTestCluster:
             for i in range(self.bed.nodes):
                 (self.dir / "spool" / f"node{i}").mkdir(parents=True, exist_ok=True)
                 argv = ["slurmd", "-D", "-N", f"node{i}", "-f", str(self.conf)]
+                hidden = self.node_hidden.get(i)
+                if hidden is not None:
+                    mount = 'mount -t tmpfs palatine-hidden "$0" && exec "$@"'
+                    argv = [
+                        "unshare", "--mount", "--propagation", "private", "--",
+                        "sh", "-c", mount, hidden, *argv,
+                    ]  # fmt: skip
                 self._spawn([*self.bed.prefix(i), *argv], f"slurmd-node{i}")
             self._wait_idle()
         except BaseException:
