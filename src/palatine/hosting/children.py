@@ -36,7 +36,7 @@ executor thread would kill children early. The child side of that contract is
 
 `Child` is the record kept per proc (state, pid, exit, the last output lines),
 `ChildExit` how it ended, and `PipeReader` reads one of its output pipes on the loop
-and splits it into lines.
+and splits it into lines (a ``\\r`` progress bar's states apart: `palatine.output.progress`).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from palatine.hosting.forkserver import (
     fork_server_supported,
 )
 from palatine.output.console import ConsoleWriter, chatter_shown
+from palatine.output.progress import CarriageSplitter
 
 if TYPE_CHECKING:
     from palatine.hosting.forkserver import ForkedProcess
@@ -205,11 +206,14 @@ class PipeReader:
         fd: int,
         on_lines: Callable[[list[bytes]], None],
         on_eof: Callable[[], None],
+        on_progress: Callable[[bytes], None] | None = None,
     ) -> None:
         self._loop = loop
         self._fd = fd
         self._on_lines = on_lines
         self._on_eof = on_eof
+        self._on_progress = on_progress  # a progress bar's new state (`output.progress`)
+        self._carriage = CarriageSplitter()
         self._partial = b""
         self._closed = False
         os.set_blocking(fd, False)
@@ -233,11 +237,15 @@ class PipeReader:
         buf = self._partial + data
         lines = buf.split(b"\n")
         self._partial = lines.pop()
+        lines = self._carriage.lines(lines)
+        state, self._partial = self._carriage.partial(self._partial)
         while len(self._partial) > _MAX_LINE_BYTES:
             lines.append(self._partial[:_MAX_LINE_BYTES])
             self._partial = self._partial[_MAX_LINE_BYTES:]
         if lines:
             self._on_lines(lines)
+        if state is not None and self._on_progress is not None:
+            self._on_progress(state)
 
     def close(self) -> None:
         """Stop reading, emit an unterminated last line, release the fd (idempotent)."""
@@ -250,9 +258,9 @@ class PipeReader:
             log.debug("removing the reader of fd %d: %s", self._fd, e)
         with contextlib.suppress(OSError):
             os.close(self._fd)
-        if self._partial:
+        if self._partial or self._carriage.shown:
             partial, self._partial = self._partial, b""
-            self._on_lines([partial])
+            self._on_lines(self._carriage.lines([partial]))
         self._on_eof()
 
 
@@ -445,7 +453,11 @@ class ChildProcs:
         for fd in (out_r, err_r):
             child._readers.append(
                 PipeReader(
-                    loop, fd, lambda lines: self._emit(child, lines), lambda: self._eof(child)
+                    loop,
+                    fd,
+                    lambda lines: self._emit(child, lines),
+                    lambda: self._eof(child),
+                    lambda state: self._progress(child, state),
                 )
             )
         if isinstance(popen, ForkedProcess):
@@ -543,6 +555,13 @@ class ChildProcs:
             return
         if self._console is not None:
             self._console.write_lines(lines, f"[{child.proc_id}] ", drop_internal=self._quiet)
+
+    def _progress(self, child: Child, state: bytes) -> None:
+        """A progress bar's new state (a ``\\r`` line): to the client that watches the
+        output, as a line ending in ``\\r``; not logged nor echoed (the finished line is)."""
+        forward = self.forward
+        if forward is not None:
+            forward(child, [state + b"\r"])
 
     def flush_echo(self, timeout_s: float) -> bool:
         """Wait (blocking, bounded) until the echoed lines so far are written; whether they were."""

@@ -15,6 +15,11 @@ For hosts anywhere else (a CLI cluster, other nodes), the client watches the out
   ``[worker 0-3] epoch 1 done``) and writes through a `ConsoleWriter`, which never
   blocks either.
 
+A progress bar's states (``\r`` lines, tqdm) are forwarded as they come, at most
+`palatine.output.progress.MAX_PER_S` a second per rank (the newest held back goes when
+its turn comes), as lines ending in ``\r``; the sink shows them as one updating line per
+group of ranks with the same state, below the ordinary output (`ProgressBoard`).
+
 A sink that is gone (the client ended) stops the forwarding: the host echoes again.
 """
 
@@ -42,6 +47,7 @@ from palatine.output.console import (
     classify,
     record_level,
 )
+from palatine.output.progress import MAX_PER_S, PROGRESS_END, ProgressBoard, RateLimit
 from palatine.protocol.agent import OutputLines, OutputTaken, OutputWatched, WatchOutput
 
 if TYPE_CHECKING:
@@ -89,16 +95,65 @@ class _Watcher:
         self.dropped = 0
         self.task: asyncio.Task[None] | None = None
         self.gone = False
+        self.limits: dict[int, RateLimit] = {}  # per rank: its progress bar's states
+        self._timer: asyncio.TimerHandle | None = None
 
     def add(self, rank: int, texts: list[str]) -> None:
+        limit = self.limits.get(rank)
+        if limit is not None:
+            limit.drop()  # (a held state must not follow the lines that ended its bar)
         for text in texts:
-            if self.bytes + len(text) > self.max_bytes:
-                self.dropped += 1
-                continue
-            self.pending.append((rank, text))
-            self.bytes += len(text)
+            self._queue(rank, text)
+        self._start()
+
+    def progress(self, rank: int, state: str) -> None:
+        """A progress bar's new state: sent now, or held (the newest) until the rank's
+        turn (`RateLimit`)."""
+        loop = asyncio.get_running_loop()
+        limit = self.limits.setdefault(rank, RateLimit())
+        now = loop.time()
+        if limit.offer(state, now) is not None:
+            self._queue(rank, state + PROGRESS_END)
+            self._start()
+        elif self._timer is None:
+            at = limit.next_at()
+            assert at is not None
+            self._timer = loop.call_at(at, self._release)
+
+    def _release(self) -> None:
+        """Send the held states whose turn has come; wait again for the others."""
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for rank, limit in self.limits.items():
+            state = limit.due(now)
+            if state is not None:
+                self._queue(rank, state + PROGRESS_END)
+        self._start()
+        later = [t for t in (lim.next_at() for lim in self.limits.values()) if t is not None]
+        if later and not self.gone:
+            self._timer = loop.call_at(min(later), self._release)
+
+    def _queue(self, rank: int, text: str) -> None:
+        if self.bytes + len(text) > self.max_bytes:
+            self.dropped += 1
+            return
+        self.pending.append((rank, text))
+        self.bytes += len(text)
+
+    def _start(self) -> None:
         if self.task is None and (self.pending or self.dropped):
             self.task = asyncio.get_running_loop().create_task(self._pump())
+
+    def stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        self.stop_timer()
 
     async def _pump(self) -> None:
         try:
@@ -148,8 +203,8 @@ class OutputFanout:
         self, world: str, sink: ActorId | None, max_bytes: int, level: int | None = None
     ) -> None:
         old = self._watchers.get(world)
-        if old is not None and old.task is not None:
-            old.task.cancel()
+        if old is not None:
+            old.cancel()
         self._watchers[world] = (
             _Watcher(self, world, sink, max(4096, max_bytes), level) if sink is not None else None
         )
@@ -157,6 +212,7 @@ class OutputFanout:
     def unwatch(self, watcher: _Watcher) -> None:
         if self._watchers.get(watcher.world) is watcher:
             del self._watchers[watcher.world]
+        watcher.stop_timer()  # (its pump is ending: the caller)
 
     def take(self, child: Child, lines: list[bytes]) -> bool:
         if child.world not in self._watchers:
@@ -167,6 +223,9 @@ class OutputFanout:
         rank = self._ranks.get(child.proc_id)
         if rank is None:
             rank = self._ranks[child.proc_id] = ProcId.parse(child.proc_id).rank
+        if len(lines) == 1 and lines[0].endswith(b"\r"):  # (`ChildProcs._progress`)
+            watcher.progress(rank, lines[0][:-1].decode("utf-8", "replace"))
+            return True
         level = watcher.level
         texts = [
             line.decode("utf-8", "replace").rstrip("\r")
@@ -183,8 +242,8 @@ class OutputFanout:
 
     def close(self) -> None:
         for watcher in self._watchers.values():
-            if watcher is not None and watcher.task is not None:
-                watcher.task.cancel()
+            if watcher is not None:
+                watcher.cancel()
         self._watchers.clear()
 
 
@@ -209,6 +268,9 @@ class OutputSink(Actor):
         self.windows: dict[str, float] = {}
         self._aggs: dict[str, OutputAggregator] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self.board: ProgressBoard | None = None  # the workers' progress bars, once one came
+        self._draw_timer: asyncio.TimerHandle | None = None
+        self._drawn_at = -1.0
         flush_each_cell(self)  # in a notebook, each cell's output stays in that cell
 
     def _agg(self, world: str) -> OutputAggregator:
@@ -226,7 +288,16 @@ class OutputSink(Actor):
         now = loop.time()
         agg = self._agg(msg.world)
         out: list[str] = []
+        redraw = False
         for rank, text in msg.lines:
+            if text.endswith(PROGRESS_END):
+                if self.board is None:
+                    self.board = ProgressBoard(self.console.isatty(), self.console.columns())
+                self.board.update(msg.world, rank, text[: -len(PROGRESS_END)])
+                redraw = True
+                continue
+            if self.board is not None and self.board.done(msg.world, rank):
+                redraw = True
             out += agg.add(msg.world, rank, text, now)
         if msg.dropped:
             out += agg.flush()
@@ -237,7 +308,18 @@ class OutputSink(Actor):
             )
         self._write(out)
         self._arm(loop)
+        if redraw and self._draw_timer is None:
+            at = max(now, self._drawn_at + 1.0 / MAX_PER_S)
+            self._draw_timer = loop.call_at(at, self._redraw)
         return OutputTaken()
+
+    def _redraw(self) -> None:
+        """The progress bars' block, redrawn with their latest states (at most
+        `MAX_PER_S` times a second)."""
+        self._draw_timer = None
+        self._drawn_at = asyncio.get_running_loop().time()
+        if self.board is not None:
+            self.console.write(self.board.draw())
 
     def handle_undeliverable(self, returned: Envelope) -> None:
         """An `OutputTaken` to a host that has ended meanwhile: nothing to tell anyone."""
@@ -261,6 +343,11 @@ class OutputSink(Actor):
     def _write(self, lines: list[str]) -> None:
         """Queue whole lines; warnings and errors as notable (kept when the console drops
         ordinary output)."""
+        if not lines:
+            return
+        board = self.board
+        if board is not None and board.shown:  # (the lines go above the progress bars)
+            self.console.write(board.erase(), notable=True)
         run: list[str] = []
         run_notable = False
         for line in lines:
@@ -272,6 +359,8 @@ class OutputSink(Actor):
             run.append(line)
         if run:
             self.console.write("".join(run), notable=run_notable)
+        if board is not None and board.groups():
+            self.console.write(board.draw())
 
     def flush(self, timeout_s: float = 1.0) -> None:
         """Write everything held now, and wait (bounded) until it is written."""
@@ -281,6 +370,8 @@ class OutputSink(Actor):
     def _write_held(self) -> None:
         for agg in self._aggs.values():
             self._write(agg.flush())
+        if self.board is not None:  # (the bars stay on screen, the next output below)
+            self.console.write(self.board.end())
 
     def flush_cell(self, timeout_s: float) -> None:
         """`flush` from another thread (a notebook cell's end): the held lines are
@@ -296,6 +387,9 @@ class OutputSink(Actor):
         self.console.flush(timeout_s)
 
     async def on_stop(self, reason: str) -> None:
+        if self._draw_timer is not None:
+            self._draw_timer.cancel()
+            self._draw_timer = None
         self.flush()
         self.console.close(1.0)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import logging
 import re
+import shutil
 import sys
 import threading
 import time
@@ -154,6 +155,18 @@ class ConsoleWriter:
         self._closed = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+
+    def isatty(self) -> bool:
+        """Whether the stream is a terminal (where output may be redrawn in place)."""
+        stream = self._stream if self._stream is not None else sys.stderr
+        try:
+            return bool(stream.isatty())
+        except (AttributeError, ValueError, OSError):
+            return False
+
+    def columns(self) -> int:
+        """The terminal's width (80 when it cannot be told)."""
+        return shutil.get_terminal_size((80, 24)).columns
 
     @property
     def dropped_lines(self) -> int:
