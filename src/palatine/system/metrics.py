@@ -16,6 +16,10 @@ format (`prometheus_client`), to requests that carry the job's scrape token
 * ``palatine_controller_invocations_total{world}`` and
   ``palatine_controller_stalls_total{world}``: what each tensor controller has accepted
   from its client, and the stalls it found (``world`` is the controller's world);
+* ``palatine_proc_cpu_percent{world, proc, host}``, ``palatine_proc_rss_bytes{...}`` and,
+  where NVML is present, ``palatine_proc_gpu_util_percent{...}`` and
+  ``palatine_proc_gpu_mem_bytes{...}``: what each live proc uses of its machine, as its
+  last heartbeat said (`palatine.hosting.resources`);
 * ``palatine_user_<name>{world, rank, host}``: what workers and actors published with
   ``palatine.metrics`` (`palatine.hosting.user_metrics`), one series per rank (sum them
   by ``world`` for the world's total); counters end in ``_total``, histograms have
@@ -127,6 +131,15 @@ def _write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+_RESOURCES: Final = {
+    "cpu_percent": "CPU each live proc used (percent of one core), as its heartbeat said.",
+    "rss_bytes": "Resident memory of each live proc, as its heartbeat said.",
+    "gpu_util_percent": "Utilisation of each live proc's GPU (where NVML is present).",
+    "gpu_mem_bytes": "GPU memory each live proc holds (where NVML is present).",
+}
+"""The resources a heartbeat carries (`palatine.hosting.resources`), each a gauge."""
+
+
 def _rank_of(proc: str) -> str:
     """``"3"`` of the snapshot's key ``"worker[3]"``."""
     return proc.rpartition("[")[2].rstrip("]")
@@ -209,6 +222,10 @@ class SystemCollector(Collector):
             "Stalls each tensor controller found (ranks alive but not progressing).",
             labels=["world"],
         )
+        resources = {
+            key: GaugeMetricFamily(f"palatine_proc_{key}", doc, labels=per_proc)
+            for key, doc in _RESOURCES.items()
+        }
         user = _UserFamilies()
         by_status: dict[str, int] = {}
         for name, world in snap.worlds.items():
@@ -227,6 +244,9 @@ class SystemCollector(Collector):
                 if "controller_invocations" in c:
                     invocations.add_metric([name], c["controller_invocations"])
                     stalls.add_metric([name], c.get("controller_stalls", 0.0))
+                for key, value in entry.resources.items():
+                    if key in resources:
+                        resources[key].add_metric([name, proc, entry.host], value)
                 user.add(name, proc, entry.host, c)
             for health, n in sorted(by_health.items()):
                 procs.add_metric([name, health], n)
@@ -239,6 +259,7 @@ class SystemCollector(Collector):
             detected.add_metric([kind], n)
         yield from (worlds, procs, age, lag, detected, delivered, delivered_bytes)
         yield from (invocations, stalls)
+        yield from resources.values()
         yield from user.families.values()
 
 
