@@ -87,6 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-dir", help="where the job's logs go (kept)")
     p.add_argument(
+        "--metrics-addr",
+        metavar="HOST:PORT",
+        help="the job's system serves Prometheus metrics there (port 0: any free port; "
+        "HTTPS under --transport tls), to the scrape token in the log dir's metrics-token",
+    )
+    p.add_argument(
         "--detach",
         action="store_true",
         help="return at once and leave the launcher (and the job) running in the background",
@@ -174,9 +180,12 @@ def _job(args: argparse.Namespace) -> Any:
         options: dict[str, Any] = {"startup_timeout_s": args.start_timeout_in_sec}
         if args.log_dir:
             options["log_dir"] = args.log_dir
+        if args.metrics_addr:
+            options["metrics_addr"] = args.metrics_addr
         return LocalJob(args.hosts, args.procs_per_host, **options)
     from palatine.job.slurm import SlurmJob
 
+    metrics = {"metrics_addr": args.metrics_addr} if args.metrics_addr else {}
     return SlurmJob(
         args.hosts,
         args.procs_per_host,
@@ -189,6 +198,7 @@ def _job(args: argparse.Namespace) -> Any:
         transport=args.transport,
         startup_timeout_s=args.start_timeout_in_sec,
         use_allocation=False if args.submit else None,
+        **metrics,
     )
 
 
@@ -238,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+        if job.metrics is not None:
+            print(f"palatine launch: {job.metrics.describe()}", file=sys.stderr, flush=True)
         if interrupted:
             return 128 + interrupted[0]
         env = job.client_env()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Self
 from palatine.channel.token import token_env
 from palatine.hosting.child_env import Handoff
 from palatine.job.jobhosts import JobHosts
+from palatine.job.metrics import MetricsEndpoint, metrics_endpoint
 from palatine.job.records import announce, job_id_of
 from palatine.tensor.client.local import (
     LocalCluster,
@@ -55,6 +56,12 @@ class LocalJob:
             announce(self.job_id)
         assert self.job_id is not None
         return self.job_id
+
+    @property
+    def metrics(self) -> MetricsEndpoint | None:
+        """Where the job's system serves its metrics (``metrics_addr=``; None without it,
+        or before `apply`), to the scrape token in its log dir's ``metrics-token``."""
+        return metrics_endpoint(self._cluster)
 
     def state(self) -> str:
         """``"Live"`` once applied (starting it if needed)."""

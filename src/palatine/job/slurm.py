@@ -28,6 +28,8 @@ Where things run, and why:
   reach the client through the log dir, which the batch node sees: else Slurm could not
   have started it); inside an allocation, `apply` runs it before the hosts' step. A node
   that lacks either is a `SchedulerError` naming the node and what it lacks.
+* **Slurm's state is read from ``squeue --json``** where the installed Slurm has it
+  (`squeue_state`), from ``squeue -o %T`` where it does not.
 
 ``sbatch``'s refusals arrive as `SchedulerError` with its own words (``sbatch: error:
 invalid partition specified``); a job that fails, is cancelled or times out in the queue
@@ -74,6 +76,7 @@ from palatine.errors import AddrParseError, DeviceException, SchedulerError
 from palatine.hosting.child_env import Handoff
 from palatine.hosting.limits import check_open_files, mesh_open_files
 from palatine.job.jobhosts import JobHosts
+from palatine.job.metrics import MetricsEndpoint, metrics_endpoint
 from palatine.job.records import RECORD_ENV, RecordDir, announce
 from palatine.job.records import JobRecord as RunningJob
 from palatine.output.logs import LogSession
@@ -88,7 +91,7 @@ from palatine.tensor.client.scheduler import (
 if TYPE_CHECKING:
     from palatine.tensor.client.mesh import DeviceMesh
 
-__all__ = ["JobRecord", "SlurmJob", "cancel_steps", "find_job", "steps_named"]
+__all__ = ["JobRecord", "SlurmJob", "cancel_steps", "find_job", "squeue_state", "steps_named"]
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +194,13 @@ class SlurmJob:
         self._host = ""  # where the system listens (`_listen_host`)
         self._ended_by: str | None = None  # `ended_by_slurm` once asked ("": Slurm did not)
         self._loopback_note = ""  # what a failure to join adds (`_listen_host`)
+
+    @property
+    def metrics(self) -> MetricsEndpoint | None:
+        """Where the job's system serves its metrics (``metrics_addr=``; None without it,
+        or before `apply`): HTTPS under ``transport="tls"``, to the scrape token in the
+        log dir's ``metrics-token``, never the cluster token."""
+        return metrics_endpoint(self._cluster)
 
     # ------------------------------------------------------------ submit
     def apply(self) -> str:
@@ -502,14 +512,7 @@ class SlurmJob:
         ``UNKNOWN`` when ``squeue`` does not answer."""
         if self.job_id is None:
             return None
-        try:
-            done = subprocess.run(
-                ["squeue", "-h", "-j", self.job_id, "-o", "%T"],
-                capture_output=True, text=True, timeout=SCHEDULER_TIMEOUT_S, check=False,
-            )  # fmt: skip
-        except (FileNotFoundError, subprocess.TimeoutExpired):
-            return "UNKNOWN"  # squeue did not answer: not evidence that the job ended
-        return done.stdout.strip() or None
+        return squeue_state(self.job_id)
 
     def state(self) -> str:
         """Wait until every host has joined and the workers are up (bounded by the start
@@ -764,6 +767,57 @@ def find_job(job_id: str) -> tuple[dict[str, str] | None, JobRecord | None]:
         except (OSError, msgspec.DecodeError):
             record = None
     return info, record
+
+
+_squeue_json: bool | None = None  # whether this Slurm's squeue takes --json (asked once)
+
+
+def squeue_state(job_id: str) -> str | None:
+    """Slurm's word for job ``job_id`` (``PENDING``, ``RUNNING``, ...); None once it is
+    gone, ``UNKNOWN`` when ``squeue`` does not answer. Read from ``squeue --json`` where
+    this Slurm has it (its fields are Slurm's documented data, not a format of ours to
+    parse), else from ``squeue -o %T``."""
+    global _squeue_json
+    argv = ["squeue", "--json", "-j", job_id] if _squeue_json is not False else []
+    if argv:
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=SCHEDULER_TIMEOUT_S, check=False
+            )
+        except (FileNotFoundError, subprocess.TimeoutExpired):
+            return "UNKNOWN"  # squeue did not answer: not evidence that the job ended
+        if done.returncode == 0:
+            try:
+                state = _json_state(done.stdout, job_id)
+            except (ValueError, TypeError, KeyError):
+                _squeue_json = False  # not the JSON we know: the words, from now on
+            else:
+                _squeue_json = True
+                return state
+        elif "option" in done.stderr:  # (unrecognized option '--json')
+            _squeue_json = False
+        else:
+            return None  # (Invalid job id specified: it is gone)
+    try:
+        done = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T"],
+            capture_output=True, text=True, timeout=SCHEDULER_TIMEOUT_S, check=False,
+        )  # fmt: skip
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return "UNKNOWN"
+    return done.stdout.strip() or None
+
+
+def _json_state(text: str, job_id: str) -> str | None:
+    """Job ``job_id``'s state in ``squeue --json``'s document (a word up to Slurm 23.02,
+    a list of words since; the first is the state); None when it is not listed."""
+    for job in msgspec.json.decode(text)["jobs"]:
+        if str(job["job_id"]) == job_id:
+            state = job["job_state"]
+            if isinstance(state, list):
+                state = state[0] if state else None
+            return None if state is None else str(state)
+    return None
 
 
 def _log_session(log_dir: str | None) -> LogSession:
