@@ -80,7 +80,8 @@ class SystemOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         str | None,
         opt(
             "serve Prometheus metrics on GET http://HOST:PORT/metrics (port 0: any free "
-            "port), to requests with the cluster token as a bearer token",
+            "port; HTTPS under tls), to requests with the read-only scrape token (its "
+            "file: metrics-token in the log dir) as a bearer token, never the cluster token",
             metavar="HOST:PORT",
         ),
     ] = None
