@@ -287,6 +287,10 @@ class _ThreadedServer(ThreadingMixIn, WSGIServer):
             )
         return sock, addr
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that timed out or went away: a debug line, not a traceback on stderr."""
+        log.debug("metrics: connection from %s ended", client_address, exc_info=True)
+
     def finish_request(self, request: Any, client_address: Any) -> None:
         if isinstance(request, ssl.SSLSocket):
             try:
