@@ -12,18 +12,23 @@ import signal
 import socket
 import ssl
 import stat
+import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from palatine import fetch, local_mesh, remote
+from palatine import Actor, endpoint, fetch, local_mesh, remote
+from palatine.job import LocalJob
 
 pytestmark = pytest.mark.timeout(120)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def scrape(
@@ -105,7 +110,7 @@ def test_metrics_show_procs_by_health_and_count_a_killed_worker() -> None:
         assert status == 200
 
 
-def endpoint(mesh: Any) -> tuple[str, str]:
+def metrics_of(mesh: Any) -> tuple[str, str]:
     """The mesh system's metrics address and scrape token, as its ready line says."""
     cluster = mesh._local
     assert cluster is not None and cluster.procs[0].ready is not None
@@ -126,7 +131,7 @@ def by_rank(text: str, name: str, **labels: str) -> dict[str, float]:
 
 def test_worker_metrics_are_served_per_world_and_rank() -> None:
     with local_mesh(1, 2, metrics_addr="127.0.0.1:0") as mesh:
-        addr, token = endpoint(mesh)
+        addr, token = metrics_of(mesh)
 
         def publish(step: int) -> None:
             """What a training loop on a worker publishes (run there by ``remote``)."""
@@ -157,7 +162,7 @@ def test_worker_metrics_are_served_per_world_and_rank() -> None:
 
 def test_an_idle_connection_does_not_stall_a_scrape() -> None:
     with local_mesh(1, 1, metrics_addr="127.0.0.1:0") as mesh:
-        addr, token = endpoint(mesh)
+        addr, token = metrics_of(mesh)
         host, _, port = addr.rpartition(":")
         idle = socket.create_connection((host, int(port)), timeout=5)
         half = socket.create_connection((host, int(port)), timeout=5)
@@ -205,3 +210,36 @@ async def test_under_tls_the_endpoint_is_https(
     finally:
         await handle.close()
         reset_token_cache()
+
+
+class Stepper(Actor):
+    """An actor that counts its steps with ``palatine.metrics``."""
+
+    @endpoint
+    def step(self, n: int) -> None:
+        from palatine.hosting import user_metrics as metrics
+
+        metrics.counter("actor_steps").inc(n)
+
+
+def test_actor_metrics_are_served_by_their_proc_mesh_world_and_rank() -> None:
+    with LocalJob(hosts=1, procs_per_host=1, metrics_addr="127.0.0.1:0") as job:
+        assert job.metrics is not None and job.metrics.url.startswith("http://")
+        token = Path(job.metrics.token_file).read_text().strip()
+        procs = job.host_mesh().spawn_procs(per_host={"procs": 2})
+        steppers = procs.spawn("stepper", Stepper)
+        steppers.step.call(5).get(timeout=60)
+        addr = job.metrics.url.removeprefix("http://").removesuffix("/metrics")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            got = [
+                (s.labels["rank"], s.value)
+                for family in text_string_to_metric_families(scrape(addr, token)[1])
+                for s in family.samples
+                if s.name == "palatine_user_actor_steps_total"
+            ]
+            if sorted(got) == [("0", 5.0), ("1", 5.0)]:
+                break
+            time.sleep(0.2)
+        assert sorted(got) == [("0", 5.0), ("1", 5.0)]
+        procs.stop().get(timeout=30)
