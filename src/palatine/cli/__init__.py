@@ -23,6 +23,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "snapshot": ("palatine.cli.snapshot", "print the worlds and procs of a running system"),
     "stacks": ("palatine.cli.stacks", "print the Python stacks of a running job's procs"),
     "top": ("palatine.cli.top", "a live view of a running system's worlds and procs"),
+    "dashboard": ("palatine.cli.dashboard", "serve a job's live web page (link with a token)"),
     "stop": ("palatine.cli.stop", "stop worlds (or everything) of a running system"),
     "launch": ("palatine.cli.launch", "run a client program against a job on Slurm or locally"),
     "job": ("palatine.cli.job", "status or cancel of a Slurm job that palatine launched"),

@@ -1,0 +1,159 @@
+"""``palatine dashboard`` in a real headless Chromium against a running local mesh: the
+page needs its token, shows the job's procs, turns a SIGKILLed worker red within a second
+and shows a stuck proc's stack and log on a click. A screenshot is kept in the test's tmp
+dir."""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+
+from palatine import inspect, local_mesh, remote
+
+pytestmark = pytest.mark.timeout(180)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+
+
+def sleep_in_a_known_place(seconds: float) -> int:
+    print("dashboard test: this worker sleeps now", flush=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.02)
+    return 0
+
+
+def first_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    """The first stdout line of ``proc``, read within ``timeout_s``."""
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    out = proc.stdout
+    threading.Thread(target=lambda: lines.put(out.readline()), daemon=True).start()
+    try:
+        return lines.get(timeout=timeout_s).strip()
+    except queue.Empty:
+        raise AssertionError(f"no link from palatine dashboard in {timeout_s} s") from None
+
+
+def status_of(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[Any]:
+    if CHROMIUM is None or DRIVER is None:
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install them)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,1000",
+                 f"--user-data-dir={tmp_path / 'chromium-profile'}"):  # fmt: skip
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(options=opts, service=Service(DRIVER))
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_dashboard_shows_procs_a_killed_worker_in_red_and_a_stuck_procs_stack(
+    browser: Any, tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with local_mesh(1, 3) as mesh:
+        cluster = mesh._local
+        assert cluster is not None
+        env = {**os.environ, "PALATINE_CLUSTER_TOKEN": cluster.env["PALATINE_CLUSTER_TOKEN"]}
+        dash = subprocess.Popen(
+            [sys.executable, "-m", "palatine", "dashboard", "--system-addr",
+             cluster.system_addr, "--log-dir", str(cluster.logs.path)],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        try:
+            url = first_line(dash, 30)
+            assert url.startswith("http://127.0.0.1:") and "/?token=" in url, url
+            base = url.split("?")[0]
+            assert status_of(base) == 403
+            assert status_of(base + "api/state?token=wrong") == 403
+            assert status_of(url) == 200
+
+            with mesh.activate():
+                pids = [inspect(remote(os.getpid)(), shard=r) for r in range(3)]
+                remote(sleep_in_a_known_place)(60.0)
+            browser.get(url)
+            wait = WebDriverWait(browser, 30, poll_frequency=0.05)
+            rows = wait.until(
+                lambda d: (
+                    (r := d.find_elements(By.CSS_SELECTOR, "tr.proc-row[data-proc^='worker[']"))
+                    and len(r) == 3
+                    and r
+                )
+            )
+            assert {r.get_attribute("data-proc") for r in rows} == {
+                "worker[0]",
+                "worker[1]",
+                "worker[2]",
+            }
+            assert all(r.get_attribute("data-health") == "Alive" for r in rows)
+
+            # a stuck proc's stack (and its log) at a click
+            browser.find_element(By.CSS_SELECTOR, "tr.proc-row[data-proc='worker[1]']").click()
+            stacks = wait.until(
+                lambda d: (
+                    "sleep_in_a_known_place" in (t := d.find_element(By.ID, "stacks").text) and t
+                )
+            )
+            assert "worker" in browser.find_element(By.ID, "detail-title").text
+            assert stacks
+            wait.until(lambda d: "this worker sleeps now" in d.find_element(By.ID, "log").text)
+
+            # a SIGKILLed worker turns red within a second
+            red = "tr.proc-row[data-proc='worker[2]']:not(.health-Alive)"
+            os.kill(pids[2], signal.SIGKILL)
+            t0 = time.monotonic()
+            WebDriverWait(browser, 1.0, poll_frequency=0.02).until(
+                lambda d: d.find_elements(By.CSS_SELECTOR, red)
+            )
+            took = time.monotonic() - t0
+            colour = browser.find_element(By.CSS_SELECTOR, red).value_of_css_property(
+                "background-color"
+            )
+            assert colour == "rgba(248, 208, 208, 1)", colour
+            wait.until(lambda d: "SIGKILL" in d.find_element(By.ID, "failures").text)
+            browser.save_screenshot(str(tmp_path / "dashboard.png"))
+            assert took < 1.0
+        finally:
+            dash.send_signal(signal.SIGINT)
+            try:
+                assert dash.wait(timeout=20) == 0
+            finally:
+                dash.kill()
