@@ -21,8 +21,9 @@ import test_slurm as base
 
 from palatine import fetch, remote
 from palatine.errors import SchedulerError
+from palatine.job import slurm as slurm_module
 from palatine.job.records import live_jobs
-from palatine.job.slurm import SlurmJob
+from palatine.job.slurm import SlurmJob, squeue_state
 from palatine.testing.netns import TestBed
 from palatine.testing.netns import unavailable as no_bed
 from palatine.testing.slurm import PARTITION, SlurmTestCluster
@@ -74,7 +75,7 @@ def refusal(job: SlurmJob) -> str:
     return str(ei.value)
 
 
-def test_a_jobs_default_log_dir_is_under_the_submit_directory(
+def test_a_jobs_default_log_dir_is_under_the_submit_directory_and_squeue_json_reads_its_state(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.chdir(tmp_path)
@@ -88,6 +89,10 @@ def test_a_jobs_default_log_dir_is_under_the_submit_directory(
         log_dir = Path(record.log_dir)
         assert log_dir.parent == tmp_path / "palatine-logs", log_dir
         assert (log_dir / f"slurm-{job.job_id}.out").exists()
+        job_id = job.job_id
+        assert job_id is not None and squeue_state(job_id) == "RUNNING"
+        assert slurm_module._squeue_json  # this Slurm (22.05 and later) has squeue --json
+    assert squeue_state(job_id) is None  # gone
 
 
 def test_the_probe_names_the_node_that_does_not_see_the_log_dir(
