@@ -33,6 +33,9 @@ DRIVER = shutil.which("chromedriver")
 
 
 def sleep_in_a_known_place(seconds: float) -> int:
+    from palatine.hosting import user_metrics
+
+    user_metrics.gauge("dashboard_test_loss").set(0.25)
     print("dashboard test: this worker sleeps now", flush=True)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -149,6 +152,13 @@ def test_dashboard_shows_procs_a_killed_worker_in_red_and_a_stuck_procs_stack(
             )
             assert colour == "rgba(248, 208, 208, 1)", colour
             wait.until(lambda d: "SIGKILL" in d.find_element(By.ID, "failures").text)
+            # the workers' gauge, plotted over time (it comes with their heartbeats)
+            plot = wait.until(
+                lambda d: d.find_elements(
+                    By.CSS_SELECTOR, "[data-metric='worker: dashboard_test_loss'] polyline"
+                )
+            )
+            assert plot[0].get_attribute("points")
             browser.save_screenshot(str(tmp_path / "dashboard.png"))
             assert took < 1.0
         finally:
