@@ -140,5 +140,7 @@ def test_outside_an_allocation_hosts_must_be_given(monkeypatch: pytest.MonkeyPat
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ValueError, match="give --hosts"):
         launch._resolve_shape(args_of("--procs-per-host", "2"))
+    with pytest.raises(ValueError, match="no GPU count known"):  # a submit host's own GPUs
+        launch._resolve_shape(args_of("--hosts", "2", "--procs-per-host", "gpu"))  # do not count
     with pytest.raises(SystemExit):
         args_of("--procs-per-host", "many")  # a number or 'gpu'

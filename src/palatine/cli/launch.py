@@ -24,8 +24,8 @@ and exit 1.
 
 Inside an allocation ``--hosts`` defaults to its node count (``SLURM_JOB_NUM_NODES``);
 ``--procs-per-host gpu`` takes the node's GPU count (``SLURM_GPUS_ON_NODE`` inside an
-allocation, else ``--gpus-per-node``, else this machine's NVIDIA GPUs) and makes the
-workers CUDA workers.
+allocation, else ``--gpus-per-node``, else, on a node of the job, its NVIDIA GPUs) and
+makes the workers CUDA workers.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _procs_per_host(text: str) -> int | str:
+    """``--procs-per-host``: a number, or ``gpu`` (resolved by `_resolve_shape`)."""
     if text == "gpu":
         return text
     try:
@@ -117,12 +118,17 @@ def _procs_per_host(text: str) -> int | str:
 
 
 def _node_gpus(args: argparse.Namespace) -> int:
-    """The GPUs of a node of the job (`--procs-per-host gpu`); 0 if nobody says."""
+    """The GPUs of a node of the job (`--procs-per-host gpu`); 0 if nobody says. This
+    machine's own count only where it is one of the job's nodes (a local job, or the
+    batch node of the allocation), never a submit host's."""
+    inside = args.scheduler == "slurm" and not args.submit and os.environ.get("SLURM_JOB_ID")
     on_node = os.environ.get("SLURM_GPUS_ON_NODE", "")
-    if args.scheduler == "slurm" and not args.submit and on_node.isdigit():
+    if inside and on_node.isdigit():
         return int(on_node)
     if args.gpus_per_node:
         return int(args.gpus_per_node)
+    if not (inside or args.scheduler == "local"):
+        return 0
     try:
         return len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
