@@ -176,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
     extra: dict[str, str] = {}
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         extra["OMP_NUM_THREADS"] = "1"  # as torchrun does
+        # (here too: the fork server, which imports torch for restarts, inherits it; a
+        # torch imported without it spins OpenMP threads beside each rank's program)
+        os.environ["OMP_NUM_THREADS"] = "1"
         _say("OMP_NUM_THREADS=1 for each rank (as torchrun sets it); set it to choose")
     if os.environ.get("PALATINE_LOG_LEVEL"):  # else palatine's warnings and errors only
         setup_logging()

@@ -68,13 +68,21 @@ class SPMDActor(Actor):
 
     @endpoint
     def serve_store(
-        self, world_size: int, host: str | None = None, port: int = 0
+        self,
+        world_size: int,
+        host: str | None = None,
+        port: int = 0,
+        extra: dict[str, str] | None = None,
     ) -> tuple[str, int]:
         """Host the group's rendezvous store here, as torchrun's agent does: a TCPStore
         server on ``host`` (this proc's machine as the others reach it) and ``port`` (0:
         one the OS picks); (address, port) for ``MASTER_ADDR``/``MASTER_PORT``. With
         ``TORCHELASTIC_USE_AGENT_STORE=True`` every rank's ``init_process_group`` is then
-        its client, so no rank waits for rank 0's program to have made it."""
+        its client, so no rank waits for rank 0's program to have made it. ``extra`` is
+        set first: the program's environment, which torch reads when it is imported
+        here (``OMP_NUM_THREADS``: set later, torch's OpenMP threads would spin beside
+        the program's)."""
+        os.environ.update(extra or {})
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         addr = host or master_host()

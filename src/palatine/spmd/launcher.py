@@ -220,8 +220,9 @@ def _run_group(
         rpc_s = config.get().rpc_timeout_s
         # The rendezvous store is up before any rank's program starts (torchrun's agent
         # store): no rank retries its connection while rank 0's program imports torch.
-        addr, port = first.serve_store.call_one(n, plan.master[0], plan.master[1] or 0).get(STORE_S)
         env = {**(plan.extra_env or {}), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        store = first.serve_store.call_one(n, plan.master[0], plan.master[1] or 0, env)
+        addr, port = store.get(STORE_S)
         if attempt == 0 and plan.on_start is not None:
             plan.on_start(first.system_addr.call_one().get(rpc_s))
         started = actors.start.call(
