@@ -12,7 +12,8 @@ milliseconds after it happened; ``palatine stacks`` / ``palatine top`` work on t
 0 when every rank succeeded, 1 otherwise, after a failure summary in torchrun's layout.
 
 ``--nnodes N`` on one machine runs N groups of ``--nproc-per-node`` procs here (a mesh
-``{"nodes": N, "procs": P}``). Accepted and ignored, as they have no meaning here:
+``{"nodes": N, "procs": P}``); with ``--scheduler slurm`` it is N nodes of a Slurm job
+(`palatine.job.SlurmJob`: submitted, or the allocation this runs in), one group each. Accepted and ignored, as they have no meaning here:
 ``--rdzv-backend``, ``--rdzv-endpoint``, ``--rdzv-id``, ``--rdzv-conf``, ``--standalone``,
 ``--node-rank``, ``--monitor-interval``, ``--start-method``, ``--redirects``, ``--tee``,
 ``--log-dir``, ``--local-addr``, ``--role``. ``--master-addr`` / ``--master-port`` are used
@@ -64,6 +65,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "master-addr", default=None, help="MASTER_ADDR (default: rank 0's machine)")
     _flag(p, "master-port", type=int, default=None, help="MASTER_PORT (default: a free one)")
     p.add_argument("--standalone", action="store_true", help="accepted (always standalone)")
+    p.add_argument(
+        "--scheduler",
+        choices=["local", "slurm"],
+        default="local",
+        help="local: this machine; slurm: --nnodes nodes of a Slurm job (or of the allocation)",
+    )
+    p.add_argument("--partition", help="Slurm partition")
+    p.add_argument("--time-limit", help="Slurm time limit (sbatch --time)")
+    p.add_argument("--account", help="Slurm account")
+    p.add_argument(
+        "--start-timeout-in-sec", type=float, default=300.0, help="Slurm: queue time plus start-up"
+    )
     for name in IGNORED:
         _flag(p, name, default=None, help=argparse.SUPPRESS)
     p.add_argument("-m", "--module", action="store_true", help="run the program as a module")
@@ -188,12 +201,35 @@ def run(args: argparse.Namespace) -> int:
     # procs are forked with it imported (unless PALATINE_FORK_SERVER_WARM says otherwise).
     os.environ.setdefault(config.env_var("fork_server_warm"), WARM)
     config.reload()
-    from palatine.job.hostmesh import this_host
+    from palatine.errors import SchedulerError
     from palatine.spmd.launcher import Interrupted, launch
     from palatine.spmd.summary import failure_summary
 
     record = _Record(f"{nnodes}x{nproc}")
-    per_host = {"nodes": nnodes, "procs": nproc} if nnodes > 1 else {"procs": nproc}
+    job: Any = None
+    if args.scheduler == "slurm":
+        from palatine.job.slurm import SlurmJob
+
+        job = SlurmJob(
+            nnodes,
+            1,
+            partition=args.partition,
+            time_limit=args.time_limit,
+            account=args.account,
+            startup_timeout_s=args.start_timeout_in_sec,
+        )
+        try:
+            hosts: Any = job.host_mesh()  # (a Slurm job records itself for palatine ps)
+        except (SchedulerError, RuntimeError, TimeoutError) as e:
+            _say(f"the Slurm job did not start: {e}")
+            job.cancel(clean=False)
+            return 1
+        per_host = {"procs": nproc}
+    else:
+        from palatine.job.hostmesh import this_host
+
+        hosts = this_host()
+        per_host = {"nodes": nnodes, "procs": nproc} if nnodes > 1 else {"procs": nproc}
     signals: list[int] = []
 
     def note(signum: int, _frame: Any) -> None:
@@ -203,14 +239,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = launch(
             program,
-            this_host(),
+            hosts,
             per_host,
             max_restarts=args.max_restarts,
             say=_say,
             extra_env=extra,
             master=(args.master_addr, args.master_port),
             on_stuck=_print_stuck,
-            on_start=record.start,
+            on_start=record.start if job is None else None,
             interrupted=lambda: bool(signals),
         )
     except Interrupted:
@@ -220,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
         record.close()
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        if job is not None:
+            job.cancel(clean=not signals)
     if result.status:
         print(failure_summary(result), file=sys.stderr, flush=True)
     return result.status
