@@ -24,6 +24,8 @@ not named in ``__all__`` is internal and may change.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -251,8 +253,33 @@ _WHERE = {
 
 
 #: Public submodules that live deeper in the tree: ``palatine.random`` is Monarch's
-#: ``monarch.random`` (not in ``__all__``: a star import must not shadow the stdlib's).
-_SUBMODULES = {"random": "palatine.tensor.client.random"}
+#: ``monarch.random`` (not in ``__all__``: a star import must not shadow the stdlib's);
+#: ``palatine.metrics`` publishes a worker's or actor's own metrics.
+_SUBMODULES = {
+    "random": "palatine.tensor.client.random",
+    "metrics": "palatine.hosting.user_metrics",  # counters, gauges, histograms of a job
+}
+
+
+class _SubmoduleAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import palatine.random`` / ``from palatine.metrics import counter``: the import
+    system finds these names as the modules `_SUBMODULES` points to (loaded then, not
+    before: ``import palatine`` stays cheap)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        pkg, _, short = fullname.partition(".")
+        if pkg == "palatine" and short in _SUBMODULES:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        return __getattr__(spec.name.partition(".")[2])
+
+    def exec_module(self, module: Any) -> None:
+        """Loaded already (`create_module` imported the real module)."""
+
+
+sys.meta_path.append(_SubmoduleAlias())
 
 
 def __getattr__(name: str) -> Any:
