@@ -23,11 +23,13 @@ Where things run, and why:
   (``./palatine-logs/<job>``, unless ``log_dir`` or ``PALATINE_LOG_DIR`` says otherwise),
   not this machine's temp dir, which the nodes do not share: Slurm writes the hosts'
   output there, and the hosts write their procs' logs there.
-* **One short probe step checks the nodes first**: each node says whether it sees the log
-  dir and the Python interpreter. The batch script runs it before the hosts (its words
-  reach the client through the log dir, which the batch node sees: else Slurm could not
-  have started it); inside an allocation, `apply` runs it before the hosts' step. A node
-  that lacks either is a `SchedulerError` naming the node and what it lacks.
+* **A short probe checks the nodes first**: each node says whether it sees the log dir
+  and the Python interpreter. In a job of its own, each node's host task runs it before
+  the host (one step: a second step could wait on the first one's resources), and a node
+  that fails it ends the job; its words reach the client through the batch output in the
+  log dir, which the batch node sees (else Slurm could not have started it). Inside an
+  allocation, `apply` runs it as one step before the hosts' step. A node that lacks
+  either is a `SchedulerError` naming the node and what it lacks.
 * **Slurm's state is read from ``squeue --json``** where the installed Slurm has it
   (`squeue_state`), from ``squeue -o %T`` where it does not.
 
@@ -377,13 +379,13 @@ class SlurmJob:
 
     def _sbatch(self, system_addr: str, logs: LogSession) -> str:
         script = Path(logs.file("palatine-hosts.sbatch"))
+        probe = _probe_script(str(logs.path), self.python)
         script.write_text(
             "#!/bin/bash\n"
-            "# Every node must see the log dir and the Python interpreter (a probe step).\n"
-            f"srun --ntasks-per-node=1 {shlex.join(_probe_argv(logs, self.python))} || exit 1\n"
-            "# One palatine host per allocated node; each joins the client's system.\n"
+            "# One palatine host per allocated node; each joins the client's system, once\n"
+            "# its node has shown that it sees the log dir and the Python interpreter.\n"
             "exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c "
-            f"{shlex.quote(_host_command('SLURM_NODEID', self.host_options))} "
+            f"{shlex.quote(probe + '; ' + _host_command('SLURM_NODEID', self.host_options))} "
             f"{shlex.quote(self.python)} {shlex.quote(system_addr)}\n"
         )
         argv = [
@@ -830,16 +832,22 @@ def _log_session(log_dir: str | None) -> LogSession:
         return LogSession.create("slurm")
 
 
-def _probe_argv(logs: LogSession, python: str) -> list[str]:
-    """The probe's task: one line naming what this node lacks (the log dir, the Python
-    interpreter), and exit status 1, or nothing and 0."""
-    script = (
+def _probe_script(log_dir: str, python: str) -> str:
+    """The probe, a line of bash: one line naming what this node lacks (the log dir, the
+    Python interpreter), and exit status 1; or nothing."""
+    d, py = shlex.quote(log_dir), shlex.quote(python)
+    return (
         'node="${SLURMD_NODENAME:-$(hostname)}"; lacks=""; '
-        '[ -d "$1" ] && [ -w "$1" ] || lacks="the log dir $1"; '
-        'command -v "$2" >/dev/null 2>&1 || lacks="${lacks:+$lacks and }the Python interpreter $2"; '
+        f"[ -d {d} ] && [ -w {d} ] || lacks={shlex.quote('the log dir ' + log_dir)}; "
+        f"command -v {py} >/dev/null 2>&1 || "
+        f'lacks="${{lacks:+$lacks and }}"{shlex.quote("the Python interpreter " + python)}; '
         f'[ -z "$lacks" ] || {{ echo "{_PROBE_MARK} node $node does not see $lacks"; exit 1; }}'
     )
-    return ["bash", "-c", script, "palatine-probe", str(logs.path), python]
+
+
+def _probe_argv(logs: LogSession, python: str) -> list[str]:
+    """The probe as one task's command (a step of an allocation)."""
+    return ["bash", "-c", _probe_script(str(logs.path), python)]
 
 
 def _probe_findings(text: str) -> list[str]:
