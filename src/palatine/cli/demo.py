@@ -104,6 +104,9 @@ def train_step(state: dict[str, Any]) -> float:
         offset += n
     opt.step()
     state["steps"] += 1
+    from palatine.hosting import user_metrics  # the dashboard plots it (docs/dashboard.md)
+
+    user_metrics.gauge("loss").set(float(flat[-1]))
     return float(flat[-1])
 
 
