@@ -151,7 +151,13 @@ def test_dashboard_shows_procs_a_killed_worker_in_red_and_a_stuck_procs_stack(
                 "background-color"
             )
             assert colour == "rgba(248, 208, 208, 1)", colour
-            wait.until(lambda d: "SIGKILL" in d.find_element(By.ID, "failures").text)
+            # in words, as the system logged it
+            wait.until(
+                lambda d: (
+                    f"worker[2] (pid {pids[2]}" in (t := d.find_element(By.ID, "failures").text)
+                    and "signal 9" in t
+                )
+            )
             # the workers' gauge, plotted over time (it comes with their heartbeats)
             plot = wait.until(
                 lambda d: d.find_elements(

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from palatine.protocol.system import FailedActorEntry, ProcEntry, SystemSnapshot, WorldSnapshot
+from palatine.protocol.system import (
+    FailedActorEntry,
+    ProcEntry,
+    StimulusEntry,
+    StimulusLog,
+    SystemSnapshot,
+    WorldSnapshot,
+)
 from palatine.system.dashboard.view import JobView, describe_failure
 
 
@@ -59,3 +66,27 @@ def test_a_gauge_is_averaged_over_the_worlds_live_procs_per_snapshot() -> None:
             now=float(t),
         )
     assert view.state()["metrics"] == {"w: loss": [(0.0, 2.0), (1.0, 3.0)]}
+
+
+def test_failures_come_from_the_systems_log_once_each_in_time_order_when_it_answers() -> None:
+    def stim(n: int, t: float, subject: str, *lines: str) -> StimulusEntry:
+        return StimulusEntry(stimulus_id=f"s-{n}", time=t, kind="k", subject=subject,
+                             instructions=list(lines))  # fmt: skip
+
+    log = StimulusLog(execution_id="ex1", size=100, handled=3, entries=[
+        stim(1, 5.0, "w[1]", "Send ProcStop to w[1]", "Log WARNING: w[1] (pid 11 on h1) was killed by signal 9"),
+        stim(2, 6.0, "w", "Log INFO: world w is live again"),
+    ])  # fmt: skip
+    view = JobView()
+    view.observe_stimuli(log)
+    view.observe_stimuli(log)  # the same entries again: noted once
+    # a death the log told is not described a second time from the snapshot
+    view.observe(snap({"w[0]": entry(10), "w[1]": entry(11, "Exited", exit_signal=9)}), now=7.0)
+    later = StimulusLog(execution_id="ex1", size=100, handled=4, entries=[
+        stim(3, 4.0, "w[0]", "Log ERROR: w[0] (pid 10 on h1) exited with status 1"),
+    ])  # fmt: skip
+    view.observe_stimuli(later)
+    assert view.state()["failures"] == [
+        {"time": 5.0, "proc": "w[1]", "text": "w[1] (pid 11 on h1) was killed by signal 9"},
+        {"time": 4.0, "proc": "w[0]", "text": "w[0] (pid 10 on h1) exited with status 1"},
+    ]

@@ -24,7 +24,7 @@ th { background: #eee; } tr.proc-row { cursor: pointer; } tr.proc-row:hover { ba
 tr.selected { outline: 2px solid #66c; }
 tr.proc-row:not(.health-Alive) { background: #f8d0d0; color: #900; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
-#failures li { color: #900; }
+#failures li { color: #900; } #failures li.none { color: #555; }
 pre { background: #f6f6f6; padding: .5em; max-height: 28em; overflow: auto; font-size: 12px; }
 .plot { display: inline-block; margin: 0 1em 1em 0; } .plot text { font-size: 10px; }
 </style></head>
@@ -123,8 +123,9 @@ async function poll() {
   try {
     const r = await fetch(q("/api/state", {}));
     if (!r.ok) throw new Error(r.status + " " + await r.text());
-    render(await r.json());
-    document.getElementById("silent").textContent = "";
+    const s = await r.json();
+    render(s);
+    document.getElementById("silent").textContent = s.system_error;
   } catch (e) {
     document.getElementById("silent").textContent = "no answer from the dashboard: " + e;
   }

@@ -28,7 +28,7 @@ from typing import Any
 from palatine.hosting.child_env import log_path_for
 from palatine.ids import ActorId, ProcId
 from palatine.protocol.agent import StackDump, StackTrace
-from palatine.protocol.system import SystemSnapshot
+from palatine.protocol.system import Stimuli, StimulusLog, SystemSnapshot
 from palatine.system.dashboard.http import HttpServer, Reply
 from palatine.system.dashboard.page import PAGE
 from palatine.system.dashboard.view import JobView
@@ -42,6 +42,7 @@ _SNAPSHOT_S = 10.0
 _STACKS_S = 15.0
 _FRESH_S = 0.1
 _TAIL_BYTES = 64 * 1024
+_STIMULI_KEPT = 200  # the newest stimuli read per snapshot, for failures in between
 
 
 async def ask_stacks(
@@ -126,11 +127,23 @@ class Dashboard:
 
     async def _read(self) -> SystemSnapshot:
         try:
+            snap: SystemSnapshot | BaseException
+            stimuli: Any
             async with asyncio.timeout(_SNAPSHOT_S):
-                snap = await self.client.snapshot()
+                snap, stimuli = await asyncio.gather(
+                    self.client.snapshot(),
+                    self.client.ask(Stimuli(limit=_STIMULI_KEPT), _SNAPSHOT_S),
+                    return_exceptions=True,
+                )
         finally:
             self._reading = None
+        if isinstance(snap, BaseException):
+            raise snap
         self._read_at = time.monotonic()
+        if isinstance(stimuli, StimulusLog):
+            self.view.observe_stimuli(stimuli)
+        else:  # an older system: failures come from the snapshots alone
+            log.debug("dashboard: no stimulus log: %s", stimuli)
         self.view.observe(snap)
         return snap
 
@@ -140,16 +153,22 @@ class Dashboard:
             try:
                 await self.refresh()
             except Exception as e:  # noqa: BLE001 - the page says the system is silent
-                log.warning("dashboard: no snapshot from %s: %s", self.client.system_addr, e)
+                what = str(e) or type(e).__name__
+                log.warning("dashboard: no snapshot from %s: %s", self.client.system_addr, what)
 
     async def _handle(self, path: str, query: dict[str, str]) -> Reply:
         match path:
             case "/" | "/index.html":
                 return Reply(200, "text/html; charset=utf-8", PAGE.encode())
             case "/api/state":
+                silent = ""
                 if time.monotonic() - self._read_at > _FRESH_S:
-                    await self.refresh()
-                return Reply.json(self.view.state())
+                    try:
+                        await self.refresh()
+                    except Exception as e:  # noqa: BLE001 - the page shows the last state, and why
+                        silent = f"no snapshot from the system at {self.client.system_addr}: "
+                        silent += str(e) or type(e).__name__
+                return Reply.json({**self.view.state(), "system_error": silent})
             case "/api/stacks":
                 return await self._stacks(query.get("proc", ""), query.get("native") == "1")
             case "/api/log":

@@ -1,11 +1,17 @@
 """What the dashboard page shows, made from the system's snapshots (sans-IO).
 
 `JobView` takes each `SystemSnapshot` the dashboard reads (`observe`) and keeps what one
-snapshot cannot say: the failures seen so far, in words (a proc that was alive and is no
-longer, with its reason, exit status or signal, and its failed actors), and each world's
+snapshot cannot say: the failures seen so far, in words, and each world's
 scalar user metrics over time (`palatine.hosting.user_metrics`: a worker's
 ``gauge("loss").set(...)`` shows here as ``loss``, the mean over the world's procs that
 publish it). `state` is the JSON document the page polls.
+
+Failures come from the system's stimulus log (`observe_stimuli`): every warning or error
+it logged (``worker[2] (pid 12 on node3) was killed by signal 9``), those from before the
+dashboard started included, and a proc that died and was respawned between two snapshots
+too. Until the system has answered for its log, and for failed actors, which it does not
+log, a snapshot's procs that are no longer alive are described instead
+(`describe_failure`).
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ import time
 from typing import Any
 
 from palatine.hosting.user_metrics import parse
-from palatine.protocol.system import ProcEntry, SystemSnapshot
+from palatine.protocol.system import ProcEntry, StimulusLog, SystemSnapshot
 
 __all__ = ["JobView", "describe_failure", "rank_of"]
 
 _FAILURES_KEPT = 50
 _POINTS_KEPT = 600  # per metric: ten minutes at the default half-second poll
+_FAILURE_LEVELS = ("Log WARNING: ", "Log ERROR: ", "Log CRITICAL: ")
 
 
 def rank_of(proc: str) -> int:
@@ -65,7 +72,8 @@ class JobView:
         self.snapshot: SystemSnapshot | None = None
         self.failures: collections.deque[dict[str, Any]] = collections.deque(maxlen=_FAILURES_KEPT)
         self.metrics: dict[str, collections.deque[tuple[float, float]]] = {}
-        self._reported: set[str] = set()  # "proc" or "proc/actor" already in failures
+        self._reported: set[str] = set()  # "proc", "proc/actor" or "stimulus/i" noted
+        self._stimuli_seen = False
 
     def observe(self, snap: SystemSnapshot, now: float | None = None) -> None:
         """Take a new snapshot: note new failures and one point of every metric."""
@@ -83,14 +91,32 @@ class JobView:
                 points = self.metrics.setdefault(key, collections.deque(maxlen=_POINTS_KEPT))
                 points.append((now, sum(values) / len(values)))
 
+    def observe_stimuli(self, log: StimulusLog) -> None:
+        """Note the warnings and errors of the system's stimulus log not noted yet."""
+        self._stimuli_seen = True
+        for e in log.entries:
+            for i, line in enumerate(e.instructions):
+                key = f"{e.stimulus_id}/{i}"
+                if key in self._reported or not line.startswith(_FAILURE_LEVELS):
+                    continue
+                self._reported.add(key)
+                text = line.partition(": ")[2]
+                self._add_failure({"time": e.time, "proc": e.subject, "text": text})
+
     def _note_failures(self, proc: str, e: ProcEntry, now: float) -> None:
-        keys = [] if e.health == "Alive" else [proc]
+        keys = [] if e.health == "Alive" or self._stimuli_seen else [proc]
         keys += [f"{proc}/{a.actor_id}" for a in e.failed_actors]
         new = [k for k in keys if k not in self._reported]
         if not new:
             return
         self._reported.update(new)
-        self.failures.appendleft({"time": now, "proc": proc, "text": describe_failure(proc, e)})
+        self._add_failure({"time": now, "proc": proc, "text": describe_failure(proc, e)})
+
+    def _add_failure(self, failure: dict[str, Any]) -> None:
+        """Into the newest-first list, in time order (the log's may be older)."""
+        kept = sorted([*self.failures, failure], key=lambda f: -f["time"])
+        self.failures.clear()
+        self.failures.extend(kept[:_FAILURES_KEPT])
 
     def state(self) -> dict[str, Any]:
         """The JSON document of ``/api/state``."""
