@@ -34,9 +34,14 @@ def test_a_short_name_has_no_spaces_and_fits_the_kernels_15_characters() -> None
 
 def test_system_host_and_workers_name_themselves_in_their_cmdline() -> None:
     with palatine.local_mesh(hosts=2, procs_per_host=2, startup_timeout_s=90) as mesh:
-        children = psutil.Process().children(recursive=True)
-        titles = [cmdline(p.pid) for p in children]
         addr = mesh.system_addr
+        # this mesh's processes (an earlier test's may still be ending under this one)
+        children = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if str(addr) in cmdline(p.pid) or cmdline(p.pid).startswith("palatine worker")
+        ]
+        titles = [cmdline(p.pid) for p in children]
         for p in children:
             # /proc/<pid>/stat still reads word by word (as Slurm's process tracking reads
             # it): the short name has no space, and the parent is where it belongs
