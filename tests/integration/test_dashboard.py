@@ -173,3 +173,22 @@ def test_dashboard_shows_procs_a_killed_worker_in_red_and_a_stuck_procs_stack(
                 assert dash.wait(timeout=20) == 0
             finally:
                 dash.kill()
+
+
+def test_local_mesh_with_dashboard_serves_its_link_and_says_it(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    with local_mesh(1, 2, dashboard=True) as mesh:
+        assert mesh._local is not None
+        url = mesh._local.dashboard_url
+        assert url.startswith("http://127.0.0.1:") and "/?token=" in url, url
+        assert f"palatine: dashboard {url}" in capfd.readouterr().err
+        base, _, query = url.partition("?")
+        assert status_of(base + "api/state") == 403
+        with urllib.request.urlopen(base + "api/state?" + query, timeout=10) as r:
+            state = json.load(r)
+        worker = next(w for w in state["worlds"] if w["name"] == "worker")
+        assert [p["proc"] for p in worker["procs"]] == ["worker[0]", "worker[1]"]
+        assert state["job"]["log_dir"] == str(mesh._local.logs.path)

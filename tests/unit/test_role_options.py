@@ -140,7 +140,7 @@ def test_a_mistyped_local_mesh_key_is_a_type_error_naming_it_and_the_allowed_key
 
 
 def test_an_unknown_key_with_no_close_match_still_lists_the_allowed_keys() -> None:
-    with pytest.raises(TypeError, match=r"'colour'\. Allowed: device, "):
+    with pytest.raises(TypeError, match=r"'colour'\. Allowed: dashboard, dashboard_addr, device, "):
         mesh_options("local_mesh", {"colour": "blue"})
 
 

@@ -8,7 +8,9 @@ port by default) and prints its link, ``http://127.0.0.1:PORT/?token=...``, on s
 requests without that token get 403. It runs until Ctrl-C (or the system goes away:
 the page then says the system is silent). The job's log dir, for the proc logs the page
 shows, comes from the job's record (``--job``, or the record whose system is
-``--system-addr``), or from ``--log-dir``. See docs/dashboard.md.
+``--system-addr``), or from ``--log-dir``. With ``--ready-line`` the link comes as a
+launcher's JSON ready line (its ``addr``): ``local_mesh(dashboard=True)`` starts it so
+(`palatine.system.dashboard.role_args`). See docs/dashboard.md.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the job's log dir, for proc logs (default: from the job's record)")  # fmt: skip
     p.add_argument("--interval-in-sec", type=float, default=0.5,
                    help="how often the system's snapshot is read")  # fmt: skip
+    p.add_argument("--ready-line", action="store_true",
+                   help="print a JSON ready line with the link (for a launcher: local_mesh)")  # fmt: skip
 
 
 def _record_of(addr: str) -> Any:
@@ -90,9 +94,15 @@ async def _main(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await dash.start()
-        print(dash.url, flush=True)
-        print(f"palatine dashboard: serving job {job['id'] or args.system_addr}; Ctrl-C stops",
-              file=sys.stderr, flush=True)  # fmt: skip
+        if args.ready_line:
+            from palatine.cli.role import ready_line
+
+            ready_line("dashboard", dash.url)
+            sys.stdout.flush()
+        else:  # (a launcher's role says nothing more: its stderr reaches the user's console)
+            print(dash.url, flush=True)
+            print(f"palatine dashboard: serving job {job['id'] or args.system_addr}; Ctrl-C stops",
+                  file=sys.stderr, flush=True)  # fmt: skip
         await stop.wait()
         return 0
     finally:

@@ -131,6 +131,12 @@ class LocalOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         int | None,
         opt("times a lost system is started again", bound="restarts"),
     ] = None
+    dashboard: Annotated[
+        bool, opt("serve the job's web dashboard on loopback and print its link")
+    ] = False
+    dashboard_addr: Annotated[
+        str | None, opt("serve the job's web dashboard at HOST:PORT (docs/dashboard.md)")
+    ] = None
 
 
 # --------------------------------------------------------------------------- the fields

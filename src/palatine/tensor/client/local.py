@@ -146,6 +146,7 @@ class LocalCluster:
             config.system_loss_timeout_s() if system_loss_s is None else system_loss_s
         )
         self.logs = logs
+        self.dashboard_url = ""  # the web dashboard's link (local_mesh(dashboard=True))
         self.console = ConsoleWriter(
             limit_bytes=config.get().console_buffer_bytes, complete_in=f"the logs in {logs.path}"
         )
@@ -518,6 +519,8 @@ def local_mesh(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Devic
     if sys.stderr.isatty():  # the id for --job, once, to a person (a pipe stays quiet)
         print(f"palatine: job {mesh.job_id} (palatine ps; palatine top --job {mesh.job_id})",
               file=sys.stderr, flush=True)  # fmt: skip
+    if cluster.dashboard_url:  # asked for: said wherever stderr goes (a notebook's too)
+        print(f"palatine: dashboard {cluster.dashboard_url}", file=sys.stderr, flush=True)
     return mesh
 
 
@@ -642,6 +645,11 @@ def start_checked(hosts: int, procs_per_host: int, opts: MeshOptions) -> LocalCl
             cluster.start(ctl, startup, "controller", wait=False, on_exit=cluster.controller_ended)
         )
         cluster.wait_ready(starting, startup)
+        if opts.local.dashboard or opts.local.dashboard_addr:  # its link: docs/dashboard.md
+            from palatine.system.dashboard import role_args
+
+            argv = role_args(system.addr, logs.path, opts.local.dashboard_addr)
+            cluster.dashboard_url = cluster.start(argv, startup, "dashboard").addr
         return cluster
     except BaseException:
         cluster.stop(1.0, clean=False)
