@@ -38,7 +38,7 @@ __all__ = ["Dashboard", "ask_stacks", "tail"]
 
 log = logging.getLogger(__name__)
 
-_SNAPSHOT_S = 10.0
+_SNAPSHOT_S = 5.0  # a snapshot lost with a system that is restarted is asked again then
 _STACKS_S = 15.0
 _FRESH_S = 0.1
 _TAIL_BYTES = 64 * 1024
@@ -108,16 +108,19 @@ class Dashboard:
         self._poller = asyncio.create_task(self._poll(), name="dashboard-poll")
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        for task in (self._poller, self._reading):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         await self.http.close()
 
     async def refresh(self) -> SystemSnapshot:
         """A new snapshot into the view; callers at the same time share one read."""
         if self._reading is None:
             self._reading = asyncio.ensure_future(self._read())
+            # (its error is every waiter's; with none left, as at close, it is only read)
+            self._reading.add_done_callback(lambda f: f.cancelled() or f.exception())
         reading = self._reading
         try:
             return await asyncio.shield(reading)
