@@ -192,3 +192,28 @@ def test_local_mesh_with_dashboard_serves_its_link_and_says_it(
         worker = next(w for w in state["worlds"] if w["name"] == "worker")
         assert [p["proc"] for p in worker["procs"]] == ["worker[0]", "worker[1]"]
         assert state["job"]["log_dir"] == str(mesh._local.logs.path)
+
+
+def test_dashboard_of_a_job_by_its_id_takes_its_log_dir_from_the_jobs_record() -> None:
+    import json
+
+    with local_mesh(1, 1) as mesh:
+        assert mesh._local is not None and mesh.job_id
+        env = {k: v for k, v in os.environ.items() if k != "PALATINE_SYSTEM_ADDR"}
+        dash = subprocess.Popen(
+            [sys.executable, "-m", "palatine", "dashboard", "--job", mesh.job_id],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        try:
+            url = first_line(dash, 30)
+            base, _, query = url.partition("?")
+            with urllib.request.urlopen(base + "api/state?" + query, timeout=10) as r:
+                job = json.load(r)["job"]
+            assert job["id"] == mesh.job_id
+            assert job["log_dir"] == str(mesh._local.logs.path)
+        finally:
+            dash.send_signal(signal.SIGINT)
+            try:
+                assert dash.wait(timeout=20) == 0
+            finally:
+                dash.kill()
