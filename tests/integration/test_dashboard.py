@@ -182,7 +182,8 @@ def test_local_mesh_with_dashboard_serves_its_link_and_says_it(
 
     with local_mesh(1, 2, dashboard=True) as mesh:
         assert mesh._local is not None
-        url = mesh._local.dashboard_url
+        url = mesh.dashboard_url
+        assert url is not None
         assert url.startswith("http://127.0.0.1:") and "/?token=" in url, url
         assert f"palatine: dashboard {url}" in capfd.readouterr().err
         base, _, query = url.partition("?")

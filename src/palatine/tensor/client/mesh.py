@@ -91,6 +91,14 @@ class DeviceMesh:
         return str(self.session.system_client.system_addr)
 
     @property
+    def dashboard_url(self) -> str | None:
+        """The link to the job's web dashboard (with its token), when this program
+        started one (``local_mesh(dashboard=True)``); else None (``palatine dashboard``
+        serves one for any job)."""
+        url = getattr(self._local, "dashboard_url", None)
+        return url if isinstance(url, str) and url else None
+
+    @property
     def job_id(self) -> str | None:
         """The job's id, as ``palatine ps`` lists it and ``--job`` takes it (a local
         mesh's execution id; the job id ``palatine launch`` or a `SlurmJob` hands over);
