@@ -139,3 +139,34 @@ def unix_send_buffer() -> int:
     cap = Path("/proc/sys/net/core/wmem_max")
     limit = int(cap.read_text()) if cap.exists() else UNIX_SEND_BUFFER_BYTES
     return 2 * min(UNIX_SEND_BUFFER_BYTES, limit)
+
+
+@pytest.fixture
+def bed() -> Iterator[Any]:
+    """A two-node network-namespace test bed (`palatine.testing.netns.TestBed`), made
+    and removed by the test; skipped where namespaces cannot be made. Nothing may be left
+    of it afterwards."""
+    from palatine.testing.netns import TestBed
+
+    b = TestBed(2)
+    try:
+        b.start()
+    except RuntimeError as e:  # a container without the right to make namespaces
+        pytest.skip(f"cannot make a namespace test bed here: {e}")
+    try:
+        yield b
+    finally:
+        b.close()
+    assert b.leftovers() == []
+
+
+def bed_tls(bed: Any, where: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, str]]:
+    """Certificates for the bed's machines (under ``where``), this process given the
+    root namespace's: the ``tls`` a bed's roles take."""
+    pytest.importorskip("cryptography")
+    from palatine.testing.certs import make_node_pki
+
+    pki = make_node_pki(where, [bed.root_ip, bed.node_ip(0), bed.node_ip(1)])
+    for k, v in pki[bed.root_ip].items():
+        monkeypatch.setenv(k, v)
+    return pki

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
+from conftest import bed_tls
 
 from palatine import Actor, DeviceException, endpoint, fetch, inspect, remote
 from palatine.tensor.client.local import connect
@@ -50,20 +51,6 @@ def ones_times(rank: object) -> object:
 def sleep_then(value: int) -> int:
     time.sleep(60)
     return value
-
-
-@pytest.fixture
-def bed() -> Iterator[TestBed]:
-    b = TestBed(2)
-    try:
-        b.start()
-    except RuntimeError as e:  # a container without the right to make namespaces
-        pytest.skip(f"cannot make a namespace test bed here: {e}")
-    try:
-        yield b
-    finally:
-        b.close()
-    assert b.leftovers() == []
 
 
 @contextlib.contextmanager
@@ -257,14 +244,7 @@ def test_a_thread_waiting_on_a_lane_to_a_cut_off_node_fails_within_the_heartbeat
     from palatine.errors import PeerGoneError
     from palatine.job.jobhosts import JobHosts
 
-    pki = None
-    if transport == "tls":
-        pytest.importorskip("cryptography")
-        from palatine.testing.certs import make_node_pki
-
-        pki = make_node_pki(tmp_path, [bed.root_ip, bed.node_ip(0), bed.node_ip(1)])
-        for k, v in pki[bed.root_ip].items():
-            monkeypatch.setenv(k, v)
+    pki = bed_tls(bed, tmp_path, monkeypatch) if transport == "tls" else None
     with roles_on_bed(
         bed, tls=pki, update_timeout_s=UPDATE_TIMEOUT_S, interval_s=INTERVAL_S
     ) as roles:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import cloudpickle
@@ -52,20 +51,6 @@ assert t.item() == 6.0, t
 print("node", os.environ["GROUP_RANK"], "local", os.environ["LOCAL_RANK"], "sum", t.item())
 dist.destroy_process_group()
 """
-
-
-@pytest.fixture
-def bed() -> Iterator[TestBed]:
-    b = TestBed(2)
-    try:
-        b.start()
-    except RuntimeError as e:  # a container without the right to make namespaces
-        pytest.skip(f"cannot make a namespace test bed here: {e}")
-    try:
-        yield b
-    finally:
-        b.close()
-    assert b.leftovers() == []
 
 
 def test_actors_on_two_nodes_init_one_gloo_group_from_env_with_node_0_as_master(

@@ -10,12 +10,12 @@ import select
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 import pytest
+from conftest import bed_tls
 
 from palatine import Actor, endpoint
 from palatine.testing.bedroles import roles_on_bed
@@ -77,34 +77,13 @@ class Node(Actor):
         return "read"
 
 
-@pytest.fixture
-def bed() -> Iterator[TestBed]:
-    b = TestBed(2)
-    try:
-        b.start()
-    except RuntimeError as e:
-        pytest.skip(f"cannot make a namespace test bed here: {e}")
-    try:
-        yield b
-    finally:
-        b.close()
-    assert b.leftovers() == []
-
-
 @pytest.mark.parametrize("transport", ["tcp", "tls"])
 def test_a_reader_on_another_node_reads_and_writes_through_the_owners_server_and_sees_its_death(
     bed: TestBed, transport: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from palatine.job.jobhosts import JobHosts
 
-    pki = None
-    if transport == "tls":
-        pytest.importorskip("cryptography")
-        from palatine.testing.certs import make_node_pki
-
-        pki = make_node_pki(tmp_path, [bed.root_ip, bed.node_ip(0), bed.node_ip(1)])
-        for k, v in pki[bed.root_ip].items():
-            monkeypatch.setenv(k, v)
+    pki = bed_tls(bed, tmp_path, monkeypatch) if transport == "tls" else None
     with roles_on_bed(bed, tls=pki, update_timeout_s=3.0, interval_s=0.5) as roles:
         hosts = JobHosts(roles.system_addr, roles.token, "hostworker", 2, sys.executable)
         try:
