@@ -8,11 +8,11 @@ STAMP  := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# torch is installed explicitly, pinned to the tested version, from the CPU wheel index, before
-# the package (whose `torch` extra takes a compatible range; a bare `torch` from PyPI is a CUDA
-# build). `make TORCH_INDEX=` installs from the configured indexes only.
+# torch is installed explicitly, pinned to the tested version, before the package (whose
+# `torch` extra takes a compatible range, and a newer torch downloads gigabytes). From the
+# configured package indexes; `make TORCH_INDEX=URL` adds a wheel index (a CPU build's).
 TORCH_VERSION ?= 2.13.0
-TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX   ?=
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
