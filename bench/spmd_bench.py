@@ -23,6 +23,8 @@ interpreter's ``torchrun`` (torch's own elastic agent).
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,10 +73,26 @@ def run_once(impl: str, fault: bool) -> tuple[float, list[tuple[str, int, float]
             cmd += ["--kill-rank", str(KILL_RANK), "--kill-at", str(KILL_AT)]
             cmd += ["--kill-delay", str(KILL_DELAY_S)]
         started = time.time()
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=tmp)
-        if out.returncode != 0:
-            errors = [line for line in out.stderr.splitlines() if "Error" in line]
-            raise RuntimeError(f"{impl} exited {out.returncode}: {errors[:3]}")
+        # In a session of its own: whatever way it ends, none of its ranks outlives it.
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp,
+            start_new_session=True,
+        )
+        try:
+            _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        if proc.returncode != 0:
+            errors = [line for line in stderr.splitlines() if "Error" in line]
+            raise RuntimeError(f"{impl} exited {proc.returncode}: {errors[:3]}")
         seen = []
         for line in events.read_text().splitlines():
             what, step, at = line.split()
