@@ -58,3 +58,20 @@ def test_gpu_columns_appear_only_where_a_proc_reports_a_gpu() -> None:
     assert any("gpu mem" in line for line in lines)
     assert "75%" in next(line for line in lines if " w[0] " in line)
     assert "2048 MiB" in next(line for line in lines if " w[0] " in line)
+
+
+def test_a_mesh_taller_than_the_terminal_scrolls_and_says_which_rows_it_shows() -> None:
+    from palatine.cli.top import _scrolled
+
+    snap = snapshot()
+    out = io.StringIO()
+    Console(file=out, width=400).print(frame(snap, {}, "rank", top=1, rows=1))
+    lines = out.getvalue().splitlines()
+    assert procs_in_order(lines) == ["w[1]"]
+    assert any("procs 2-2 of 3" in line for line in lines)
+    assert procs_in_order(render(snap, "rank")) == ["w[0]", "w[1]", "w[2]"]  # no rows: all
+    assert _scrolled(0, 1, page=2, total=3) == 1
+    assert _scrolled(1, 1, page=2, total=3) == 1  # not past the last page
+    assert _scrolled(1, -1.0, page=2, total=3) == 0
+    assert _scrolled(0, 1.0, page=2, total=5) == 2
+    assert _scrolled(2, None, page=2, total=5) == 0

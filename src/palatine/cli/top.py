@@ -10,7 +10,9 @@ heartbeats (`palatine.hosting.resources`), so procs on every host show them; a p
 whose heartbeats carry none (a proc of an older palatine) is read here with ``psutil``
 when it runs on this machine, ``-`` elsewhere. Rows are in rank order, or with
 ``--sort`` the busiest first (by CPU, RSS or loop lag); on a terminal the keys ``c``,
-``m``, ``l`` and ``r`` sort by CPU, memory, lag and rank. It refreshes every
+``m``, ``l`` and ``r`` sort by CPU, memory, lag and rank, and a mesh taller than the
+terminal scrolls (``j``/``k`` a row, space or ``f``/``b`` a page, ``g`` the top; the
+table says which rows it shows). It refreshes every
 ``--interval-in-sec``; ``q`` (or Ctrl-C) quits. ``--once`` prints one frame and exits,
 for scripts and tests. Over ``tcp:`` and ``tls:`` as every client; a wrong token is
 refused at once (exit 1), and a missing one is never made up (`palatine.channel.token`).
@@ -41,6 +43,11 @@ __all__ = ["SORT_KEYS", "add_arguments", "run", "frame", "usage_of"]
 #: Row orders of ``--sort`` (and the key that picks each in the live view).
 SORT_KEYS = ("rank", "cpu", "rss", "lag")
 _SORT_BY_KEY = {b"c": "cpu", b"m": "rss", b"l": "lag", b"r": "rank"}
+#: Scrolling keys of the live view: rows moved (``None``: back to the first row; a
+#: float: that many pages).
+_SCROLL_BY_KEY: dict[bytes, float | None] = {
+    b"j": 1, b"k": -1, b" ": 1.0, b"f": 1.0, b"b": -1.0, b"g": None,
+}  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +120,18 @@ def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.0f} MiB"
 
 
-def frame(snap: Any, cpu: dict[int, Any], order: str = "rank") -> Any:
-    """The rich renderable of one snapshot, rows in ``order`` (`SORT_KEYS`)."""
+def frame(
+    snap: Any, cpu: dict[int, Any], order: str = "rank", top: int = 0, rows: int | None = None
+) -> Any:
+    """The rich renderable of one snapshot, rows in ``order`` (`SORT_KEYS`); scrolled:
+    the procs from the ``top``-th on (counted over every world, in order), at most
+    ``rows`` of them (None: all)."""
     from rich.console import Group
     from rich.table import Table
 
     tables = []
+    index = 0  # procs counted so far, over every world
+    total = sum(len(w.procs) for w in snap.worlds.values())
     for name, world in snap.worlds.items():
         alive = sum(1 for e in world.procs.values() if e.health == "Alive")
         uses = {proc: usage_of(e, cpu) for proc, e in world.procs.items()}
@@ -132,10 +145,16 @@ def frame(snap: Any, cpu: dict[int, Any], order: str = "rank") -> Any:
         cols += ["gpu", "gpu mem"] if gpu else []
         for col in [*cols, "doing", "failed actors", "reason"]:
             table.add_column(col)
-        rows = sorted(
+        ordered = sorted(
             world.procs.items(), key=lambda pe: _sort_key(order, pe[0], pe[1], uses[pe[0]])
         )
-        for proc, e in rows:
+        first = index
+        shown = 0
+        for proc, e in ordered:
+            index += 1
+            if index - 1 < top or (rows is not None and index - 1 >= top + rows):
+                continue
+            shown += 1
             use = uses[proc]
             age = "-" if e.last_heartbeat_age_s is None else f"{e.last_heartbeat_age_s:.1f} s ago"
             lag = "-" if e.loop_lag_s is None else f"{e.loop_lag_s * 1e3:.1f} ms"
@@ -155,8 +174,23 @@ def frame(snap: Any, cpu: dict[int, Any], order: str = "rank") -> Any:
                 row += ["-" if util is None else f"{util:.0f}%", _mib(use.get("gpu_mem_bytes"))]
             failed = ", ".join(f.actor_id for f in e.failed_actors) or "-"
             table.add_row(*row, e.activity or "-", failed, e.reason or "")
+        if shown < len(ordered):  # scrolled: say which rows these are
+            if shown:
+                lo = max(top, first) - first + 1
+                table.caption = f"procs {lo}-{lo + shown - 1} of {len(ordered)} (of {total})"
+            else:
+                continue  # a world scrolled out of view entirely
         tables.append(table)
     return Group(*tables) if tables else "no worlds"
+
+
+def _scrolled(top: int, move: float | None, page: int, total: int) -> int:
+    """The first row shown after a scrolling key: ``move`` rows (an int), pages (a
+    float) or back to the top (None), never past the last page."""
+    if move is None:
+        return 0
+    step = int(move * page) if isinstance(move, float) else move
+    return max(0, min(top + step, total - page))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -217,10 +251,15 @@ async def _main(args: argparse.Namespace) -> int:
             console.print(frame(await snapshot(), cpu, args.sort))
             return 0
         order = args.sort
-        with _keys() as key_fd, Live(frame(await snapshot(), cpu, order), console=console,
+        top = 0
+        snap = await snapshot()
+        with _keys() as key_fd, Live(frame(snap, cpu, order), console=console,
                                      auto_refresh=False) as live:  # fmt: skip
             while True:
                 deadline = asyncio.get_running_loop().time() + args.interval_in_sec
+                # rows that fit: the terminal less each world's title, header and frame
+                page = max(1, console.height - 5 * max(1, len(snap.worlds)) - 1)
+                total = sum(len(w.procs) for w in snap.worlds.values())
                 while asyncio.get_running_loop().time() < deadline:
                     pressed = key_fd is not None and select.select([key_fd], [], [], 0)[0]
                     key = os.read(key_fd, 1).lower() if pressed and key_fd is not None else b""
@@ -229,8 +268,12 @@ async def _main(args: argparse.Namespace) -> int:
                     if key in _SORT_BY_KEY:
                         order = _SORT_BY_KEY[key]
                         break  # (a new order shows at once)
+                    if key in _SCROLL_BY_KEY:
+                        top = _scrolled(top, _SCROLL_BY_KEY[key], page, total)
+                        break
                     await asyncio.sleep(0.05)
-                live.update(frame(await snapshot(), cpu, order), refresh=True)
+                snap = await snapshot()
+                live.update(frame(snap, cpu, order, top, page), refresh=True)
     finally:
         try:
             await client.close()
