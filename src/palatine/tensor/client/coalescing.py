@@ -208,6 +208,7 @@ def _record(fn: Callable[..., Any], leaves: list[Any], spec: Any) -> tuple[_Entr
         )
     session = mesh.session
     session.check_usable()
+    _check_not_lost(session, tensors)
     entry = _Entry()
     entry.session = session
     entry.generation = session.recovery.generation
@@ -276,6 +277,15 @@ def _record(fn: Callable[..., Any], leaves: list[Any], spec: Any) -> tuple[_Entr
     entry.dead = rec.dead
     entry.finalizer = weakref.finalize(entry, _forget, session, entry.id, entry.defs)
     return entry, _rebuild(entry, _finish(entry, [], []))
+
+
+def _check_not_lost(session: Any, tensors: list[Tensor]) -> None:
+    """`LostValue` for an argument a recovery lost on some of its ranks, as any op
+    raises (bound to the recording's input, it would be missing there)."""
+    records = session.recovery
+    if records.lost:
+        for t in tensors:
+            records.check_not_lost(t, set(t._value.mesh.ranks))
 
 
 def _forget(session: Any, rid: int, defs: list[int]) -> None:
@@ -349,6 +359,7 @@ def _replay(entry: _Entry, leaves: list[Any]) -> Any:
     """Run the recording again on ``leaves`` (the call's flattened arguments)."""
     entry.session.check_usable()
     args = [x for x in leaves if type(x) is Tensor]
+    _check_not_lost(entry.session, args)
     head: list[tuple[Slice, Any]] = [
         _call(_IDENTITY, x, h._value.ref) for h, x in zip(entry.inputs, args, strict=True)
     ]

@@ -22,6 +22,7 @@ from palatine.protocol.worker import (
     Slice,
 )
 from palatine.tensor.client.context import active_stream
+from palatine.tensor.client.recovery import RecoveryRecords
 from palatine.tensor.client.remote import call_on_shard_and_fetch, fetch, remote
 from palatine.tensor.client.sites import capture_site
 from palatine.tensor.client.values import RemoteValue, ValueMesh, value_of
@@ -31,41 +32,50 @@ __all__ = ["ensure_collectives", "process_group", "reduce", "resync"]
 
 
 def ensure_collectives(mesh: ValueMesh) -> int:
-    """The session's collective-context ref, initialising collectives on first use."""
+    """The session's collective-context ref, initialising collectives on first use (and
+    after each recovery). The set-up is the session's, not part of a call that
+    `palatine.compile` is recording: it happens once, and replays use its context."""
     session = mesh.session
     records = session.recovery
     with session.lock:
         if records.collective_ref is not None:
             return records.collective_ref
-        root = session.root_mesh
-        assert root is not None, "a session's root mesh is set when it connects"
-        first = root.slice(**{n: 0 for n in root.names})
-        with first.activate():
-            addr_value = remote("palatine.tensor.worker.collectives.open_store")()
-        store_addr = fetch(addr_value).result()
-        ctx = session.ids.new_ref()
-        world = Slice(offset=0, sizes=[session.world_size], strides=[1])
-        main = root.stream("main")
+        recorder, session.recorder = session.recorder, None
+        try:
+            return _init_collectives(session, records)
+        finally:
+            session.recorder = recorder
 
-        def commands(seq: int) -> list[tuple[Slice, Any]]:
-            return [
-                (
-                    world,
-                    BackendNetworkInit(
-                        seq=seq,
-                        result=ctx,
-                        store_addr=store_addr,
-                        stream=main.id,
-                        generation=records.generation,
-                    ),
-                )
-            ]
 
-        session.issue(
-            "BackendNetworkInit", [ctx], [], [], site=capture_site(), make_commands=commands
-        )
-        records.collective_ref = ctx
-        return ctx
+def _init_collectives(session: Any, records: RecoveryRecords) -> int:
+    """`ensure_collectives`' set-up (the session's lock held)."""
+    root = session.root_mesh
+    assert root is not None, "a session's root mesh is set when it connects"
+    first = root.slice(**{n: 0 for n in root.names})
+    with first.activate():
+        addr_value = remote("palatine.tensor.worker.collectives.open_store")()
+    store_addr = fetch(addr_value).result()
+    ctx: int = session.ids.new_ref()
+    world = Slice(offset=0, sizes=[session.world_size], strides=[1])
+    main = root.stream("main")
+
+    def commands(seq: int) -> list[tuple[Slice, Any]]:
+        return [
+            (
+                world,
+                BackendNetworkInit(
+                    seq=seq,
+                    result=ctx,
+                    store_addr=store_addr,
+                    stream=main.id,
+                    generation=records.generation,
+                ),
+            )
+        ]
+
+    session.issue("BackendNetworkInit", [ctx], [], [], site=capture_site(), make_commands=commands)
+    records.collective_ref = ctx
+    return ctx
 
 
 def _dims(mesh: ValueMesh, dims: str | tuple[str, ...] | None) -> list[str]:
