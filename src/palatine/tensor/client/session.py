@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import collections
 import contextlib
 import contextvars
 import logging
@@ -247,6 +248,9 @@ class Session:
         #: Its workers run in the procs of an actor proc mesh (`palatine.job.engine`): a
         #: mesh tensor in an actor call there arrives as the proc's own shard.
         self.actors_colocated = False
+        #: The last mesh tensors sent in actor calls, kept alive until the calls after
+        #: them (`Tensor.__reduce_ex__`).
+        self.sent_to_actors: collections.deque[Any] = collections.deque(maxlen=1024)
         client_actor.session = self
 
     @property

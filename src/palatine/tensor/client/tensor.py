@@ -218,6 +218,9 @@ class Tensor(torch.Tensor):
                 "(pass it to a remote function, or fetch it with palatine.inspect)"
             )
         known.forget(list(self._storage.members))  # the actor may write it
+        # Kept alive a while: a temporary (``a.f.call(torch.ones(2))``) would otherwise
+        # be dropped, and its ref freed, before the actor's proc decodes the call.
+        session.sent_to_actors.append(self)
         return (local_shard, (session.worker_world, self._value.ref, *_barrier(self)))
 
     def __bool__(self) -> bool:
