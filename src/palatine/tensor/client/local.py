@@ -44,7 +44,7 @@ from palatine.system.worlds import execution_id_from_env
 from palatine.tensor.client.actor import ClientActor
 from palatine.tensor.client.liveness import controller_lost
 from palatine.tensor.client.mesh import DeviceMesh
-from palatine.tensor.client.procs import RoleProcess
+from palatine.tensor.client.procs import RoleProcess, descendants, end_descendants
 from palatine.tensor.client.session import Session
 from palatine.tensor.client.shutdown import LocalRoles
 
@@ -371,6 +371,7 @@ class LocalCluster:
             self._stopping = True
         if self._probe is not None:
             self._probe.stop()
+        started = descendants(self.procs)
         for rp in reversed(self.procs):
             if rp.popen.poll() is None:
                 try:
@@ -385,6 +386,8 @@ class LocalCluster:
                 pass
             rp.kill()
         self.procs.clear()
+        # Workers die with their host, a moment after it; their files go once they have.
+        end_descendants(started, max(1.0, deadline - time.monotonic()))
         sockets.sweep()  # the socket files of its procs that died where nobody alive saw it
         self.console.close(1.0)
         if self.logs.owned and self.logs.path.exists():

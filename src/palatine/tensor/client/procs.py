@@ -27,7 +27,7 @@ from typing import IO, Any
 from palatine.hosting.child_env import Handoff, describe_exit
 from palatine.output.console import ConsoleWriter, chatter_shown
 
-__all__ = ["RoleProcess", "palatine_cmd"]
+__all__ = ["RoleProcess", "descendants", "end_descendants", "palatine_cmd"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,48 @@ def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the test process dies (no orphans)."""
     pr_set_pdeathsig = 1
     _PRCTL(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
+def descendants(roles: list[RoleProcess]) -> list[Any]:
+    """The processes the roles started (workers of a host's fork server, say), as
+    ``psutil.Process``: taken before the roles stop, since an orphan is no longer
+    anybody's child and is found by nothing else."""
+    import psutil
+
+    found: list[Any] = []
+    for role in roles:
+        with contextlib.suppress(psutil.Error):
+            found.extend(psutil.Process(role.popen.pid).children(recursive=True))
+    return found
+
+
+def end_descendants(procs: list[Any], timeout_s: float) -> list[int]:
+    """Wait up to ``timeout_s`` for `descendants` to be gone after their roles stopped,
+    SIGKILL the ones still running, and return every pid: a role's worker dies with
+    its fork server (``PR_SET_PDEATHSIG``), but a moment after it, and whatever it left
+    (its socket files) can be removed only once it is gone."""
+    import psutil
+
+    def running(proc: Any) -> bool:  # a zombie has ended: only its reaper is late
+        try:
+            return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    alive = [proc for proc in procs if running(proc)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [proc for proc in alive if running(proc)]
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            log.warning("pid %d (%s) outlived its role; killing it", proc.pid, proc.name())
+            proc.kill()
+    deadline = time.monotonic() + 1.0
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [proc for proc in alive if running(proc)]
+    return [proc.pid for proc in procs]
 
 
 def palatine_cmd() -> list[str]:
