@@ -336,3 +336,23 @@ async def test_a_spawn_while_the_server_warms_is_exec_d_at_once_not_held_behind_
     assert facts["ppid"] == os.getpid()
     assert (await later.wait(20)).exit_code == 0
     await procs.aclose()
+
+
+async def test_a_server_warmed_now_forks_even_the_first_worker_with_the_modules(
+    reaper: Reaper, probe_dir: Path
+) -> None:
+    # A launcher whose every proc imports torch (palatine torchrun) warms before the
+    # first spawn: the first workers are forked with the modules already loaded.
+    (probe_dir / "fs_first.py").write_text("FIRST = True\n")
+    probe = PROBE.replace('"torch": "torch" in sys.modules', '"torch": "fs_first" in sys.modules')
+    (probe_dir / "fs_probe.py").write_text(probe)
+    server = await started_server(reaper, warm=["fs_first"])
+    assert server.warm_now() and server.warming == ("fs_first",)
+    assert await server.wait_warmed(20) and server.warming == ()
+    assert not server.warm_now()  # once only
+    procs = reaper.make(fork_server=server)
+    first = await procs.spawn("w[0]", WORKER, probe_env(PROBE_EXIT="0"), None)
+    assert isinstance(first._popen, ForkedProcess)
+    assert (await facts_of(first))["torch"] is True
+    assert (await first.wait(10)).exit_code == 0
+    await procs.aclose()

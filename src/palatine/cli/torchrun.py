@@ -47,10 +47,13 @@ IGNORED = (
 )
 
 
-#: What the fork server imports once the first group runs (`palatine.hosting.forkserver`),
-#: so that a restarted group's procs start with it: torch, and what ``init_process_group``
-#: and DDP's constructor import on first use (torch._dynamo alone is ≈ 1.5 s of CPU).
+#: What the fork server imports before the first group is forked
+#: (`palatine.hosting.forkserver`), so that every group's procs start with it: torch, and
+#: what ``init_process_group`` and DDP's constructor import on first use (torch._dynamo
+#: alone is ≈ 1.5 s of CPU).
 WARM = "torch,torch._dynamo,torch.distributed,torch.nn.parallel,palatine.spmd.actor"
+#: How long the first group waits for that import (a slower one: the ranks import cold).
+WARM_S = 60.0
 
 
 def _flag(p: argparse.ArgumentParser, name: str, **kw: Any) -> None:
@@ -226,8 +229,13 @@ def run(args: argparse.Namespace) -> int:
             return 1
         per_host = {"procs": nproc}
     else:
-        from palatine.job.hostmesh import this_host
+        from palatine.core import runtime
+        from palatine.job.hostmesh import this_host, warm_procs
 
+        # Every rank imports torch: the fork server imports it once, before the first
+        # group is forked, instead of each rank on its own (torchrun's way, which on
+        # shared cores costs the first step the imports of all ranks).
+        runtime.submit(lambda: warm_procs(WARM_S)).get()
         hosts = this_host()
         per_host = {"nodes": nnodes, "procs": nproc} if nnodes > 1 else {"procs": nproc}
     signals: list[int] = []

@@ -323,8 +323,31 @@ class ForkServer:
             if self._warm and not self._pending and self._loop is not None:
                 self._warm_timer = self._loop.call_later(WARM_AFTER_S, self._send_warm)
 
+    def warm_now(self) -> bool:
+        """Have the server import its warm modules now rather than once the spawns have
+        settled: for a launcher that knows its first procs need them (``palatine
+        torchrun``: every rank imports torch). False when there is nothing to import
+        (none configured, or asked for already)."""
+        if self._warm_timer is not None:
+            self._warm_timer.cancel()
+        if not self._warm or self._sock is None:
+            return False
+        self._send_warm()
+        return bool(self.warming)
+
+    async def wait_warmed(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, until the warm import has ended (`warm_now`);
+        whether it has. A spawn meanwhile would be exec'd cold."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.warming and not self._closed:
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return self.warmed
+
     def _send_warm(self) -> None:
-        """The spawns have settled: have the server import the warm modules (once)."""
+        """Have the server import the warm modules (once): when the spawns have settled,
+        or at once (`warm_now`)."""
         self._warm_timer = None
         modules, self._warm = self._warm, ()
         sock = self._sock

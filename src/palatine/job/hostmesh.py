@@ -122,6 +122,18 @@ async def ensure_cluster() -> None:
     await _get_cluster()
 
 
+async def warm_procs(timeout_s: float) -> bool:
+    """Have the fork server import its warm modules (``fork_server_warm``) now, and wait
+    for it, at most ``timeout_s``: the procs of the first `spawn_procs` are then forked
+    with them loaded, instead of each importing them (a launcher whose every proc imports
+    torch: the import once, not once per proc on shared cores). Whether it is warm."""
+    cluster = await _get_cluster()
+    server = cluster.fork_server
+    if server is None or not server.warm_now():
+        return server is not None and server.warmed
+    return await server.wait_warmed(timeout_s)
+
+
 async def _shutdown() -> None:
     global _cluster
     c = _cluster

@@ -40,7 +40,15 @@ from palatine.mesh.actor_mesh import ActorMesh
 from palatine.spmd.actor import RankExited, SPMDActor
 from palatine.spmd.script import ScriptFailed, describe
 
-__all__ = ["ElasticResult", "HostsLike", "Interrupted", "Launch", "RankFailure", "launch"]
+__all__ = [
+    "ElasticResult",
+    "GroupOutcome",
+    "HostsLike",
+    "Interrupted",
+    "Launch",
+    "RankFailure",
+    "launch",
+]
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +193,54 @@ def _stop_s() -> float:
     return config.get().proc_stop_timeout_s + 30
 
 
+class GroupOutcome:
+    """What a running group's ranks have told the launcher (sans-IO): which succeeded,
+    which failed, and how long to wait for more (`wait_s`).
+
+    The group's end is decided here: every rank succeeded, or a failure was gathered. A
+    death is the root cause, and ends the wait at once, also when its peers' failed
+    collectives were reported first (they often are: a peer's connection breaks before the
+    supervision of the dead proc names it). Any other failure may be a death's
+    consequence, so further failures are gathered for `GATHER_S` after the first.
+    """
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.ok: set[int] = set()
+        #: In the order reported; at most one per rank (the first said of it).
+        self.failures: list[RankFailure] = []
+        #: When the gathering ends (monotonic); None while nothing failed.
+        self.gather_until: float | None = None
+
+    def succeeded(self, rank: int) -> None:
+        self.ok.add(rank)
+
+    def failed(self, failure: RankFailure, now: float) -> bool:
+        """Record ``failure`` at ``now``; False when its rank's failure was known already."""
+        if failure.rank in {f.rank for f in self.failures}:
+            return False
+        self.failures.append(failure)
+        if failure.died:
+            self.gather_until = now
+        elif self.gather_until is None:
+            self.gather_until = now + GATHER_S
+        return True
+
+    def wait_s(self, now: float) -> float | None:
+        """How long to wait for the next report; None when the group's run has ended."""
+        if len(self.ok) >= self.ranks:
+            return None
+        if self.gather_until is None:
+            return POLL_S
+        left = self.gather_until - now
+        return left if left > 0 else None
+
+    def running(self) -> list[int]:
+        """The ranks that neither succeeded nor failed."""
+        done = self.ok | {f.rank for f in self.failures}
+        return [r for r in range(self.ranks) if r not in done]
+
+
 def _attempt(
     plan: Launch, attempt: int, previous: Future[None] | None
 ) -> tuple[list[RankFailure], Future[None]]:
@@ -231,33 +287,25 @@ def _run_group(
         if previous is not None:  # (the last group stopped meanwhile)
             previous.get(_stop_s())
         started.get(rpc_s)
-        ok: set[int] = set()
-        failures: list[RankFailure] = []
-        gather_until: float | None = None
-        while len(ok) < n:
-            wait = POLL_S if gather_until is None else gather_until - time.monotonic()
-            if wait <= 0 and gather_until is not None:
-                break
+        outcome = GroupOutcome(n)
+        while (wait := outcome.wait_s(time.monotonic())) is not None:
             if plan.interrupted():
                 raise Interrupted(f"{describe(plan.program)} on {procs.world}")
             try:
                 msg = receiver.recv(timeout=wait).get()
             except TimeoutError:
                 continue
-            failure = _failure_of(msg, procs, local, attempt)
             if isinstance(msg, RankExited) and msg.attempt == attempt and msg.status == 0:
-                ok.add(msg.rank)
-            elif failure is not None and failure.rank not in {f.rank for f in failures}:
+                outcome.succeeded(msg.rank)
+                continue
+            failure = _failure_of(msg, procs, local, attempt)
+            if failure is not None and outcome.failed(failure, time.monotonic()):
                 plan.say(failure.describe())
-                if not failures:
-                    # A death is the root cause: stop at once. Another failure may be a
-                    # death's consequence: wait a moment for that death to be reported.
-                    gather_until = time.monotonic() + (0.0 if failure.died else GATHER_S)
-                failures.append(failure)
-        running = set(range(n)) - ok - {f.rank for f in failures}
+        failures = outcome.failures
+        running = outcome.running()
         died = any(f.died for f in failures)  # (then the others' collectives fail anyway)
         if failures and running and not died and plan.on_stuck is not None:
-            plan.on_stuck(_stacks(actors, procs, sorted(running)))
+            plan.on_stuck(_stacks(actors, procs, running))
         return _root_first(failures)
     finally:
         set_unhandled_fault_hook(before)
