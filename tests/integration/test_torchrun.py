@@ -243,3 +243,54 @@ def test_a_hung_run_is_a_job_whose_stacks_show_the_stuck_rank_and_ctrl_c_stops_i
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+#: Each rank writes torchrun's variables as it saw them and an all-reduce over the group.
+ENV_SCRIPT = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+total = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(total)
+keys = ["RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"]
+seen = {k: os.environ.get(k) for k in keys}
+seen["sum"] = total.item()
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump(seen, f)
+dist.destroy_process_group()
+"""
+
+
+def test_local_nnodes_runs_one_group_whose_ranks_see_torchruns_node_variables(
+    tmp_path: Path,
+) -> None:
+    # --nnodes 2 --nproc-per-node 2 on one machine: 4 ranks as torchrun numbers them over
+    # 2 nodes of 2 (node-major), in one process group.
+    script = tmp_path / "env.py"
+    script.write_text(ENV_SCRIPT)
+    env = dict(os.environ)
+    env.pop("PALATINE_CLUSTER_TOKEN", None)
+    out = subprocess.run(
+        [*palatine_torchrun(), "--nnodes", "2", "--nproc-per-node", "2", str(script), str(tmp_path)],
+        capture_output=True, text=True, timeout=100, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    for rank in range(4):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        node, local = divmod(rank, 2)
+        assert seen == {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local),
+            "GROUP_RANK": str(node),
+            "NODE_RANK": str(node),
+            "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_WORLD_SIZE": "2",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": "4",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "sum": 6.0,
+        }, (rank, out.stderr[-3000:])

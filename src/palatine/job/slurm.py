@@ -54,6 +54,7 @@ batch script goes on. ``use_allocation=False`` submits a job of its own anyway.
 from __future__ import annotations
 
 import contextlib
+import enum
 import inspect
 import logging
 import os
@@ -743,24 +744,22 @@ class JobRecord(msgspec.Struct, frozen=True, kw_only=True):
 def find_job(job_id: str) -> tuple[dict[str, str] | None, JobRecord | None]:
     """Slurm's view of job ``job_id`` (``state``, ``elapsed``, ``nodes``, ``nodelist``;
     None once it left the queue) and its palatine record (None if it has none or the
-    record is not readable here). `SchedulerError` when ``squeue`` does not answer."""
-    fields = ("state", "elapsed", "nodes", "nodelist", "comment")
-    try:
-        done = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%T|%M|%D|%N|%k"],
-            capture_output=True, text=True, timeout=SCHEDULER_TIMEOUT_S, check=False,
-        )  # fmt: skip
-    except FileNotFoundError:
-        raise SchedulerError("squeue not found: is this a Slurm submit host?") from None
-    except subprocess.TimeoutExpired:
-        raise SchedulerError(f"squeue did not answer within {SCHEDULER_TIMEOUT_S:g} s") from None
-    line = done.stdout.strip().splitlines()
-    if done.returncode != 0 and "Invalid job id" not in done.stderr:
-        raise SchedulerError(f"squeue: {done.stderr.strip() or f'exit status {done.returncode}'}")
-    if not line:
+    record is not readable here). Read from ``squeue --json`` where this Slurm has it,
+    else from ``squeue -o``. `SchedulerError` when ``squeue`` does not answer."""
+    listed = _squeue_job(job_id)
+    if listed is _NO_ANSWER:
+        raise SchedulerError(f"squeue did not answer within {SCHEDULER_TIMEOUT_S:g} s")
+    if isinstance(listed, dict):
+        info, comment = _json_info(listed, time.time())
+    elif listed is None:
         return None, None
-    info = dict(zip(fields, line[0].split("|", len(fields) - 1), strict=False))
-    comment = info.pop("comment", "")
+    else:
+        words = _squeue_words(job_id, "%T|%M|%D|%N|%k")
+        if not words:
+            return None, None
+        fields = ("state", "elapsed", "nodes", "nodelist", "comment")
+        info = dict(zip(fields, words.split("|", len(fields) - 1), strict=False))
+        comment = info.pop("comment", "")
     record = None
     if comment.startswith(_COMMENT):
         try:
@@ -774,52 +773,137 @@ def find_job(job_id: str) -> tuple[dict[str, str] | None, JobRecord | None]:
 _squeue_json: bool | None = None  # whether this Slurm's squeue takes --json (asked once)
 
 
+class _Unread(enum.Enum):
+    """Why `_squeue_job` has no job to give."""
+
+    NO_ANSWER = "squeue did not answer"  # (not evidence that a job ended)
+    NO_JSON = "this Slurm's squeue has no JSON we read"
+
+
+_NO_ANSWER, _NO_JSON = _Unread.NO_ANSWER, _Unread.NO_JSON
+
+
 def squeue_state(job_id: str) -> str | None:
     """Slurm's word for job ``job_id`` (``PENDING``, ``RUNNING``, ...); None once it is
     gone, ``UNKNOWN`` when ``squeue`` does not answer. Read from ``squeue --json`` where
     this Slurm has it (its fields are Slurm's documented data, not a format of ours to
     parse), else from ``squeue -o %T``."""
+    try:
+        listed = _squeue_job(job_id)
+    except SchedulerError:
+        return "UNKNOWN"  # (no squeue here, or no controller: not evidence of an end)
+    if listed is _NO_ANSWER:
+        return "UNKNOWN"
+    if isinstance(listed, dict):
+        return _json_state(listed)
+    if listed is None:
+        return None
+    try:
+        return _squeue_words(job_id, "%T") or None
+    except SchedulerError:
+        return "UNKNOWN"
+
+
+def _squeue_job(job_id: str) -> dict[str, Any] | _Unread | None:
+    """Job ``job_id`` in ``squeue --json``'s document: its object, None when it is not
+    listed, `_NO_ANSWER` when squeue did not answer, `_NO_JSON` when this Slurm has no
+    JSON we read (asked once per process; its words are read from then on)."""
     global _squeue_json
-    argv = ["squeue", "--json", "-j", job_id] if _squeue_json is not False else []
-    if argv:
-        try:
-            done = subprocess.run(
-                argv, capture_output=True, text=True, timeout=SCHEDULER_TIMEOUT_S, check=False
-            )
-        except (FileNotFoundError, subprocess.TimeoutExpired):
-            return "UNKNOWN"  # squeue did not answer: not evidence that the job ended
-        if done.returncode == 0:
-            try:
-                state = _json_state(done.stdout, job_id)
-            except (ValueError, TypeError, KeyError):
-                _squeue_json = False  # not the JSON we know: the words, from now on
-            else:
-                _squeue_json = True
-                return state
-        elif "option" in done.stderr:  # (unrecognized option '--json')
-            _squeue_json = False
-        else:
-            return None  # (Invalid job id specified: it is gone)
+    if _squeue_json is False:
+        return _NO_JSON
     try:
         done = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%T"],
+            ["squeue", "--json", "-j", job_id],
             capture_output=True, text=True, timeout=SCHEDULER_TIMEOUT_S, check=False,
         )  # fmt: skip
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        return "UNKNOWN"
-    return done.stdout.strip() or None
+    except FileNotFoundError:
+        raise SchedulerError("squeue not found: is this a Slurm submit host?") from None
+    except subprocess.TimeoutExpired:
+        return _NO_ANSWER
+    if done.returncode != 0:
+        if "option" in done.stderr:  # (unrecognized option '--json')
+            _squeue_json = False
+            return _NO_JSON
+        if "Invalid job id" in done.stderr:
+            return None  # gone
+        raise SchedulerError(f"squeue: {done.stderr.strip() or f'exit status {done.returncode}'}")
+    try:
+        jobs = msgspec.json.decode(done.stdout)["jobs"]
+        found: dict[str, Any] | None = next(
+            (job for job in jobs if str(job["job_id"]) == job_id), None
+        )
+        if found is not None:
+            _json_state(found)  # (a document we can read)
+    except (ValueError, TypeError, KeyError, msgspec.DecodeError):
+        _squeue_json = False  # not the JSON we know: the words, from now on
+        return _NO_JSON
+    _squeue_json = True
+    return found
 
 
-def _json_state(text: str, job_id: str) -> str | None:
-    """Job ``job_id``'s state in ``squeue --json``'s document (a word up to Slurm 23.02,
-    a list of words since; the first is the state); None when it is not listed."""
-    for job in msgspec.json.decode(text)["jobs"]:
-        if str(job["job_id"]) == job_id:
-            state = job["job_state"]
-            if isinstance(state, list):
-                state = state[0] if state else None
-            return None if state is None else str(state)
-    return None
+def _squeue_words(job_id: str, fmt: str) -> str:
+    """``squeue -h -j JOB -o FMT``'s first line ('' when the job is not listed)."""
+    try:
+        done = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", fmt],
+            capture_output=True, text=True, timeout=SCHEDULER_TIMEOUT_S, check=False,
+        )  # fmt: skip
+    except FileNotFoundError:
+        raise SchedulerError("squeue not found: is this a Slurm submit host?") from None
+    except subprocess.TimeoutExpired:
+        raise SchedulerError(f"squeue did not answer within {SCHEDULER_TIMEOUT_S:g} s") from None
+    if done.returncode != 0 and "Invalid job id" not in done.stderr:
+        raise SchedulerError(f"squeue: {done.stderr.strip() or f'exit status {done.returncode}'}")
+    lines = done.stdout.strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _json_number(value: Any) -> int | None:
+    """A number of ``squeue --json``: plain up to Slurm 23.02, ``{"set", "number"}`` since."""
+    if isinstance(value, dict):
+        return int(value["number"]) if value.get("set", True) else None
+    return None if value is None else int(value)
+
+
+def _json_state(job: dict[str, Any]) -> str:
+    """A job's state in ``squeue --json`` (a word up to Slurm 23.02, a list of words since;
+    the first is the state)."""
+    state = job["job_state"]
+    if isinstance(state, list):
+        state = state[0] if state else "UNKNOWN"
+    if not isinstance(state, str):
+        raise TypeError(f"job_state {state!r}")
+    return state
+
+
+def _json_info(job: dict[str, Any], now: float) -> tuple[dict[str, str], str]:
+    """`find_job`'s fields of a job of ``squeue --json``, as ``squeue -o`` words, and its
+    comment. The document has no elapsed time: it is ``now`` less the start of a job
+    that has started (Slurm's ``%M`` format: ``M:SS``, ``H:MM:SS``, ``D-HH:MM:SS``)."""
+    state = _json_state(job)
+    started = _json_number(job.get("start_time"))
+    running = state not in ("PENDING", "CONFIGURING") and started and started <= now
+    nodes = _json_number(job.get("node_count"))
+    info = {
+        "state": state,
+        "elapsed": _slurm_elapsed(now - started if running and started else 0.0),
+        "nodes": "" if nodes is None else str(nodes),
+        "nodelist": str(job.get("nodes") or ""),
+    }
+    return info, str(job.get("comment") or "")
+
+
+def _slurm_elapsed(seconds: float) -> str:
+    """``seconds`` as Slurm's ``%M`` writes a time: ``M:SS``, ``H:MM:SS``, ``D-HH:MM:SS``."""
+    total = max(0, int(seconds))
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
+    if hours:
+        return f"{hours}:{minutes:02d}:{secs:02d}"
+    return f"{minutes}:{secs:02d}"
 
 
 def _log_session(log_dir: str | None) -> LogSession:
