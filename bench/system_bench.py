@@ -11,7 +11,8 @@ Metrics (targets in ``bench/run.py``):
   1,000 simulated procs ``bench[0..1000)`` through it (``Join``, ManagedBySystem, one
   incarnation each, the client's own served address), then sends each a
   ``SupervisionUpdate`` once a second over the client's normal channel, spread evenly
-  (20 every 20 ms). After a warm-up, each repetition is one steady-state window of
+  (20 every 20 ms), each with the resources a real proc's heartbeat carries (CPU and
+  RSS). After a warm-up, each repetition is one steady-state window of
   ``WINDOW_S`` seconds: the system process's CPU time (user + system, psutil) over the
   window divided by the window's wall time. The system runs with an update timeout of
   ``SIM_TIMEOUT_S``, so procs whose heartbeats did not arrive would show up ``Expired``:
@@ -73,6 +74,9 @@ HEARTBEAT_PERIOD_S = 1.0  # each simulated proc beats at 1 Hz
 SLICE_S = 0.02  # heartbeats go out in slices: SIM_PROCS * SLICE_S per slice
 WARMUP_S = 2.0  # heartbeating before the first CPU window
 WINDOW_S = 2.0  # one repetition of system_1k_procs_cpu
+# Heartbeats carry the proc's resources where this palatine has them (this file also
+# measures an older palatine, for a before and after: PYTHONPATH=<its src>).
+RESOURCES = "resources" in ProcSupervisionState.__struct_fields__
 JOIN_BATCH = 100  # joins in flight at once
 SIM_LABEL = ("bench.palatine.dev/sim", "1")
 MIN_SNAPSHOTS = 20
@@ -225,13 +229,12 @@ async def _join_sim_procs(client: SystemClient) -> list[SupervisionUpdate]:
                 incarnation=incarnation,
             )
         )
-        beats.append(
-            SupervisionUpdate(
-                state=ProcSupervisionState(
-                    proc_id=proc_id, addr=addr, health="Alive", incarnation=incarnation
-                )
-            )
+        state = ProcSupervisionState(
+            proc_id=proc_id, addr=addr, health="Alive", incarnation=incarnation
         )
+        if RESOURCES:  # what a real proc's heartbeat carries (palatine.hosting.resources)
+            state.resources = {"cpu_percent": 12.5 + r % 7, "rss_bytes": 5.1e8 + r * 4096.0}
+        beats.append(SupervisionUpdate(state=state))
     for i in range(0, len(joins), JOIN_BATCH):
         await asyncio.gather(*(client.ask(j, 30.0) for j in joins[i : i + JOIN_BATCH]))
     return beats
@@ -353,6 +356,7 @@ async def _measure_1k(
                         "sender_cpu_pct": client_cpu,
                         "join_1k_s": round(join_s, 3),
                         "oldest_heartbeat_age_s": round(oldest, 3),
+                        "resources_in_heartbeats": RESOURCES,
                     },
                 )
             except Exception as exc:  # noqa: BLE001 - one metric must not end the other
