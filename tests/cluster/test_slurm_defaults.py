@@ -79,20 +79,22 @@ def test_a_jobs_default_log_dir_is_under_the_submit_directory_and_squeue_json_re
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    with (
-        cluster_hiding(monkeypatch),
-        SlurmJob(hosts=2, procs_per_host=1, partition=PARTITION, startup_timeout_s=120) as job,
-    ):
-        with job.mesh().activate():
-            assert fetch(remote(len)("abc")).result(timeout=60) == 3
-        (record,) = [r for r in live_jobs() if r.id == job.job_id]
-        log_dir = Path(record.log_dir)
-        assert log_dir.parent == tmp_path / "palatine-logs", log_dir
-        assert (log_dir / f"slurm-{job.job_id}.out").exists()
-        job_id = job.job_id
-        assert job_id is not None and squeue_state(job_id) == "RUNNING"
-        assert slurm_module._squeue_json  # this Slurm (22.05 and later) has squeue --json
-    assert squeue_state(job_id) is None  # gone
+    with cluster_hiding(monkeypatch):
+        with SlurmJob(hosts=2, procs_per_host=1, partition=PARTITION, startup_timeout_s=120) as job:
+            with job.mesh().activate():
+                assert fetch(remote(len)("abc")).result(timeout=60) == 3
+            (record,) = [r for r in live_jobs() if r.id == job.job_id]
+            log_dir = Path(record.log_dir)
+            assert log_dir.parent == tmp_path / "palatine-logs", log_dir
+            assert (log_dir / f"slurm-{job.job_id}.out").exists()
+            job_id = job.job_id
+            assert job_id is not None and squeue_state(job_id) == "RUNNING"
+            assert slurm_module._squeue_json  # this Slurm (22.05 and later) has squeue --json
+        # ended, said by the Slurm that ran it (squeue keeps an ended job for a while)
+        assert squeue_state(job_id) in (None, *slurm_module._ENDED)
+    # A Slurm that cannot be asked (here: its configuration is gone) is no evidence that
+    # the job ended.
+    assert squeue_state(job_id) == "UNKNOWN"
 
 
 def test_the_probe_names_the_node_that_does_not_see_the_log_dir(

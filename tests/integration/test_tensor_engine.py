@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -140,3 +141,49 @@ def test_actors_take_shards_in_constructors_and_calls_keep_their_order(procs: An
             calls.append(counter.incr.call(torch.ones(())))  # with a mesh tensor
             calls.append(counter.incr.call(1))  # without
         assert [c.get().item(gpus=0) for c in calls] == list(range(10))
+
+
+def _kill_rank_1(holders: Any, mesh: Any) -> int:
+    """SIGKILL the proc of rank 1; its old pid, once the engine has seen it die."""
+    pid = holders.slice(gpus=1).pid.call_one().get(timeout=30)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(palatine.DeviceException, match=rf"rank 1 .*pid {pid}"):
+        inspect(torch.ones(()), gpus=1)
+    return int(pid)
+
+
+def test_an_engines_recovery_brings_back_its_worker_and_the_actors_of_the_lost_proc() -> None:
+    pm = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        holders = pm.spawn("holder", Holder)
+        with pm.activate() as mesh:
+            kept = torch.full((2,), 3.0)
+            inspect(kept, gpus=0)
+            old = _kill_rank_1(holders, mesh)
+            assert mesh.recover().ranks == [1]
+            # tensors: the rank is back; what lived on it is lost there, not elsewhere
+            assert inspect(torch.ones(2).sum(), gpus=1).item() == 2.0
+            assert inspect(kept, gpus=0).tolist() == [3.0, 3.0]
+            with pytest.raises(palatine.LostValue):
+                inspect(kept, gpus=1)
+            # actors: the proc mesh's actors run on the new incarnation, beside its worker
+            new = holders.slice(gpus=1).pid.call_one().get(timeout=30)
+            assert new != old
+            assert inspect(remote(os.getpid)(), gpus=1) == new
+            assert list(holders.total.call(torch.ones(4)).get(timeout=30).values()) == [4.0, 4.0]
+    finally:
+        pm.stop().get()
+
+
+def test_respawning_a_proc_mesh_with_an_engine_recovers_the_engine_too() -> None:
+    pm = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        holders = pm.spawn("holder", Holder)
+        with pm.activate() as mesh:
+            _kill_rank_1(holders, mesh)
+            assert pm.respawn().get(timeout=120) == [1]
+            assert inspect(torch.ones(3).sum(), gpus=1).item() == 3.0
+            pid = holders.slice(gpus=1).pid.call_one().get(timeout=30)
+            assert inspect(remote(os.getpid)(), gpus=1) == pid
+    finally:
+        pm.stop().get()

@@ -250,3 +250,34 @@ def test_the_console_shows_the_programs_output_and_palatines_chatter_only_at_deb
         assert chatter == [], out.stderr
     else:
         assert any('"event": "ready"' in line for line in chatter), out.stderr
+
+
+BOTH = textwrap.dedent(
+    """
+    from palatine import Actor, endpoint, fetch, local_mesh, remote, this_host
+
+    class One(Actor):
+        @endpoint
+        def one(self):
+            return 1
+
+    first = this_host().spawn_procs(per_host={"procs": 1})
+    with local_mesh(1, 1):
+        print("MESH", fetch(remote(len)("ab")).result(timeout=60), flush=True)
+    second = this_host().spawn_procs(per_host={"procs": 1})  # after the local mesh
+    print("ACTORS", first.spawn("a", One).one.call_one().get(timeout=30),
+          second.spawn("b", One).one.call_one().get(timeout=30), flush=True)
+    """
+)
+
+
+def test_a_script_with_a_local_mesh_and_this_host_reaches_both() -> None:
+    # Both are private clusters of the script; a fresh token for the local mesh would
+    # have locked this_host()'s later procs out of their own system.
+    env = dict(os.environ)
+    env.pop("PALATINE_CLUSTER_TOKEN", None)
+    out = subprocess.run(
+        [sys.executable, "-c", BOTH], capture_output=True, text=True, timeout=80, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "MESH 2" in out.stdout and "ACTORS 1 1" in out.stdout, out.stdout + out.stderr[-2000:]

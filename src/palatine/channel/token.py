@@ -13,7 +13,8 @@ accepted with one WARNING.
 The token is text (it travels to child processes in ``PALATINE_CLUSTER_TOKEN``), used
 as bytes by the HMAC. It is resolved once per process and cached; launchers hand it on
 with `token_env`, and private clusters (``local_mesh``, ``this_host``) install a fresh
-one from `generate_token` with `set_token`.
+one (`private_token`), one per process: the token is process-wide, so a process that has
+both kinds reaches each only if they share it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "TOKEN_FILE_ENV",
     "default_token_path",
     "generate_token",
+    "private_token",
     "reset_token_cache",
     "resolve_token",
     "set_token",
@@ -53,6 +55,7 @@ MIN_TOKEN_BYTES: Final = 16
 
 _lock = threading.Lock()
 _cached: bytes | None = None
+_private: str | None = None  # this process's private clusters' token (`private_token`)
 
 
 def generate_token() -> str:
@@ -189,6 +192,20 @@ def set_token(token: bytes | str) -> None:
     checked = _checked(raw, "set_token()")
     with _lock:
         _cached = checked
+
+
+def private_token() -> str:
+    """The token of this process's private clusters, installed (`set_token`): made by
+    the first (`generate_token`), the same for every later one. A script that uses
+    ``this_host()`` and a ``local_mesh`` reaches both: with a fresh token each, the
+    second would lock the first's procs out of their own system."""
+    global _private
+    with _lock:
+        if _private is None:
+            _private = generate_token()
+        token = _private
+    set_token(token)
+    return token
 
 
 def reset_token_cache() -> None:

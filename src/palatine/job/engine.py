@@ -98,6 +98,11 @@ def spawn_tensor_engine(proc_mesh: Any, *, timeout_s: float = 60.0) -> DeviceMes
         proc.wait(5)
         raise
     mesh.session.actors_colocated = True
+    # A rank the engine recovers is a new incarnation of the proc mesh's proc: the proc
+    # mesh's actors are spawned on it again, and its `respawn` goes through the engine.
+    mesh.session.after_recovery = proc_mesh.respawned
+    if proc_mesh._engine is None:
+        proc_mesh._engine = mesh
     return mesh
 
 

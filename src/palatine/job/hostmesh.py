@@ -105,7 +105,7 @@ async def _get_cluster() -> _Cluster:
                     prefix=f"{me.world.name}_{me.rank}_",
                 )
             else:
-                token_mod.set_token(token_mod.generate_token())
+                token_mod.private_token()
                 system = await System.serve(any_addr("unix"))
                 # The job's controller registry (`palatine.job.controllers`), by name: it
                 # builds on this module.

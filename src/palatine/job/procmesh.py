@@ -221,7 +221,16 @@ class ProcMesh:
             )
         if self._stopped:
             raise SpawnError(f"cannot respawn procs of {self}: it was stopped")
+        engine = self._engine
+        if engine is not None:
+            # Its tensor engine's workers live in these procs too: the engine's recovery
+            # respawns them and, through `respawned`, this mesh's actors.
+            return runtime.submit(lambda: self._recover_engine(engine, ranks))
         return runtime.submit(lambda: self._respawn(client, ranks))
+
+    async def _recover_engine(self, engine: Any, ranks: list[int] | None) -> list[int]:
+        recovery = await asyncio.to_thread(engine.recover, ranks)
+        return list(recovery.ranks)
 
     async def _respawn(self, client: SystemClient, ranks: list[int] | None) -> list[int]:
         if ranks is None:
@@ -236,6 +245,22 @@ class ProcMesh:
         if not ranks:
             return []
         await client.respawn(self.world.name, ranks)
+        await self._respawned(client, ranks)
+        return sorted(ranks)
+
+    def respawned(self, ranks: list[int]) -> None:
+        """Procs ``ranks`` of this mesh were started again by someone else (its tensor
+        engine's recovery, `palatine.job.engine`): wait until they are live and spawn on
+        them, as `respawn` does, every actor spawned here before."""
+        client = self._client
+        if client is None:
+            raise PalatineError(f"{self} was passed here: its actors are its owner's")
+        # (each of its waits is bounded by the spawn timeout: this one too, with room)
+        runtime.submit(lambda: self._respawned(client, ranks)).get(
+            2 * config.get().spawn_procs_timeout_s
+        )
+
+    async def _respawned(self, client: SystemClient, ranks: list[int]) -> None:
         for r in ranks:
             client.proc.peer_back(self.world.proc(r))
         await wait_live(client, self.world, lambda pid: "")
@@ -244,7 +269,6 @@ class ProcMesh:
             on = [r for r in ranks if spawned_on is None or r in spawned_on]
             if on:
                 await self._spawn(name, cls, args, kwargs, owner, on)
-        return sorted(ranks)
 
     async def _spawn(
         self,

@@ -751,6 +751,8 @@ def find_job(job_id: str) -> tuple[dict[str, str] | None, JobRecord | None]:
         raise SchedulerError(f"squeue did not answer within {SCHEDULER_TIMEOUT_S:g} s")
     if isinstance(listed, dict):
         info, comment = _json_info(listed, time.time())
+        if info["state"] in _ENDED:  # (listed a while after; squeue's own view omits it)
+            return None, None
     elif listed is None:
         return None, None
     else:
@@ -824,7 +826,7 @@ def _squeue_job(job_id: str) -> dict[str, Any] | _Unread | None:
         if "option" in done.stderr:  # (unrecognized option '--json')
             _squeue_json = False
             return _NO_JSON
-        if "Invalid job id" in done.stderr:
+        if "Invalid job id" in done.stderr + done.stdout:  # (--json: in its "errors")
             return None  # gone
         raise SchedulerError(f"squeue: {done.stderr.strip() or f'exit status {done.returncode}'}")
     try:

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from palatine import config
 from palatine.channel import sockets
+from palatine.channel import token as token_mod
 from palatine.channel.addr import ChannelAddr, require_addr
 from palatine.config import roles
 from palatine.config.roles import ControllerOptions, HostOptions, LocalOptions, SystemOptions
@@ -572,7 +573,8 @@ def start_checked(hosts: int, procs_per_host: int, opts: MeshOptions) -> LocalCl
     logs = LogSession.create("mesh", opts.local.log_dir)
     sockets.sweep()  # what jobs before this one left, where nobody saw their procs die
     # Every role and worker writes its logs there (roles: <role>.log; workers: see palatine.output.logs).
-    env = {"PALATINE_CLUSTER_TOKEN": secrets.token_hex(32), "PALATINE_LOG_DIR": str(logs.path)}
+    # The process's private token (a this_host() cluster of this process has it too).
+    env = {"PALATINE_CLUSTER_TOKEN": token_mod.private_token(), "PALATINE_LOG_DIR": str(logs.path)}
     # One execution id for every role, so that a system started again keeps it.
     env.update(Handoff(execution_id=execution_id_from_env()).to_env())
     # (for the job's record, which its system writes: palatine.job.records.SHAPE_ENV)
@@ -719,8 +721,6 @@ def connect(
         system_addr = handed.system_addr
         worker_world = worker_world or handed.worker_world or None
     if _token is not None:
-        from palatine.channel import token as token_mod
-
         token_mod.set_token(_token)
     # (text from the caller or the handoff, parsed here once)
     addr = ChannelAddr.parse(system_addr) if isinstance(system_addr, str) else system_addr

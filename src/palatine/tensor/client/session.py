@@ -30,6 +30,7 @@ import contextvars
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from palatine import config
@@ -251,6 +252,9 @@ class Session:
         #: The last mesh tensors sent in actor calls, kept alive until the calls after
         #: them (`Tensor.__reduce_ex__`).
         self.sent_to_actors: collections.deque[Any] = collections.deque(maxlen=1024)
+        #: Called with the ranks `recover` brought back, after it did, on the caller's
+        #: thread: an engine's proc mesh spawns its actors on the new incarnations.
+        self.after_recovery: Callable[[list[int]], None] | None = None
         client_actor.session = self
 
     @property
@@ -347,6 +351,13 @@ class Session:
                 self.failure = None
                 self.system_client.client.quiet_returns = False
                 self.send_commands(cmds)
+        if back and self.after_recovery is not None:
+            try:
+                self.after_recovery(back)
+            except Exception as e:
+                raise RecoveryError(
+                    f"ranks {back} are back, but not what else ran in their procs: {e}"
+                ) from e
         return back
 
     def fail(self, exc: DeviceException) -> None:
