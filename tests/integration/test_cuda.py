@@ -135,3 +135,22 @@ def test_one_proc_per_gpu_uses_nccl() -> None:
             summed = remote(all_reduce_sum)(t, m.process_group())
             assert inspect(remote(backend)(), shard=0) == "nccl"
             assert inspect(summed, shard=0).tolist() == [1.0] * 4
+
+
+def test_a_tensor_engine_on_an_actor_proc_mesh_runs_on_each_procs_gpu() -> None:
+    # The engine's workers run in actor procs, which see every GPU of the host: each
+    # takes the one of its local rank (both share it when there is one).
+    from palatine import spawn_tensor_engine, this_host
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        engine = spawn_tensor_engine(procs, device="cuda")
+        with engine.activate():
+            got = [inspect(remote(where)(), gpus=i) for i in range(2)]
+            t = torch.ones(4, device="cuda") * 3
+            assert inspect(remote(device_of)(t), gpus=1).startswith("cuda:")
+            assert inspect(t, gpus=1).tolist() == [3.0] * 4
+        count = torch.cuda.device_count()
+        assert [g["device"] for g in got] == [f"cuda:{i % count}" for i in range(2)], got
+    finally:
+        procs.stop().get()

@@ -63,8 +63,8 @@ def test_torch_is_imported_on_first_use_and_the_client_never(mesh: DeviceMesh) -
 )
 def test_local_mesh_checks_for_a_gpu_without_importing_torch() -> None:
     code = (
-        "import sys; from palatine.tensor.client.local import _want_cuda; "
-        "print(_want_cuda('auto'), _want_cuda('cpu'), 'torch' in sys.modules)"
+        "import sys; from palatine.tensor.client.local import want_cuda; "
+        "print(want_cuda('auto'), want_cuda('cpu'), 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -28,7 +28,7 @@ from palatine.channel import token as token_mod
 from palatine.errors import SpawnError
 from palatine.ids import ActorId
 from palatine.tensor.client import actor_calls  # noqa: F401 - installs Endpoint.rref
-from palatine.tensor.client.local import connect
+from palatine.tensor.client.local import connect, want_cuda
 
 if TYPE_CHECKING:
     from palatine.tensor.client.mesh import DeviceMesh
@@ -36,10 +36,14 @@ if TYPE_CHECKING:
 __all__ = ["spawn_tensor_engine"]
 
 
-def spawn_tensor_engine(proc_mesh: Any, *, timeout_s: float = 60.0) -> DeviceMesh:
+def spawn_tensor_engine(
+    proc_mesh: Any, *, device: str = "auto", timeout_s: float = 60.0
+) -> DeviceMesh:
     """A `DeviceMesh` whose tensor workers run in ``proc_mesh``'s procs (a `ProcMesh`,
     which imports this module: one worker per proc, its ranks in the proc mesh's order,
-    its dims the proc mesh's)."""
+    its dims the proc mesh's). ``device``: ``auto`` (CUDA where this machine has a GPU),
+    ``cpu`` or ``cuda``; on CUDA each worker takes the GPU of its rank on its host."""
+    cuda = want_cuda(device)
     client = proc_mesh._client
     if client is None:
         raise SpawnError(f"{proc_mesh} was passed here: spawn its tensor engine where it was made")
@@ -73,7 +77,7 @@ def spawn_tensor_engine(proc_mesh: Any, *, timeout_s: float = 60.0) -> DeviceMes
         str(n),
         "--num-procs-per-host",
         str(n),
-        "--is-cpu-worker",
+        *([] if cuda else ["--is-cpu-worker"]),
         "--adopt-world",
     ]
     proc = subprocess.Popen(

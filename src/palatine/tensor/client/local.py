@@ -564,7 +564,7 @@ def start_local(hosts: int = 1, procs_per_host: int = 4, **options: Any) -> Loca
 def start_checked(hosts: int, procs_per_host: int, opts: MeshOptions) -> LocalCluster:
     """`start_local` with its shape and options already checked (`check_shape`,
     `mesh_options`), by a caller that needs them itself."""
-    cuda = _want_cuda(opts.local.device)
+    cuda = want_cuda(opts.local.device)
     transport = opts.local.transport
     startup = opts.local.startup_timeout_s
     check_open_files(
@@ -661,7 +661,10 @@ def start_checked(hosts: int, procs_per_host: int, opts: MeshOptions) -> LocalCl
         raise
 
 
-def _want_cuda(device: str) -> bool:
+def want_cuda(device: str) -> bool:
+    """Whether workers asked to run on ``device`` (``auto``, ``cpu``, ``cuda``) use CUDA:
+    ``auto`` when this machine has a GPU torch can use; ``cuda`` without one is a
+    `ValueError`."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', not {device!r}")
     if device == "cpu":

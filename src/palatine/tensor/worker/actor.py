@@ -94,6 +94,20 @@ def exit_timeout_s() -> float:
     return config.get().worker_exit_timeout_s
 
 
+def _device_of_proc(device_index: int, count: int) -> int:
+    """The GPU of this proc: ``device_index`` of what it sees, counted from its local rank
+    (``LOCAL_RANK``) when it sees several. A local mesh's or a Slurm job's worker sees the
+    one GPU its host gave it (``cuda:0``); a tensor engine's worker runs in an actor
+    proc, which sees all of its host's, and takes the one of its rank on the host."""
+    if count <= 1:
+        return device_index
+    try:
+        local_rank = max(0, int(os.environ.get("LOCAL_RANK", "0")))
+    except ValueError:
+        local_rank = 0
+    return (device_index + local_rank) % count
+
+
 class _CommandPort(HandlerPort):
     """A handler port for a worker command whose decode failure fails the worker.
 
@@ -171,8 +185,9 @@ class WorkerActor(Actor):
             torch = await asyncio.to_thread(import_torch)  # ~2 s: keep the loop serving
             torch_available = torch is not None
             if torch is not None and torch.cuda.is_available():
-                torch.cuda.set_device(p.device_index)
-                device = f"cuda:{p.device_index}"
+                index = _device_of_proc(p.device_index, torch.cuda.device_count())
+                torch.cuda.set_device(index)
+                device = f"cuda:{index}"
             else:
                 log.warning(
                     "device_index %d requested but CUDA is not available; using CPU", p.device_index
