@@ -187,3 +187,16 @@ def test_respawning_a_proc_mesh_with_an_engine_recovers_the_engine_too() -> None
             assert inspect(remote(os.getpid)(), gpus=1) == pid
     finally:
         pm.stop().get()
+
+
+def test_a_proc_mesh_whose_engine_was_shut_down_activates_a_new_one() -> None:
+    pm = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        with pm.activate() as first:
+            assert inspect(torch.ones(2).sum(), gpus=0).item() == 2.0
+        first.shutdown()
+        with pm.activate() as second:
+            assert second is not first
+            assert inspect(torch.ones(3).sum(), gpus=1).item() == 3.0
+    finally:
+        pm.stop().get()

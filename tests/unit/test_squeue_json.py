@@ -62,3 +62,15 @@ def test_elapsed_time_is_written_as_slurm_writes_it(seconds: float, text: str) -
 def test_a_document_without_a_state_is_not_read() -> None:
     with pytest.raises((KeyError, TypeError)):
         _json_info({"job_id": 1, "job_state": 5}, NOW)
+
+
+def test_an_array_task_is_known_by_squeues_id_for_it() -> None:
+    from palatine.job.slurm import _json_id
+
+    task = {"job_id": 130, "array_job_id": {"set": True, "number": 123},
+            "array_task_id": {"set": True, "number": 4}}  # fmt: skip
+    assert _json_id(task) == "123_4"
+    plain = {"job_id": 42, "array_job_id": {"set": True, "number": 0},
+             "array_task_id": {"set": False, "number": 0}}  # fmt: skip
+    assert _json_id(plain) == "42"
+    assert _json_id({"job_id": 7, "array_job_id": 0, "array_task_id": None}) == "7"

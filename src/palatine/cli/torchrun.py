@@ -229,13 +229,8 @@ def run(args: argparse.Namespace) -> int:
             return 1
         per_host = {"procs": nproc}
     else:
-        from palatine.core import runtime
-        from palatine.job.hostmesh import this_host, warm_procs
+        from palatine.job.hostmesh import this_host
 
-        # Every rank imports torch: the fork server imports it once, before the first
-        # group is forked, instead of each rank on its own (torchrun's way, which on
-        # shared cores costs the first step the imports of all ranks).
-        runtime.submit(lambda: warm_procs(WARM_S)).get()
         hosts = this_host()
         per_host = {"nodes": nnodes, "procs": nproc} if nnodes > 1 else {"procs": nproc}
     signals: list[int] = []
@@ -245,6 +240,14 @@ def run(args: argparse.Namespace) -> int:
 
     old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if job is None:
+            from palatine.core import runtime
+            from palatine.job.hostmesh import warm_procs
+
+            # Every rank imports torch: the fork server imports it once, before the
+            # first group is forked, instead of each rank on its own (torchrun's way,
+            # which on shared cores costs the first step the imports of all ranks).
+            runtime.submit(lambda: warm_procs(WARM_S)).get()
         result = launch(
             program,
             hosts,

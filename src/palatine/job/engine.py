@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -56,7 +57,11 @@ def spawn_tensor_engine(
     addr = str(client.system_addr)
     world = proc_mesh.world.name
     token = token_mod.resolve_token(create=False)
-    controller = f"engine{world}[0].root"
+    # Names of its own, for its controller's world and its workers: a proc mesh may have
+    # an engine again after one ended, and the procs keep a stopped actor's name and a
+    # route to the last engine's controller.
+    tag = secrets.token_hex(3)
+    controller = f"engine{world}_{tag}[0].root"
     env = {
         **os.environ,
         **token_mod.token_env(token),
@@ -79,6 +84,8 @@ def spawn_tensor_engine(
         str(n),
         *([] if cuda else ["--is-cpu-worker"]),
         "--adopt-world",
+        "--worker-name",
+        f"tensor_worker_{tag}",
     ]
     proc = subprocess.Popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -221,7 +221,7 @@ class ProcMesh:
             )
         if self._stopped:
             raise SpawnError(f"cannot respawn procs of {self}: it was stopped")
-        engine = self._engine
+        engine = self._live_engine()
         if engine is not None:
             # Its tensor engine's workers live in these procs too: the engine's recovery
             # respawns them and, through `respawned`, this mesh's actors.
@@ -292,9 +292,18 @@ class ProcMesh:
         """``with procs.activate():`` torch ops make mesh tensors in these procs, beside
         their actors: the tensor engine of this proc mesh (`spawn_tensor_engine`, made on
         first use and ended with the mesh), activated."""
-        if self._engine is None:
-            self._engine = spawn_tensor_engine(self)
-        return self._engine.activate()
+        engine = self._live_engine()
+        if engine is None:
+            engine = self._engine = spawn_tensor_engine(self)
+        return engine.activate()
+
+    def _live_engine(self) -> Any:
+        """This mesh's tensor engine, unless there is none or it was shut down (then it
+        is forgotten: `activate` makes a new one, `respawn` restarts the procs alone)."""
+        engine = self._engine
+        if engine is not None and engine.session.closed:
+            self._engine = engine = None
+        return engine
 
     def stop(self) -> Future[None]:
         """Stop the world's procs (and its tensor engine, if it has one); a Future that

@@ -828,12 +828,14 @@ def _squeue_job(job_id: str) -> dict[str, Any] | _Unread | None:
             return _NO_JSON
         if "Invalid job id" in done.stderr + done.stdout:  # (--json: in its "errors")
             return None  # gone
-        raise SchedulerError(f"squeue: {done.stderr.strip() or f'exit status {done.returncode}'}")
+        # Another failure: squeue's words say whether it was the JSON (a Slurm built
+        # without its serializer) or Slurm itself (then they fail too, and say why).
+        return _NO_JSON
     try:
         jobs = msgspec.json.decode(done.stdout)["jobs"]
-        found: dict[str, Any] | None = next(
-            (job for job in jobs if str(job["job_id"]) == job_id), None
-        )
+        found: dict[str, Any] | None = next((job for job in jobs if _json_id(job) == job_id), None)
+        if found is None:  # (an array task is listed under its own id too)
+            found = next((job for job in jobs if str(job["job_id"]) == job_id), None)
         if found is not None:
             _json_state(found)  # (a document we can read)
     except (ValueError, TypeError, KeyError, msgspec.DecodeError):
@@ -858,6 +860,14 @@ def _squeue_words(job_id: str, fmt: str) -> str:
         raise SchedulerError(f"squeue: {done.stderr.strip() or f'exit status {done.returncode}'}")
     lines = done.stdout.strip().splitlines()
     return lines[0] if lines else ""
+
+
+def _json_id(job: dict[str, Any]) -> str:
+    """A job's id as squeue writes it: ``123``, or ``123_4`` for task 4 of array job 123."""
+    array_job, task = _json_number(job.get("array_job_id")), _json_number(job.get("array_task_id"))
+    if array_job and task is not None:
+        return f"{array_job}_{task}"
+    return str(job["job_id"])
 
 
 def _json_number(value: Any) -> int | None:

@@ -22,7 +22,9 @@ import weakref
 from typing import TYPE_CHECKING, Protocol
 
 from palatine.core import runtime
+from palatine.core.proc import StopActor
 from palatine.fastpath.blocking import LinkLost
+from palatine.ids import WorldId
 from palatine.protocol.worker import Exit, RequestStatus, Slice
 from palatine.tensor.client.session import Session
 
@@ -106,6 +108,8 @@ def shutdown_session(
                 except Exception as e:  # noqa: BLE001 - the system is gone: nothing to close
                     log.debug("closing the system client: %s", e)
                 return
+            if local is not None and not local.owns_worlds:
+                await _stop_workers(session, client, stop_s)
             await stop_worlds(client, worlds, stop_s, gone_s)
             if local is not None and local.owns_worlds:  # the local system: stopped below
                 try:
@@ -181,3 +185,21 @@ def _shutdown_open_sessions() -> None:
             except Exception as e:  # noqa: BLE001 - at exit: nothing left to report to
                 log.debug("shutdown at exit: %s", e)
     _open_at_exit.clear()
+
+
+async def _stop_workers(session: Session, client: SystemClient, stop_s: float) -> None:
+    """A tensor engine's workers live in procs its session does not own (an actor proc
+    mesh's): stop the worker actors there, so that their tensors are freed. Bounded by
+    ``stop_s``."""
+    msg = StopActor(name=session.worker_name, timeout_s=stop_s, reason="its tensor engine ended")
+    world = WorldId(session.worker_world)
+    replies = await asyncio.gather(
+        *(
+            client.mailbox.ask(world.proc(r).actor("proc"), msg, stop_s + 1.0)
+            for r in range(session.world_size)
+        ),
+        return_exceptions=True,
+    )
+    for r, reply in enumerate(replies):
+        if isinstance(reply, BaseException):
+            log.debug("stopping %s on %s: %s", session.worker_name, world.proc(r), reply)

@@ -44,7 +44,7 @@ from typing import Any, assert_never
 from palatine import config
 from palatine.core.actor import Actor, handler
 from palatine.core.comm import Cast, RankSet, cast_envelope, normalize
-from palatine.core.proc import Proc
+from palatine.core.proc import Proc, StopActor
 from palatine.errors import SystemRequestError, error_text
 from palatine.ids import SYSTEM_ACTOR, ActorId, GangId, PortId
 from palatine.protocol.controller import (
@@ -116,6 +116,8 @@ _LEVELS = {
     "error": logging.ERROR,
 }
 _DROP_LOG_PERIOD_S = 10.0
+#: How long the workers an engine spawned in adopted procs have to stop at its end.
+STOP_WORKER_S = 5.0
 _RANKSET_CACHE = 1024
 _REQUEST_STATUS_TID = RequestStatus.__palatine_type_id__
 
@@ -797,6 +799,24 @@ class ControllerActor(Actor):
         )
         self._stop_worlds()
 
+    async def _stop_adopted_workers(self) -> None:
+        """An adopted world's procs serve on (their owner's actors live there): stop the
+        worker actors spawned in them, so that their tensors are freed (the client does
+        so at its detach; this is for a client that was lost). Bounded; a proc that
+        cannot be reached is logged (it may have died, taking its worker with it)."""
+        name = self.params.worker_name
+        msg = StopActor(name=name, timeout_s=STOP_WORKER_S, reason="its tensor engine ended")
+        replies = await asyncio.gather(
+            *(
+                self.cx.mailbox.ask(self.world.proc(r).actor("proc"), msg, STOP_WORKER_S + 5)
+                for r in range(self.n)
+            ),
+            return_exceptions=True,
+        )
+        for r, reply in enumerate(replies):
+            if isinstance(reply, BaseException):
+                log.info("could not stop %s on %s: %s", name, self.world.proc(r), error_text(reply))
+
     def _stop_worlds(self) -> None:
         if self._worlds_stop_requested:
             return
@@ -808,6 +828,8 @@ class ControllerActor(Actor):
     async def _stop_worlds_task(self) -> None:
         own = self.cx.actor_id.world
         worlds = [own] if self.params.adopted else [self.world, own]
+        if self.params.adopted:
+            await self._stop_adopted_workers()
         try:
             await self.cx.mailbox.ask(
                 SYSTEM_ACTOR, Stop(worlds=worlds, proc_timeout_s=5.0), self._rpc_s

@@ -212,7 +212,7 @@ class WorkerActor(Actor):
             host=socket.gethostname(),
             pid=os.getpid(),
             device=device,
-            device_index=p.device_index if device != "cpu" else None,
+            device_index=int(device.split(":")[1]) if device != "cpu" else None,
             local_rank=local_rank if local_rank is not None else p.rank,
             store_host=store_host,
             controller=p.controller_actor,
