@@ -24,7 +24,11 @@ from typing import Any
 __all__ = ["add_arguments", "run", "group_stacks", "rank_ranges"]
 
 _ANSWER_S = 15.0  # one dump (py-spy may take several seconds on a busy proc)
-_VOLATILE = re.compile(r"0x[0-9a-f]+|Thread \d+\b|\((?:idle|active)[^)]*\)")
+# What differs between procs with the same stack: addresses, thread ids and states, and
+# py-spy's header line (``Process 4193: palatine worker worker[0]``).
+_VOLATILE = re.compile(
+    r"0x[0-9a-f]+|Thread \d+\b|\((?:idle|active)[^)]*\)|^Process \d+: .*$", re.MULTILINE
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,8 @@ For hosts anywhere else (a CLI cluster, other nodes), the client watches the out
 * the host's `OutputFanout` batches the lines (`OutputLines`, ``(rank, text)`` in order
   per proc) with at most one batch in flight per sink; what waits is bounded
   (``max_bytes``): past it, lines are dropped and counted, so an endless printer never
-  blocks a worker nor grows memory, and the sink says how many it did not get;
+  blocks a worker nor grows memory, and the sink says how many it did not get; warnings
+  and errors have a second ``max_bytes`` of their own, so they outlive such a flood;
 * the sink aggregates identical lines from many ranks (`palatine.output.aggregate`:
   ``[worker 0-3] epoch 1 done``) and writes through a `ConsoleWriter`, which never
   blocks either.
@@ -135,7 +136,12 @@ class _Watcher:
             self._timer = loop.call_at(min(later), self._release)
 
     def _queue(self, rank: int, text: str) -> None:
-        if self.bytes + len(text) > self.max_bytes:
+        # A warning or an error has a second ``max_bytes`` of its own: a flood of
+        # ordinary lines is dropped (and counted), the warnings behind it still go.
+        limit = self.max_bytes
+        if self.bytes + len(text) > limit and classify(text.encode("utf-8", "replace")) == NOTABLE:
+            limit *= 2
+        if self.bytes + len(text) > limit:
             self.dropped += 1
             return
         self.pending.append((rank, text))
