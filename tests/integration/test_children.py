@@ -721,7 +721,7 @@ async def test_pyspy_dump_of_a_busy_child(tmp_path: Path, reaper: Reaper) -> Non
     child = await procs.spawn("w[0]", py(SPINNER), {"PALATINE_STACK_FILE": str(stack)}, None)
     await wait_printed(child, "spinning")
     assert child.pid is not None
-    method, text = await dump_external(child.pid, stack, timeout_s=10)
+    method, text = await dump_external(child.pid, stack, native=True, timeout_s=10)
     # py-spy may lack ptrace permission here; then the faulthandler fallback answers.
     assert method in ("py-spy", "faulthandler")
     assert "spin_forever_here" in text

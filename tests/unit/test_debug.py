@@ -171,9 +171,23 @@ async def test_failing_pyspy_falls_back_to_faulthandler(
     set_pyspy(monkeypatch, str(exe))
     stack = tmp_path / "self.stack"
     register_faulthandler(stack)
-    method, text = await dump_external(os.getpid(), stack, timeout_s=5)
+    method, text = await dump_external(os.getpid(), stack, native=True, timeout_s=5)
     assert method == "faulthandler"
     assert "(most recent call first):" in text
+
+
+async def test_python_stacks_come_in_pythons_format_even_with_pyspy_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sigusr1: None
+) -> None:
+    # One format for `palatine stacks` whether or not py-spy is there (grouping, tests
+    # and people read Python's); py-spy is for native frames.
+    set_pyspy(monkeypatch, str(fake_pyspy(tmp_path, 'echo "dumped: $*"')))
+    stack = tmp_path / "self.stack"
+    register_faulthandler(stack)
+    method, text = await dump_external(os.getpid(), stack, timeout_s=5)
+    assert method == "faulthandler" and "(most recent call first):" in text
+    method, text = await dump_external(os.getpid(), stack, native=True, timeout_s=5)
+    assert (method, text.strip()) == ("py-spy", f"dumped: dump --pid {os.getpid()} --native")
 
 
 async def test_failing_pyspy_without_stack_file_reports_both(

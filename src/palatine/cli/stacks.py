@@ -4,7 +4,7 @@
 
 Each proc of the chosen worlds (default: every world but the hosts') is asked for the
 stacks of all its threads. A proc a host started is dumped by its host from outside
-(py-spy when it is installed, else faulthandler through the proc's stack file), so a
+(faulthandler through the proc's stack file, py-spy when that fails), so a
 proc whose loop is stuck still answers; any other proc dumps itself. Procs whose stacks
 are the same (addresses and timings aside) are printed once, under the ranks they share
 (``ranks 0-2,5 of worker``). ``--native`` adds native frames (needs py-spy: the

@@ -156,10 +156,11 @@ async def dump_external(
 ) -> tuple[str, str]:
     """Dump the stacks of process ``pid`` from outside; returns ``(method, text)``.
 
-    ``method`` is ``py-spy`` (``py-spy dump --pid P [--native]``) when py-spy is found and
-    ``use_pyspy`` allows it, and ``faulthandler`` otherwise, or when py-spy fails (it may
-    lack ptrace permission): then the process is sent SIGUSR1 and ``stack_file`` is read
-    once its size has been stable for 100 ms. ``native`` applies to py-spy only. The whole
+    Python's stacks come from ``faulthandler`` (SIGUSR1 to the process, ``stack_file``
+    read once its size has been stable for 100 ms), in Python's own format whether or
+    not py-spy is installed; ``py-spy dump --pid P`` answers when that fails. ``native``
+    frames need py-spy (``--native``), which is then tried first, faulthandler after it
+    (it may lack ptrace permission). ``use_pyspy`` False: faulthandler only. The whole
     call is bounded by ``timeout_s`` (default ``stack_dump_timeout``, 10 s). Both methods
     work while the target's event loop is blocked. Raises `StackDumpError`.
     """
@@ -168,24 +169,37 @@ async def dump_external(
     deadline = loop.time() + timeout
     problems: list[str] = []
     exe = find_pyspy() if use_pyspy else None
-    if exe is not None:
+
+    async def pyspy() -> str | None:
+        if exe is None:
+            return None
         try:
-            return "py-spy", await _pyspy_dump(exe, pid, native, deadline - loop.time())
+            return await _pyspy_dump(exe, pid, native, deadline - loop.time())
         except StackDumpError as e:
-            log.info("py-spy dump of pid %d failed (%s); trying faulthandler", pid, e)
+            log.info("py-spy dump of pid %d failed (%s)", pid, e)
             problems.append(str(e))
-    if stack_file is None:
-        problems.append(f"pid {pid} has no stack file ({STACK_FILE_VAR} unset)")
-        raise StackDumpError("; ".join(problems))
-    remaining = deadline - loop.time()
-    if remaining <= 0:
-        problems.append("no time left for a faulthandler dump")
-        raise StackDumpError("; ".join(problems))
-    try:
-        return "faulthandler", await _faulthandler_dump(pid, Path(stack_file), remaining)
-    except StackDumpError as e:
-        problems.append(str(e))
-        raise StackDumpError("; ".join(problems)) from None
+            return None
+
+    async def faulthandler() -> str | None:
+        if stack_file is None:
+            problems.append(f"pid {pid} has no stack file ({STACK_FILE_VAR} unset)")
+            return None
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            problems.append("no time left for a faulthandler dump")
+            return None
+        try:
+            return await _faulthandler_dump(pid, Path(stack_file), remaining)
+        except StackDumpError as e:
+            problems.append(str(e))
+            return None
+
+    order = (("py-spy", pyspy), ("faulthandler", faulthandler))
+    for method, dump in order if native else order[::-1]:
+        text = await dump()
+        if text is not None:
+            return method, text
+    raise StackDumpError("; ".join(problems) or f"no way to dump the stacks of pid {pid}")
 
 
 async def _pyspy_dump(exe: str, pid: int, native: bool, timeout_s: float) -> str:
